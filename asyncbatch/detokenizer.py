@@ -1,0 +1,292 @@
+"""Incremental detokenization: turn one request's output tokens into text deltas.
+
+Invariant: whenever the output so far ends on a complete character, the
+concatenation of the deltas returned by :meth:`IncrementalDetokenizer.push` equals
+``tokenizer.decode(output_ids, skip_special_tokens=...)``; after
+:meth:`IncrementalDetokenizer.finish` it does so for any output. A delta is never
+retracted: text that could still change is held back, not emitted and fixed later.
+
+Two things make per-token decoding differ from decoding the whole sequence:
+
+- **Split characters.** Byte-level BPE ("Ġ" vocabularies) and sentencepiece byte
+  fallback ("<0xE6>") spread one multi-byte UTF-8 character over several tokens;
+  decoding a prefix of them yields U+FFFD. A window whose decoding ends with
+  U+FFFD is held back until a later token completes it.
+- **Context-dependent decoding.** Decoders merge a token with its neighbours or
+  strip the first token's leading space ("▁Hello" decodes to "Hello" at the start
+  of a text, to " Hello" after a word). Each step therefore decodes a small window
+  ``[prefix tokens | new tokens]`` and emits only what the new tokens added to the
+  prefix's decoding, so the space rule applies to the prefix, never to the delta.
+
+Both strategies use that window: the Rust ``DecodeStream`` of the ``tokenizers``
+library when the tokenizer has a Rust backend (well under a microsecond a token),
+else the same prefix/read offsets over ``convert_ids_to_tokens`` /
+``convert_tokens_to_string`` (vLLM's method) for Python tokenizers, whose
+``decode`` in transformers 5 is exactly those two calls.
+
+Prompt priming: the window starts empty, not with the prompt's tail. The reference
+is ``decode(output_ids)``, which decodes the output as a text of its own; for a
+sentencepiece tokenizer that strips the first token's leading space, and priming
+with the prompt would keep it (" Hello" where ``decode`` gives "Hello"). For
+byte-level tokenizers priming changes nothing. The constructor still takes
+``prompt_token_ids`` so callers need not know this.
+
+Where exactness is impossible without retraction (documented, tested):
+
+- Sentencepiece ``ByteFallback`` renders a whole run of byte tokens as one U+FFFD
+  per byte once the run ends invalid, rewriting characters of the run that had
+  already decoded ("日" + a cut-off byte decodes to four U+FFFD). That happens
+  only for broken UTF-8 from the model or an output cut mid-character; ``text``
+  keeps what was emitted and renders the broken tail alone.
+- transformers' ``clean_up_tokenization_spaces`` (" ." -> ".") is not applied; it
+  is off, or ignored, for BPE tokenizers in transformers 5.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+# What decoders produce for an incomplete UTF-8 sequence at the end of a window.
+_REPLACEMENT = "\ufffd"
+
+
+def rust_backend(tokenizer: Any) -> Tokenizer | None:
+    """The ``tokenizers.Tokenizer`` behind ``tokenizer`` (itself, or a transformers
+    fast tokenizer's ``backend_tokenizer``), or None for a Python-only tokenizer."""
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend if isinstance(backend, Tokenizer) else None
+
+
+class IncrementalDetokenizer:
+    """Text deltas for one request's output tokens.
+
+    Invariants:
+    - ``text`` is the concatenation of every delta returned so far (push and finish).
+    - ``output_ids[:emitted_upto]`` produced ``text``; later ids are held back
+      (an incomplete character, or a token that decoded to nothing on its own).
+
+    ``tokenizer`` is a transformers tokenizer or a ``tokenizers.Tokenizer``.
+    ``prompt_token_ids`` is accepted for interface symmetry and not used (see the
+    module docstring on priming). Not thread-safe: one output thread owns it.
+    """
+
+    __slots__ = (
+        "_backend",
+        "_emitted_upto",
+        "_output_ids",
+        "_pending",
+        "_pieces",
+        "_skip",
+        "_slow",
+        "_stream",
+    )
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self._skip = skip_special_tokens
+        self._backend = rust_backend(tokenizer)
+        self._stream: DecodeStream | None = None
+        self._slow: _OffsetWindow | None = None
+        if self._backend is not None:
+            self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        else:
+            self._slow = _OffsetWindow(tokenizer, skip_special_tokens)
+        self._output_ids: list[int] = []
+        self._pieces: list[str] = []
+        self._emitted_upto = 0
+        # True when a token since the last delta may still add text, so finish()
+        # has something to flush; skipped special tokens do not set it.
+        self._pending = False
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far (the concatenation of the deltas)."""
+        pieces = self._pieces
+        if len(pieces) > 1:
+            # Joined lazily: most callers stream the deltas and never read text.
+            pieces[:] = ["".join(pieces)]
+        return pieces[0] if pieces else ""
+
+    @property
+    def output_ids(self) -> list[int]:
+        """The output token ids pushed so far (do not mutate)."""
+        return self._output_ids
+
+    def push(self, token_id: int) -> str:
+        """Append one output token; return the text it made final (possibly "")."""
+        self._output_ids.append(token_id)
+        holds_this_token = False
+        if self._stream is not None:
+            try:
+                delta = self._stream.step(self._backend, token_id)
+            except Exception as exc:  # tokenizers raises a bare Exception for this
+                if "Invalid prefix" not in str(exc):
+                    raise
+                delta, holds_this_token = self._restart_stream(token_id)
+        else:
+            delta = self._slow.push(token_id)
+        if not delta:
+            if not self._pending:
+                self._pending = not self._is_skipped_special(token_id)
+            return ""
+        self._pending = holds_this_token
+        self._emitted_upto = len(self._output_ids) - holds_this_token
+        self._pieces.append(delta)
+        return delta
+
+    def finish(self) -> str:
+        """Flush what is held back at the end of the request: what ``decode`` adds
+        for an incomplete character (U+FFFD) or for a last token whose text waited
+        on a successor. Returns "" when nothing is held back."""
+        if not self._pending:
+            return ""
+        self._pending = False
+        if self._stream is not None:
+            # A full decode, once per request and only when something is held:
+            # exact wherever decode extends what was emitted.
+            full = self._backend.decode(self._output_ids, skip_special_tokens=self._skip)
+            emitted = self.text
+            tail = full[len(emitted) :] if full.startswith(emitted) else self._held_text()
+        else:
+            tail = self._slow.flush()
+        self._emitted_upto = len(self._output_ids)
+        if tail:
+            self._pieces.append(tail)
+        return tail
+
+    def _held_text(self, end: int | None = None) -> str:
+        """The text of ``output_ids[emitted_upto:end]``, decoded after the last
+        emitted id for leading-space context."""
+        ids = self._output_ids
+        context = ids[max(self._emitted_upto - 1, 0) : self._emitted_upto]
+        held = ids[self._emitted_upto : end]
+        head = self._backend.decode(context, skip_special_tokens=self._skip)
+        both = self._backend.decode(context + held, skip_special_tokens=self._skip)
+        if both.startswith(head):
+            return both[len(head) :]
+        return self._backend.decode(held, skip_special_tokens=self._skip)
+
+    def _restart_stream(self, token_id: int) -> tuple[str, bool]:
+        """Recover from DecodeStream's "invalid prefix" error; return the delta and
+        whether ``token_id`` itself is still held.
+
+        DecodeStream raises when a window's decoding no longer extends its prefix's,
+        which only broken UTF-8 under ``ByteFallback`` causes (see the module
+        docstring). Emitted text is final, so the held ids are rendered as they
+        stand and a new stream takes over. A token that may begin a character
+        (it decodes to U+FFFD alone) is left to the new stream to complete;
+        otherwise it is rendered too and primes the new stream for context.
+        """
+        if self._backend.decode([token_id], skip_special_tokens=self._skip).endswith(_REPLACEMENT):
+            delta = self._held_text(end=-1)
+            self._stream = DecodeStream(skip_special_tokens=self._skip)
+            self._stream.step(self._backend, token_id)  # None: it decodes to U+FFFD alone
+            return delta, True
+        delta = self._held_text()
+        self._stream = DecodeStream(ids=[token_id], skip_special_tokens=self._skip)
+        return delta, False
+
+    def _is_skipped_special(self, token_id: int) -> bool:
+        """Whether ``token_id`` is a special token that decoding drops entirely.
+
+        Runs only for tokens that produced no text, so its cost stays off the
+        common path. An unknown id counts as "may add text"; finish() checks.
+        """
+        if not self._skip:
+            return False
+        if self._backend is not None:
+            backend = self._backend
+            return backend.decode([token_id], skip_special_tokens=True) == "" and bool(
+                backend.decode([token_id], skip_special_tokens=False)
+            )
+        return self._slow.is_skipped(token_id)
+
+
+class _OffsetWindow:
+    """vLLM's prefix/read-offset window over token strings, for Python tokenizers.
+
+    Invariant: ``tokens[:read]`` decode to ``prefix_text``, whose text was already
+    emitted; ``tokens[read:]`` are held. Each emission drops the tokens before the
+    old read offset, so a step decodes a handful of tokens, never the whole output.
+    """
+
+    __slots__ = ("_prefix_text", "_read", "_skip", "_skip_ids", "_tok", "_tokens")
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        # Ids to drop, or None to let convert_ids_to_tokens decide per token.
+        self._skip_ids = _special_ids(tokenizer) if skip_special_tokens else frozenset()
+        self._tokens: list[str] = []
+        self._read = 0
+        self._prefix_text = ""
+
+    def push(self, token_id: int) -> str:
+        if self._skip_ids is None:
+            new = self._tok.convert_ids_to_tokens([token_id], skip_special_tokens=True)
+            token = new[0] if new else None
+        elif token_id in self._skip_ids:
+            return ""
+        else:
+            token = self._tok.convert_ids_to_tokens(token_id)
+        if token is None:  # a skipped special token, or an id outside the vocabulary
+            return ""
+        self._tokens.append(token)
+        full = self._tok.convert_tokens_to_string(self._tokens)
+        if len(full) <= len(self._prefix_text) or full.endswith(_REPLACEMENT):
+            return ""
+        return self._advance(full)
+
+    def flush(self) -> str:
+        """What the held tokens add even if it ends in U+FFFD (end of request)."""
+        if self._read == len(self._tokens):
+            return ""
+        full = self._tok.convert_tokens_to_string(self._tokens)
+        return self._advance(full) if len(full) > len(self._prefix_text) else ""
+
+    def is_skipped(self, token_id: int) -> bool:
+        if self._skip_ids is not None:
+            return token_id in self._skip_ids
+        return self._skip and not self._tok.convert_ids_to_tokens([token_id], skip_special_tokens=True)
+
+    def _advance(self, full: str) -> str:
+        """Emit ``full`` beyond the prefix; the old read offset becomes the prefix start."""
+        delta = full[len(self._prefix_text) :]
+        self._tokens = self._tokens[self._read :]
+        self._read = len(self._tokens)
+        self._prefix_text = self._tok.convert_tokens_to_string(self._tokens)
+        return delta
+
+
+# Per-tokenizer special ids: transformers recomputes ``all_special_ids`` on each
+# access (about 30 us for ByT5), too slow to pay per token or per request.
+_SPECIAL_IDS: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictionary()
+
+
+def _special_ids(tokenizer: Any) -> frozenset[int] | None:
+    """The ids ``decode(..., skip_special_tokens=True)`` drops, read once per
+    tokenizer (special tokens added later are not seen); None if unknown."""
+    try:
+        return _SPECIAL_IDS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    ids = getattr(tokenizer, "all_special_ids", None)
+    if ids is None:
+        return None
+    found = frozenset(ids)
+    try:
+        _SPECIAL_IDS[tokenizer] = found
+    except TypeError:  # not weak-referenceable: recomputed per request
+        pass
+    return found

@@ -1,0 +1,1 @@
+"""Device backends behind one interface: ``cuda``, ``cpu`` and ``sim``."""

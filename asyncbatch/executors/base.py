@@ -1,0 +1,84 @@
+"""The executor interface shared by every device backend.
+
+``launch`` takes a written host slot and returns at once with a handle; the
+step runs on the device (a CUDA stream, or the device thread of the ``cpu`` and
+``sim`` backends). ``wait`` blocks until the step's sampled tokens are on the
+host. Steps execute in launch order, which is what makes block reuse and the
+device token buffer safe: step N+1 reads the tokens step N wrote.
+
+Contract per step:
+  * the slot's fence fires once the slot's contents have been copied out;
+  * decode rows take their input id from the device token buffer at their
+    token slot; every sampled row writes its token there;
+  * the handle's result carries device start/end clock readings
+    (``time.perf_counter`` seconds) for the timeline.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+
+from asyncbatch.step_metadata import StepMeta
+
+
+@dataclass(slots=True)
+class StepResult:
+    step_id: int
+    token_ids: np.ndarray  # [R] int64, one per sampled row, in row order
+    finite: np.ndarray  # [R] bool, False where the row's logits were NaN/inf
+    device_start: float
+    device_end: float
+    h2d_ms: float = 0.0
+    forward_ms: float = 0.0
+    sample_ms: float = 0.0
+    d2h_ms: float = 0.0
+
+
+class StepHandle:
+    """Completion of one launched step; carries its result or the device's exception."""
+
+    __slots__ = ("_done", "_error", "_result", "_waiter", "launch_time", "step_id")
+
+    def __init__(self, step_id: int, launch_time: float) -> None:
+        self.step_id = step_id
+        self.launch_time = launch_time
+        self._done = threading.Event()
+        self._result: StepResult | None = None
+        self._error: BaseException | None = None
+        self._waiter = None  # backend-specific completion (a CUDA event and a finisher)
+
+    def set_result(self, result: StepResult) -> None:
+        self._result = result
+        self._done.set()
+
+    def set_error(self, error: BaseException) -> None:
+        self._error = error
+        self._done.set()
+
+    def result(self) -> StepResult:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+
+class Executor(ABC):
+    name: str = "abstract"
+    simulated: bool = False
+
+    @abstractmethod
+    def launch(self, meta: StepMeta) -> StepHandle: ...
+
+    @abstractmethod
+    def wait(self, handle: StepHandle) -> StepResult: ...
+
+    def close(self) -> None:
+        """Release device resources and stop any device thread."""
+
+    def describe(self) -> dict:
+        return {"backend": self.name, "simulated": self.simulated}

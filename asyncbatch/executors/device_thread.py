@@ -1,0 +1,53 @@
+"""A thread that plays the device for the ``cpu`` and ``sim`` backends.
+
+    planner thread         device thread
+    launch(N) ──queue──►   copy slot → fence.signal() → run step N → handle.set_result
+    launch(N+1) ─queue─►   (waits in queue.get until step N is done)
+    wait(N) ◄──────────────────────────────────────────────┘
+
+Steps run strictly in launch order. An exception while running a step goes to
+that step's handle (and so to whoever waits on it); the thread keeps serving
+until ``stop``.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+
+from asyncbatch.executors.base import StepHandle, StepResult
+from asyncbatch.step_metadata import StepMeta
+
+_STOP = object()
+
+
+class DeviceThread:
+    def __init__(self, name: str, run_step: Callable[[StepMeta, StepHandle], StepResult]) -> None:
+        self._run_step = run_step
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, meta: StepMeta, handle: StepHandle) -> None:
+        self._queue.put((meta, handle))
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is _STOP:
+                return
+            meta, handle = item
+            try:
+                handle.set_result(self._run_step(meta, handle))
+            except BaseException as exc:  # noqa: BLE001 - delivered to the waiting planner
+                meta.slot.fence.signal()
+                handle.set_error(exc)
+
+    def stop(self) -> None:
+        self._queue.put(_STOP)
+        self._thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()

@@ -1,0 +1,133 @@
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) over the paged KV cache.
+
+Parameter names equal the Hugging Face ones, so a checkpoint's state dict
+loads as it is. Qwen2 adds biases on q/k/v; Qwen3 adds per-head RMSNorm on q
+and k before the rotation. Normalisation and rotation follow transformers'
+arithmetic step for step (float32 variance, same cos/sin tables) so greedy
+tokens agree with it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from asyncbatch.model.forward_batch import ForwardBatch
+from asyncbatch.model.paged_attention import paged_attention
+from asyncbatch.model.rope import apply_rope, rope_cos_sin
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: PretrainedConfig, arch: str) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scale = self.head_dim**-0.5
+        bias = arch == "Qwen2ForCausalLM" or bool(getattr(config, "attention_bias", False))
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden,
+                                bias=bool(getattr(config, "attention_bias", False)) and arch != "Qwen2ForCausalLM")
+        self.qk_norm = arch == "Qwen3ForCausalLM"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, heads, head_dim]
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, kv_heads, head_dim]
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = paged_attention(q, k, v, k_cache, v_cache, batch, self.scale)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, arch: str) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, arch)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, batch):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: PretrainedConfig, arch: str) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, arch) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """One class for the four architectures; ``arch`` selects biases and q/k norms."""
+
+    def __init__(self, config: PretrainedConfig, arch: str, max_positions: int) -> None:
+        super().__init__()
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"architecture {arch!r} is not supported; supported: {list(SUPPORTED_ARCHITECTURES)}")
+        self.config = config
+        self.arch = arch
+        self.model = Backbone(config, arch)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        attn = self.model.layers[0].self_attn
+        self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
+        cos, sin = rope_cos_sin(config, attn.head_dim, max_positions)
+        self.register_buffer("rope_cos", cos, persistent=False)  # [max_positions, head_dim]
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+
+    def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Returns logits ``[R, vocab]`` in float32 for ``batch.logits_indices``."""
+        x = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
+        cos = self.rope_cos[batch.positions].to(x.dtype)  # [T, head_dim]
+        sin = self.rope_sin[batch.positions].to(x.dtype)
+        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches):
+            x = layer(x, cos, sin, k_cache, v_cache, batch)
+        x = self.model.norm(x[batch.logits_indices])  # [R, hidden]
+        return F.linear(x, self.output_weight).float()  # [R, vocab]

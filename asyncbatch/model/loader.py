@@ -1,0 +1,163 @@
+"""From a user's ``model`` argument to a ready ``CausalLM`` and tokenizer.
+
+Accepted forms of ``model``: ``None`` or an alias of the default model, a
+Hugging Face model directory (``config.json`` plus safetensors weights, single
+file or sharded), or a ``.gguf`` file, which is converted once into a cached
+Hugging Face directory (see ``gguf_cache``). Nothing is downloaded.
+
+Weights are loaded without random initialisation: the module is built with its
+parameters on the ``meta`` device and the checkpoint tensors are assigned in
+place, so load time is the time to read the safetensors files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+from asyncbatch.model.default_model import DEFAULT_MODEL_ALIASES, default_gguf_path, is_default_model
+from asyncbatch.model.gguf_cache import convert_gguf
+from asyncbatch.model.llama import SUPPORTED_ARCHITECTURES, CausalLM
+
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Checkpoint entries the model recomputes instead of loading.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_MAX_KEYS_SHOWN = 10
+
+
+def resolve_model_path(model: str | os.PathLike[str] | None, cache_dir: str | None = None) -> Path:
+    """Hugging Face directory for ``model``; a GGUF file (or the default) is converted first."""
+    if model is None or (isinstance(model, str) and is_default_model(model)):
+        return convert_gguf(default_gguf_path(), cache_dir)
+    path = Path(model).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return convert_gguf(path, cache_dir)
+    if path.is_dir():
+        problem = "is a directory without config.json"
+    elif path.exists():
+        problem = "is a file that is not .gguf"
+    else:
+        problem = "does not exist"
+    raise ValueError(
+        f"model {str(model)!r} {problem}; accepted: None or {list(DEFAULT_MODEL_ALIASES)} for the default "
+        "model, a Hugging Face model directory with config.json and safetensors weights, or a .gguf file "
+        "(models are not downloaded from the Hub)"
+    )
+
+
+def load_config(path: str | os.PathLike[str]) -> tuple[PretrainedConfig, str]:
+    """The model's config and its architecture name, checked against ``SUPPORTED_ARCHITECTURES``."""
+    config = AutoConfig.from_pretrained(path)
+    architectures = getattr(config, "architectures", None) or []
+    if not architectures:
+        raise ValueError(f"config.json in {path} has no 'architectures' entry; "
+                         f"supported: {list(SUPPORTED_ARCHITECTURES)}")
+    arch = architectures[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"architecture {arch!r} of {path} is not supported; "
+                         f"supported: {list(SUPPORTED_ARCHITECTURES)}")
+    return config, arch
+
+
+def max_model_len(config: PretrainedConfig) -> int:
+    """Longest context the model can serve: ``max_position_embeddings``, capped by an active sliding window.
+
+    Attention here is always full, so beyond a sliding window the results
+    would differ from the model's training; Qwen configs carry a window that
+    only counts when ``use_sliding_window`` is set, Mistral's always counts.
+    """
+    length = int(config.max_position_embeddings)
+    window = getattr(config, "sliding_window", None)
+    if window and getattr(config, "use_sliding_window", True):
+        length = min(length, int(window))
+    return length
+
+
+def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
+    """``"auto"`` is float32 on CPU and bfloat16 on CUDA when supported, else float16."""
+    if name == "auto":
+        if torch.device(device).type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float32
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"dtype must be one of {['auto', *DTYPE_NAMES]}, got {name!r}")
+    return DTYPE_NAMES[name]
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_model(path: str | os.PathLike[str], dtype: torch.dtype, device: torch.device | str,
+               max_positions: int) -> CausalLM:
+    """Build ``CausalLM`` from the directory's weights, in ``dtype`` on ``device``, frozen, in eval mode.
+
+    Floating-point weights are cast to ``dtype``; the rotary tables stay float32
+    (the model casts the rows it gathers). Missing or unexpected weights raise a
+    ``ValueError`` listing them.
+    """
+    from accelerate import init_empty_weights
+
+    if max_positions < 1:
+        raise ValueError(f"max_positions must be >= 1, got {max_positions}")
+    path = Path(path)
+    config, arch = load_config(path)
+    device = torch.device(device)
+    # Parameters go to meta (no random init); buffers stay real because the rotary tables are computed
+    # in __init__. The context patches nn.Module globally, so no other thread should build modules meanwhile.
+    with init_empty_weights(include_buffers=False):
+        model = CausalLM(config, arch, max_positions)
+    state = read_state_dict(path, dtype, device)
+    expected = set(model.state_dict())
+    if model.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # some tied checkpoints store the alias as well
+    _check_keys(path, expected, set(state))
+    model.load_state_dict(state, strict=True, assign=True)
+    model.to(device)  # moves the rotary buffers; parameters are already there
+    return model.eval().requires_grad_(False)
+
+
+def read_state_dict(path: Path, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """All tensors of a single-file or sharded safetensors checkpoint; floats cast to ``dtype``."""
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for file in _weight_files(path):
+        for key, tensor in load_file(str(file), device="cpu").items():
+            if key.endswith(_IGNORED_SUFFIXES):
+                continue
+            target = dtype if tensor.is_floating_point() else tensor.dtype
+            state[key] = tensor.to(device=device, dtype=target)
+    return state
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / SAFETENSORS_INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / name for name in sorted(set(weight_map.values()))]
+    single = path / SAFETENSORS_FILE
+    if single.is_file():
+        return [single]
+    raise ValueError(f"model directory {path} has neither {SAFETENSORS_FILE} nor {SAFETENSORS_INDEX} "
+                     "(only safetensors checkpoints are supported)")
+
+
+def _check_keys(path: Path, expected: set[str], found: set[str]) -> None:
+    missing, unexpected = sorted(expected - found), sorted(found - expected)
+    if not missing and not unexpected:
+        return
+    parts = []
+    if missing:
+        parts.append(f"missing {len(missing)} weights: {missing[:_MAX_KEYS_SHOWN]}")
+    if unexpected:
+        parts.append(f"unexpected {len(unexpected)} weights: {unexpected[:_MAX_KEYS_SHOWN]}")
+    raise ValueError(f"checkpoint in {path} does not match the model: " + "; ".join(parts))

@@ -1,0 +1,74 @@
+"""Attention over the paged KV cache in plain torch (CPU and CUDA).
+
+Cache layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+Single-token rows are attended together with a static-shape gather through
+their block tables (padded to ``max_blocks``, masked by context length), which
+is the shape a CUDA graph can capture. Multi-token chunks are attended one row
+at a time with a causal mask offset by the tokens already in the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from asyncbatch.model.forward_batch import ForwardBatch
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store this step's keys/values at their flat slots."""
+    kvh, d = k_cache.shape[-2:]
+    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k)  # k: [T, kv_heads, head_dim]
+    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [B, heads, head_dim] → [B, heads, head_dim]; one query per row."""
+    b, h, d = q.shape
+    kvh = k_cache.shape[2]
+    k = k_cache[block_tables].flatten(1, 2).transpose(1, 2)  # [B, kv_heads, L, head_dim]
+    v = v_cache[block_tables].flatten(1, 2).transpose(1, 2)
+    length = k.shape[2]
+    mask = torch.arange(length, device=q.device)[None, :] < context_lens[:, None]  # [B, L]
+    qg = q.view(b, kvh, h // kvh, d)  # [B, kv_heads, group, head_dim]
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    return out.reshape(b, h, d)
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx_len: int,
+                      block_table: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [q_len, heads, head_dim] for the last q_len positions of a ctx_len context."""
+    q_len, h, _ = q.shape
+    kvh = k_cache.shape[2]
+    k = k_cache[block_table].flatten(0, 1)[:ctx_len]  # [ctx_len, kv_heads, head_dim]
+    v = v_cache[block_table].flatten(0, 1)[:ctx_len]
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, head_dim]
+    kh = k.transpose(0, 1).unsqueeze(0).repeat_interleave(h // kvh, dim=1)  # [1, heads, ctx, head_dim]
+    vh = v.transpose(0, 1).unsqueeze(0).repeat_interleave(h // kvh, dim=1)
+    prior = ctx_len - q_len
+    if prior == 0:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+    else:
+        rows = torch.arange(q_len, device=q.device)[:, None] + prior
+        mask = torch.arange(ctx_len, device=q.device)[None, :] <= rows  # [q_len, ctx]
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    return out[0].transpose(0, 1)  # [q_len, heads, head_dim]
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
+    """q: [T, heads, head_dim], k/v: [T, kv_heads, head_dim] → [T, heads, head_dim]."""
+    write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+    nd = batch.num_decode
+    if not batch.prefill_rows:
+        return decode_attention(q, k_cache, v_cache, batch.decode_block_tables, batch.decode_context_lens, scale)
+    out = torch.empty_like(q)
+    if nd:
+        out[:nd] = decode_attention(q[:nd], k_cache, v_cache, batch.decode_block_tables,
+                                    batch.decode_context_lens, scale)
+    for row in batch.prefill_rows:
+        sl = slice(row.token_start, row.token_start + row.q_len)
+        out[sl] = prefill_attention(q[sl], k_cache, v_cache, row.ctx_len, row.block_table, scale)
+    return out

@@ -1,0 +1,50 @@
+"""Checks a prompt at submission, before it can reach the scheduler.
+
+Every refusal is a ``ValueError`` or ``TypeError`` that names the field and the
+allowed range; nothing is queued, so other requests are untouched.
+"""
+
+from __future__ import annotations
+
+from numbers import Integral
+
+from transformers import PreTrainedTokenizerBase
+
+from asyncbatch.sampling_params import SamplingParams
+
+
+def prompt_token_ids(prompt: object, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> list[int]:
+    """Token ids of a text prompt or a list of token ids, validated against the vocabulary."""
+    if prompt is None:
+        raise TypeError("prompt must be a string or a list of token ids, got None")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        ids = tokenizer.encode(prompt, add_special_tokens=True)
+        if not ids:
+            raise ValueError("prompt encodes to zero tokens")
+        return list(ids)
+    if isinstance(prompt, (list, tuple)):
+        if not prompt:
+            raise ValueError("prompt (token ids) must not be empty")
+        if not all(isinstance(t, Integral) and not isinstance(t, bool) for t in prompt):
+            raise TypeError("prompt token ids must be a flat list of ints (got a nested list or non-int entries)")
+        ids = [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {vocab_size - 1}], got {bad[:5]}")
+        return ids
+    raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+
+def check_fits(num_prompt_tokens: int, params: SamplingParams, max_model_len: int, usable_tokens: int) -> None:
+    """A request must fit the model's context and, alone, the whole KV cache."""
+    total = num_prompt_tokens + params.max_tokens
+    if total > max_model_len:
+        raise ValueError(
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+            f"max_model_len {max_model_len}; max_tokens must be <= {max(max_model_len - num_prompt_tokens, 0)}")
+    if total > usable_tokens:
+        raise ValueError(
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) needs {total} tokens of KV "
+            f"cache but the cache holds {usable_tokens}; it could never run: lower max_tokens or enlarge the cache")

@@ -1,0 +1,70 @@
+"""The caller's side of a request: its stream of deltas and its final output.
+
+Created at submission; filled only by the output thread (or, on a failure, by
+whoever propagates the error). Every caller blocked on a handle wakes up with
+either the output or an exception: never a hang.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass, field
+
+from asyncbatch.detokenizer import IncrementalDetokenizer
+from asyncbatch.outputs import RequestMetrics, RequestOutput, StreamDelta
+from asyncbatch.stop_strings import StopStringMatcher
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped because one of its threads failed; the cause is chained."""
+
+
+class RequestFailedError(RuntimeError):
+    """This request failed (for example its logits were NaN); other requests went on."""
+
+
+@dataclass(eq=False)
+class RequestHandle:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    detokenizer: IncrementalDetokenizer
+    stops: StopStringMatcher
+    metrics: RequestMetrics
+    simulated: bool = False
+    streaming: bool = False
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    output: RequestOutput | None = None
+    error: BaseException | None = None
+    deltas: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def finished(self) -> bool:
+        return self.done.is_set()
+
+    def finish(self, reason: str, stop_reason: int | str | None, now: float, error: str | None = None) -> None:
+        self.metrics.finished_time = now
+        self.output = RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.text,
+                                    list(self.token_ids), reason, stop_reason, self.metrics, self.simulated, error)
+        if self.streaming:
+            self.deltas.put(StreamDelta(self.request_id, "", [], reason, stop_reason))
+        self.done.set()
+
+    def fail(self, error: BaseException) -> None:
+        if self.done.is_set():
+            return
+        self.error = error
+        if self.streaming:
+            self.deltas.put(error)
+        self.done.set()
+
+    def wait(self, timeout: float | None = None) -> RequestOutput:
+        if not self.done.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
+        if self.error is not None:
+            raise self.error
+        assert self.output is not None
+        return self.output

@@ -1,0 +1,174 @@
+"""Writes a ``StepPlan`` into a host slot: the planner's half of the handoff.
+
+Per-request constants (sampling parameters, block table rows) live in
+persistent arrays indexed by token slot, refreshed only when a slot changes
+owner or a request gains blocks; each step then gathers them with numpy fancy
+indexing instead of a Python loop per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from asyncbatch.host_slots import HostSlot
+from asyncbatch.request import Request
+from asyncbatch.scheduler import StepPlan
+
+
+@dataclass(slots=True)
+class PrefillRowMeta:
+    token_start: int
+    q_len: int
+    ctx_len: int
+    token_slot: int
+    block_count: int
+
+
+@dataclass(slots=True)
+class StepMeta:
+    """Host-side header of a written slot: sizes and per-step flags."""
+
+    step_id: int
+    slot: HostSlot
+    num_tokens: int
+    num_decode: int
+    decode_max_blocks: int
+    prefill_rows: list[PrefillRowMeta]
+    num_sampled: int
+    context_tokens: int  # total context attended over, for cost models
+    all_greedy: bool
+    any_filter: bool  # some row uses top-k, top-p or min-p
+    any_penalty: bool
+    first_chunk_slots: list[int]  # token slots whose request (re)starts its prefill in this step
+
+
+class StepMetadataWriter:
+    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.max_blocks = max_blocks_per_seq
+        s = max_num_seqs
+        self._owner: list[Request | None] = [None] * s
+        self._generation = np.zeros(s, dtype=np.int64)  # owner's preemption count: a resumed request is new
+        self._blocks_known = np.zeros(s, dtype=np.int64)
+        self.block_table = np.zeros((s, max_blocks_per_seq), dtype=np.int64)
+        self._seed = np.zeros(s, dtype=np.int64)
+        self._top_k = np.zeros(s, dtype=np.int64)
+        self._temperature = np.zeros(s, dtype=np.float32)
+        self._top_p = np.ones(s, dtype=np.float32)
+        self._min_p = np.zeros(s, dtype=np.float32)
+        self._presence = np.zeros(s, dtype=np.float32)
+        self._frequency = np.zeros(s, dtype=np.float32)
+        self._repetition = np.ones(s, dtype=np.float32)
+        self._uses_penalty = np.zeros(s, dtype=bool)
+
+    def _refresh(self, request: Request) -> int:
+        slot = request.token_slot
+        assert slot is not None, "a scheduled request holds a token slot"
+        if self._owner[slot] is not request or self._generation[slot] != request.num_preemptions:
+            self._owner[slot] = request
+            self._generation[slot] = request.num_preemptions
+            self._blocks_known[slot] = 0
+            p = request.params
+            self._seed[slot] = request.seed
+            self._top_k[slot] = max(p.top_k, 0)
+            self._temperature[slot] = p.temperature
+            self._top_p[slot] = p.top_p
+            self._min_p[slot] = p.min_p
+            self._presence[slot] = p.presence_penalty
+            self._frequency[slot] = p.frequency_penalty
+            self._repetition[slot] = p.repetition_penalty
+            self._uses_penalty[slot] = p.uses_penalties
+        blocks = request.block_ids
+        known = int(self._blocks_known[slot])
+        if known != len(blocks):
+            self.block_table[slot, known:len(blocks)] = blocks[known:]
+            self._blocks_known[slot] = len(blocks)
+        return slot
+
+    def write(self, plan: StepPlan, slot: HostSlot) -> StepMeta:
+        bs = self.block_size
+        nd = plan.num_decode
+        decode = plan.rows[:nd]
+        sample_slots: list[int] = []
+        sample_steps: list[int] = []
+        logits_idx: list[int] = []
+        context_tokens = 0
+        max_blocks_used = 0
+
+        if nd:
+            slots = np.fromiter((self._refresh(r.request) for r in decode), dtype=np.int64, count=nd)
+            pos = np.fromiter((r.start for r in decode), dtype=np.int64, count=nd)
+            nblocks = pos // bs + 1
+            max_blocks_used = int(nblocks.max())
+            slot.positions[:nd] = pos
+            slot.slot_mapping[:nd] = self.block_table[slots, pos // bs] * bs + pos % bs
+            slot.token_is_output[:nd] = True
+            slot.token_row_slot[:nd] = slots
+            slot.decode_token_slots[:nd] = slots
+            slot.decode_block_tables[:nd, :max_blocks_used] = self.block_table[slots, :max_blocks_used]
+            slot.decode_context_lens[:nd] = pos + 1
+            context_tokens += int(pos.sum()) + nd
+            sample_slots.extend(slots.tolist())
+            sample_steps.extend(r.request.num_scheduled_outputs - 1 for r in decode)
+            logits_idx.extend(range(nd))
+
+        prefill_meta: list[PrefillRowMeta] = []
+        first_chunks: list[int] = []
+        t = nd
+        for row_index, row in enumerate(plan.rows[nd:]):
+            request = row.request
+            ts = self._refresh(request)
+            n, start = row.num_tokens, row.start
+            end = start + n
+            prompt_len = len(request.prompt_token_ids)
+            tokens = request.prompt_token_ids[start:end] if end <= prompt_len else request.all_token_ids()[start:end]
+            pos = np.arange(start, end, dtype=np.int64)
+            slot.input_ids[t:t + n] = tokens
+            slot.positions[t:t + n] = pos
+            slot.slot_mapping[t:t + n] = self.block_table[ts, pos // bs] * bs + pos % bs
+            slot.token_is_output[t:t + n] = pos >= prompt_len
+            slot.token_row_slot[t:t + n] = ts
+            nb = -(-end // bs)
+            slot.prefill_block_tables[row_index, :nb] = self.block_table[ts, :nb]
+            prefill_meta.append(PrefillRowMeta(t, n, end, ts, nb))
+            if start == 0:
+                first_chunks.append(ts)
+            context_tokens += end
+            if row.samples:
+                sample_slots.append(ts)
+                sample_steps.append(request.num_scheduled_outputs - 1)
+                logits_idx.append(t + n - 1)
+            t += n
+
+        r = len(sample_slots)
+        ss = np.asarray(sample_slots, dtype=np.int64)
+        slot.logits_indices[:r] = logits_idx
+        slot.sample_token_slots[:r] = ss
+        slot.sample_step[:r] = sample_steps
+        slot.sample_seed[:r] = self._seed[ss]
+        slot.sample_top_k[:r] = self._top_k[ss]
+        temps = self._temperature[ss]
+        slot.sample_temperature[:r] = temps
+        top_p, min_p = self._top_p[ss], self._min_p[ss]
+        slot.sample_top_p[:r] = top_p
+        slot.sample_min_p[:r] = min_p
+        slot.sample_presence[:r] = self._presence[ss]
+        slot.sample_frequency[:r] = self._frequency[ss]
+        slot.sample_repetition[:r] = self._repetition[ss]
+        random_rows = temps > 0
+        return StepMeta(
+            step_id=plan.step_id,
+            slot=slot,
+            num_tokens=t,
+            num_decode=nd,
+            decode_max_blocks=max_blocks_used,
+            prefill_rows=prefill_meta,
+            num_sampled=r,
+            context_tokens=context_tokens,
+            all_greedy=not bool(random_rows.any()),
+            any_filter=bool((random_rows & ((self._top_k[ss] > 0) | (top_p < 1) | (min_p > 0))).any()),
+            any_penalty=bool(self._uses_penalty[ss].any()),
+            first_chunk_slots=first_chunks,
+        )

@@ -1,0 +1,153 @@
+"""Stop strings over streamed text: where to cut, and what is safe to emit now.
+
+Which stop wins. Think of the output text growing one character at a time and
+being checked after each character (what vLLM does when every delta is one
+character). The first stop found is the occurrence with the **smallest end
+position**; if several stop strings end there (one is a suffix of another, e.g.
+"ab" and "b"), the **longest** wins, so that no part of a stop string leaks into
+the output. The output is then ``text[:end - len(stop)]``, or ``text[:end]`` with
+``include_stop_str_in_output``. This answer depends only on the text, never on
+how it was split into deltas. vLLM's ``check_stop_strings`` can differ when one
+delta holds several matches: it takes the first stop in *list* order that occurs
+in the new text, not the earliest occurrence.
+
+Streaming safety. Without ``include_stop_str_in_output``, text that may turn out
+to be the start of a stop string is held back: after each delta the longest
+suffix of the unemitted text that is a proper prefix of some stop string waits
+until later text rules it in or out, or until :meth:`StopStringMatcher.flush`
+at the end of the request. With ``include_stop_str_in_output`` nothing is held
+back (as in vLLM): a stop string's start would be emitted either way.
+
+Why searching only a short window suffices. A stop occurrence completed by a new
+delta starts at or after the held-back suffix (else a longer proper prefix would
+have been held), and within ``max_len - 1`` characters before the delta. So each
+feed searches ``last max_len - 1 characters + delta``, never the whole text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+
+class StopFeed(NamedTuple):
+    """Result of feeding one text delta.
+
+    ``emit``: text now safe to stream (possibly ""). ``stopped``: a stop string
+    was completed; ``emit`` then ends right before it (or after it, when it is
+    included) and the request is over. ``matched``: that stop string, else None.
+    """
+
+    emit: str
+    stopped: bool
+    matched: str | None
+
+
+class StopStringMatcher:
+    """Streams one request's text and finds its first stop string.
+
+    Invariants:
+    - The concatenation of every ``emit`` (plus :meth:`flush` when no stop
+      matched) is the reference output defined in the module docstring.
+    - Without ``include_stop_str_in_output``, no emitted text is the start of an
+      unfinished stop string: emitted text is never retracted.
+    - After a stop (or, with stop strings, a flush), further feeds emit nothing
+      and report the same result, so a token computed one step late is dropped.
+
+    With no stop strings, :meth:`feed` passes text through at near-zero cost.
+    """
+
+    __slots__ = (
+        "_done",
+        "_held",
+        "_include",
+        "_keep",
+        "_matched",
+        "_prefixes_by_last_char",
+        "_stops",
+        "_window",
+    )
+
+    def __init__(self, stops: Sequence[str] = (), include_stop_str_in_output: bool = False) -> None:
+        if isinstance(stops, str):
+            stops = (stops,)
+        unique = tuple(dict.fromkeys(stops))
+        if any(not isinstance(s, str) for s in unique):
+            raise TypeError("stop strings must be str")
+        if "" in unique:
+            raise ValueError("stop strings must not be empty")
+        # Longest first: when two stops end at the same position, the longer wins.
+        self._stops = tuple(sorted(unique, key=len, reverse=True))
+        self._include = include_stop_str_in_output
+        self._keep = max((len(s) for s in unique), default=1) - 1
+        self._prefixes_by_last_char = _proper_prefixes_by_last_char(unique)
+        # Last `keep` characters of the text; its last `held` ones are not emitted yet.
+        self._window = ""
+        self._held = 0
+        self._done = False
+        self._matched: str | None = None
+
+    @property
+    def stopped(self) -> bool:
+        return self._matched is not None
+
+    def feed(self, delta: str) -> StopFeed:
+        """Add the next piece of text; return what may be emitted now."""
+        if not self._stops:
+            return StopFeed(delta, False, None)
+        if self._done:
+            return StopFeed("", self._matched is not None, self._matched)
+        if not delta:
+            return StopFeed("", False, None)
+        buf = self._window + delta
+        start = len(self._window) - self._held  # first unemitted character of buf
+        matched, end = self._first_stop(buf)
+        if matched is not None:
+            self._done = True
+            self._matched = matched
+            cut = end if self._include else end - len(matched)
+            self._window = ""
+            self._held = 0
+            return StopFeed(buf[start:cut], True, matched)
+        hold = 0 if self._include else self._held_suffix(buf)
+        self._window = buf[max(len(buf) - self._keep, 0) :] if self._keep else ""
+        self._held = hold
+        return StopFeed(buf[start : len(buf) - hold], False, None)
+
+    def flush(self) -> str:
+        """End of the request for another reason (EOS, length): release held text."""
+        if self._done:
+            return ""
+        self._done = True
+        held = self._window[len(self._window) - self._held :] if self._held else ""
+        self._window = ""
+        self._held = 0
+        return held
+
+    def _first_stop(self, buf: str) -> tuple[str | None, int]:
+        """The occurrence in ``buf`` with the smallest end, longest stop on ties."""
+        best: str | None = None
+        best_end = len(buf) + 1
+        for stop in self._stops:  # longest first, so `<` keeps the longest on a tie
+            at = buf.find(stop)
+            if at >= 0 and at + len(stop) < best_end:
+                best, best_end = stop, at + len(stop)
+        return best, best_end
+
+    def _held_suffix(self, buf: str) -> int:
+        """Length of the longest suffix of ``buf`` that is a proper prefix of a stop."""
+        for prefix in self._prefixes_by_last_char.get(buf[-1], ()):
+            if buf.endswith(prefix):
+                return len(prefix)
+        return 0
+
+
+def _proper_prefixes_by_last_char(stops: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """Non-empty proper prefixes of ``stops`` grouped by their last character,
+    longest first, so the hold-back check only tries prefixes that can match."""
+    table: dict[str, set[str]] = {}
+    for stop in stops:
+        for n in range(1, len(stop)):
+            prefix = stop[:n]
+            table.setdefault(prefix[-1], set()).add(prefix)
+    return {c: tuple(sorted(ps, key=len, reverse=True)) for c, ps in table.items()}

@@ -1,0 +1,102 @@
+"""The step timeline: what each thread and the device did for every step.
+
+Always on: one ``StepRecord`` per step, filled by the planner (planning,
+fence wait, launch, waiting, applying results), by the executor's result
+(device start/end and per-stage times) and by the output thread. All times are
+``time.perf_counter`` seconds, the clock the ``cpu`` and ``sim`` devices read
+and onto which CUDA event times are mapped.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class StepRecord:
+    step_id: int
+    num_tokens: int = 0
+    num_decode: int = 0
+    num_prefill: int = 0
+    num_sampled: int = 0
+    plan_start: float = 0.0  # planner: schedule + write metadata
+    schedule_end: float = 0.0
+    fence_start: float = 0.0  # planner waits for the slot's fence
+    fence_end: float = 0.0
+    plan_end: float = 0.0  # metadata written
+    launch_end: float = 0.0  # launch call returned
+    device_start: float = 0.0
+    device_end: float = 0.0
+    h2d_ms: float = 0.0
+    forward_ms: float = 0.0
+    sample_ms: float = 0.0
+    d2h_ms: float = 0.0
+    wait_start: float = 0.0  # planner waits for this step's tokens
+    wait_end: float = 0.0
+    apply_end: float = 0.0  # planner applied the tokens (appends, EOS/stop ids, frees)
+    output_start: float = 0.0  # output thread: detokenize, stop strings, stream
+    output_end: float = 0.0
+    output_tokens: int = 0  # tokens accepted for callers (extra tokens after a finish excluded)
+    gc_ms: float = 0.0  # Python GC pauses that overlapped the planner's work on this step
+
+    @property
+    def planner_ms(self) -> float:
+        return ((self.fence_start - self.plan_start) + (self.launch_end - self.fence_end)) * 1e3
+
+
+@dataclass
+class Timeline:
+    records: list[StepRecord] = field(default_factory=list)
+    _window_start: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def new_record(self, step_id: int) -> StepRecord:
+        record = StepRecord(step_id)
+        with self._lock:
+            self.records.append(record)
+        return record
+
+    def reset(self) -> None:
+        with self._lock:
+            self._window_start = len(self.records)
+
+    def window(self) -> list[StepRecord]:
+        with self._lock:
+            return [r for r in self.records[self._window_start:] if r.device_end > 0]
+
+    def stats(self) -> dict:
+        return summarize(self.window())
+
+
+def summarize(records: list[StepRecord]) -> dict:
+    """Busy fraction, idle gaps and per-stage costs over a list of completed steps."""
+    if not records:
+        return {"steps": 0, "output_tokens": 0, "device_busy_fraction": 0.0, "idle_gap_ms_mean": 0.0,
+                "idle_gap_ms_p99": 0.0, "planner_ms_per_step": 0.0, "span_s": 0.0}
+    starts = np.array([r.device_start for r in records])
+    ends = np.array([r.device_end for r in records])
+    busy = float((ends - starts).sum())
+    span = float(ends[-1] - starts[0])
+    gaps = np.maximum(starts[1:] - ends[:-1], 0.0) * 1e3 if len(records) > 1 else np.zeros(1)
+    output_tokens = int(sum(r.output_tokens for r in records))
+    return {
+        "steps": len(records),
+        "output_tokens": output_tokens,
+        "span_s": span,
+        "device_busy_fraction": busy / span if span > 0 else 1.0,
+        "idle_gap_ms_mean": float(gaps.mean()),
+        "idle_gap_ms_p50": float(np.percentile(gaps, 50)),
+        "idle_gap_ms_p99": float(np.percentile(gaps, 99)),
+        "planner_ms_per_step": float(np.mean([r.planner_ms for r in records])),
+        "fence_wait_ms_per_step": float(np.mean([(r.fence_end - r.fence_start) * 1e3 for r in records])),
+        "apply_ms_per_step": float(np.mean([(r.apply_end - r.wait_end) * 1e3 for r in records])),
+        "output_ms_per_step": float(np.mean([(r.output_end - r.output_start) * 1e3 for r in records])),
+        "device_ms_per_step": float((ends - starts).mean() * 1e3),
+        "h2d_ms_per_step": float(np.mean([r.h2d_ms for r in records])),
+        "sample_ms_per_step": float(np.mean([r.sample_ms for r in records])),
+        "tokens_per_step": float(np.mean([r.num_tokens for r in records])),
+        "output_tokens_per_s": output_tokens / span if span > 0 else 0.0,
+    }

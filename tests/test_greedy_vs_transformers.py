@@ -1,0 +1,86 @@
+"""Greedy tokens of the engine against transformers ``generate``, one prompt at a time, float32.
+
+The engine gets every prompt at once, with a small token budget so long prompts
+are chunked and requests join and leave mid-run; the reference runs each
+prompt alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+from engine_checks import assert_idle_and_clean
+from reference import compare_greedy
+from tiny_models import EOS_ID, LLAMA3_ROPE, save_tiny_model
+from transformers import AutoModelForCausalLM
+
+from asyncbatch import SamplingParams
+
+PROMPTS = [
+    "Hello",
+    "The capital of France is",
+    "Write a haiku about autumn leaves falling on a quiet river.",
+    "def fibonacci(n):",
+    "List three colours:",
+    "Once upon a time, in a land far away, there lived a",
+    "Translate to French: Good morning, how are you today?",
+    "1, 2, 3, 4, 5,",
+    "The quick brown fox",
+    "Explain in one sentence why the sky is blue.",
+    "Q: What is 7 times 8?\nA:",
+    "A recipe for pancakes needs flour, eggs and",
+    "In the beginning",
+    "import numpy as np\n",
+    "Dear hiring manager, I am writing to apply for",
+    " ".join(["This is a long prompt that repeats itself to be chunked over several steps."] * 12),
+]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_default_model_greedy_matches_transformers(make_llm, overlap):
+    llm = make_llm(device="cpu", dtype="float32", overlap=overlap, max_num_batched_tokens=96, max_num_seqs=8)
+    prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    max_tokens = [8 + (i * 5) % 25 for i in range(len(PROMPTS))]  # different lengths: leaves mid-run
+    params = [SamplingParams(max_tokens=n, temperature=0.0) for n in max_tokens]
+    outs = llm.generate(prompt_ids, params, use_tqdm=False)
+    assert_idle_and_clean(llm)
+    reference = AutoModelForCausalLM.from_pretrained(llm.model_path, dtype="float32").eval()
+    result = compare_greedy(reference, prompt_ids, [o.token_ids for o in outs], max_tokens,
+                            llm.tokenizer.eos_token_id)
+    print(f"default model ({'overlap' if overlap else 'sync'}): {result.summary()}")
+    assert result.exact >= len(PROMPTS) - 2, result.summary()
+    assert llm.stats()["steps"] > 0
+
+
+@pytest.mark.parametrize("arch,kwargs", [
+    ("LlamaForCausalLM", {"rope_parameters": LLAMA3_ROPE}),
+    ("MistralForCausalLM", {}),
+    ("Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+    ("Qwen3ForCausalLM", {}),
+])
+def test_tiny_models_greedy_match_transformers(make_llm, tmp_path, arch, kwargs):
+    path = save_tiny_model(tmp_path / arch, arch, **kwargs)
+    llm = make_llm(str(path), device="cpu", max_num_batched_tokens=16, max_num_seqs=4, block_size=4)
+    prompts = [[3 + (i * 31 + j * 7) % 250 for j in range(3 + i * 5)] for i in range(8)]
+    max_tokens = [6 + i * 3 for i in range(8)]
+    outs = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0) for n in max_tokens],
+                        use_tqdm=False)
+    assert_idle_and_clean(llm)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype="float32").eval()
+    result = compare_greedy(reference, prompts, [o.token_ids for o in outs], max_tokens, EOS_ID)
+    assert result.exact >= len(prompts) - 1, result.summary()
+
+
+def test_preemption_keeps_greedy_tokens(make_llm, tmp_path):
+    path = save_tiny_model(tmp_path / "llama", "LlamaForCausalLM")
+    prompts = [[3 + (i * 17 + j) % 250 for j in range(10 + i)] for i in range(6)]
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    roomy = make_llm(str(path), device="cpu", block_size=4)
+    expected = [o.token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
+    for overlap in (True, False):
+        tight = make_llm(str(path), device="cpu", block_size=4, num_kv_blocks=22, max_num_seqs=6,
+                         overlap=overlap, debug_check_integrity=True)
+        got = [o.token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
+        assert tight.stats()["preemptions"] > 0, "the cache was meant to be too small"
+        assert got == expected
+        assert_idle_and_clean(tight)

