@@ -126,22 +126,21 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Append one output token; return the text it made final (possibly "")."""
         self._output_ids.append(token_id)
-        holds_this_token = False
         if self._stream is not None:
             try:
                 delta = self._stream.step(self._backend, token_id)
             except Exception as exc:  # tokenizers raises a bare Exception for this
                 if "Invalid prefix" not in str(exc):
                     raise
-                delta, holds_this_token = self._restart_stream(token_id)
+                delta = self._restart_stream(token_id)
         else:
             delta = self._slow.push(token_id)
         if not delta:
             if not self._pending:
                 self._pending = not self._is_skipped_special(token_id)
             return ""
-        self._pending = holds_this_token
-        self._emitted_upto = len(self._output_ids) - holds_this_token
+        self._pending = False
+        self._emitted_upto = len(self._output_ids)
         self._pieces.append(delta)
         return delta
 
@@ -165,37 +164,31 @@ class IncrementalDetokenizer:
             self._pieces.append(tail)
         return tail
 
-    def _held_text(self, end: int | None = None) -> str:
-        """The text of ``output_ids[emitted_upto:end]``, decoded after the last
-        emitted id for leading-space context."""
+    def _held_text(self) -> str:
+        """The text of the held ids, decoded after the last emitted id for
+        leading-space context."""
         ids = self._output_ids
         context = ids[max(self._emitted_upto - 1, 0) : self._emitted_upto]
-        held = ids[self._emitted_upto : end]
+        held = ids[self._emitted_upto :]
         head = self._backend.decode(context, skip_special_tokens=self._skip)
         both = self._backend.decode(context + held, skip_special_tokens=self._skip)
         if both.startswith(head):
             return both[len(head) :]
         return self._backend.decode(held, skip_special_tokens=self._skip)
 
-    def _restart_stream(self, token_id: int) -> tuple[str, bool]:
-        """Recover from DecodeStream's "invalid prefix" error; return the delta and
-        whether ``token_id`` itself is still held.
+    def _restart_stream(self, token_id: int) -> str:
+        """Recover from DecodeStream's "invalid prefix" error; return the delta.
 
         DecodeStream raises when a window's decoding no longer extends its prefix's,
-        which only broken UTF-8 under ``ByteFallback`` causes (see the module
-        docstring). Emitted text is final, so the held ids are rendered as they
-        stand and a new stream takes over. A token that may begin a character
-        (it decodes to U+FFFD alone) is left to the new stream to complete;
-        otherwise it is rendered too and primes the new stream for context.
+        which broken UTF-8 under ``ByteFallback`` causes (see the module docstring),
+        on the token that ends the broken byte run. Emitted text is final, so the
+        held ids, this one included, are rendered as they stand, and a new stream
+        takes over, primed with this token for leading-space context.
         """
-        if self._backend.decode([token_id], skip_special_tokens=self._skip).endswith(_REPLACEMENT):
-            delta = self._held_text(end=-1)
-            self._stream = DecodeStream(skip_special_tokens=self._skip)
-            self._stream.step(self._backend, token_id)  # None: it decodes to U+FFFD alone
-            return delta, True
         delta = self._held_text()
-        self._stream = DecodeStream(ids=[token_id], skip_special_tokens=self._skip)
-        return delta, False
+        clean = not self._backend.decode([token_id], skip_special_tokens=self._skip).endswith(_REPLACEMENT)
+        self._stream = DecodeStream(ids=[token_id] if clean else None, skip_special_tokens=self._skip)
+        return delta
 
     def _is_skipped_special(self, token_id: int) -> bool:
         """Whether ``token_id`` is a special token that decoding drops entirely.

@@ -63,7 +63,8 @@ class EngineCore:
         self.slots = SlotPair(config.max_num_batched_tokens, config.max_num_seqs, max_blocks_per_seq,
                               pinned=getattr(executor, "is_cuda", False))
         self.timeline = Timeline()
-        self.output = OutputProcessor(self._on_stop_string, self._fail, hidden_token_ids)
+        self.output = OutputProcessor(self._on_stop_string, self._fail, hidden_token_ids,
+                                      on_request_error=lambda request: self._inbox.put(("error", request)))
         self._max_in_flight = 2 if config.overlap else 1
         self._in_flight: deque[_InFlight] = deque()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -73,10 +74,10 @@ class EngineCore:
         self._error: BaseException | None = None
         self._closed = False
         self._gc_pause = 0.0
+        self._thread = threading.Thread(target=self._run, name="asyncbatch-planner", daemon=True)
         gc.callbacks.append(self._gc_callback)
         if config.switch_interval_s is not None:
             sys.setswitchinterval(min(sys.getswitchinterval(), config.switch_interval_s))
-        self._thread = threading.Thread(target=self._run, name="asyncbatch-planner", daemon=True)
         self._thread.start()
 
     # -- callers (any thread) ------------------------------------------------
@@ -189,6 +190,8 @@ class EngineCore:
                     self.output.put(OutputBatch([RequestUpdate(request, [], "abort")]))
             elif kind == "stop":
                 self._finish(item[1], "stop", item[2])
+            elif kind == "error":
+                self._finish(item[1], "error")
             elif kind in ("close", "fail"):
                 return False
         return True

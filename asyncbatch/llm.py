@@ -83,8 +83,9 @@ class LLM:
         Every prompt is validated before any is submitted, so a bad one raises
         and queues nothing.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and
-                                        all(isinstance(t, int) for t in prompts)):
+        # One text prompt may be passed bare; token-id prompts always come in a list ([[1, 2, 3]]),
+        # so a flat list of ints is a list of (invalid) prompts, never silently one prompt.
+        if isinstance(prompts, str) or prompts is None or not isinstance(prompts, Sequence):
             prompts = [prompts]
         prompts = list(prompts)
         if isinstance(sampling_params, Sequence):

@@ -47,9 +47,10 @@ _STOP = object()
 
 class OutputProcessor:
     def __init__(self, on_stop_string: Callable[[Request, str], None], on_error: Callable[[BaseException], None],
-                 hidden_token_ids: frozenset[int]) -> None:
+                 hidden_token_ids: frozenset[int], on_request_error: Callable[[Request], None]) -> None:
         self._on_stop_string = on_stop_string
         self._on_error = on_error
+        self._on_request_error = on_request_error
         self._hidden = hidden_token_ids  # EOS/stop ids: kept in token_ids, not detokenized
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self.callback_errors = 0
@@ -77,7 +78,10 @@ class OutputProcessor:
         accepted = 0
         with mark("output", batch.record.step_id if batch.record else None):
             for update in batch.updates:
-                accepted += self._apply(update, start)
+                try:
+                    accepted += self._apply(update, start)
+                except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
+                    self._fail_request(update.request, exc)
         if batch.record is not None:
             batch.record.output_start = start
             batch.record.output_end = time.perf_counter()
@@ -112,6 +116,12 @@ class OutputProcessor:
         if update.finish_reason is not None:
             handle.finish(update.finish_reason, update.stop_reason, now, update.error)
         return len(new_ids)
+
+    def _fail_request(self, request: Request, exc: Exception) -> None:
+        """Detokenizing or streaming this request raised: fail it alone and have the planner free it."""
+        if not request.handle.finished:
+            request.handle.finish("error", None, time.perf_counter(), error=f"output processing failed: {exc!r}")
+        self._on_request_error(request)
 
     @staticmethod
     def _emit(handle, text: str, token_ids: list[int]) -> None:

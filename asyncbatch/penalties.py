@@ -102,6 +102,7 @@ class PenaltyState:
             index = torch.where(valid, index, seen_flat.numel() - 1)
             increment = valid.to(torch.int32)
         seen_flat.index_fill_(0, index, True)
+        # The sink is one past the end of counts; there it adds its 0 to the last entry.
         counts.view(-1).index_add_(0, index.clamp(max=counts.numel() - 1), increment)
 
     def apply(

@@ -46,11 +46,17 @@ class RequestHandle:
         return self.done.is_set()
 
     def finish(self, reason: str, stop_reason: int | str | None, now: float, error: str | None = None) -> None:
+        """Publish the final output. ``reason == "error"`` (e.g. NaN logits): ``generate`` returns the
+        output with ``error`` set, so one failed request does not cost a batch its other outputs;
+        ``stream`` raises ``RequestFailedError``."""
         self.metrics.finished_time = now
         self.output = RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.text,
                                     list(self.token_ids), reason, stop_reason, self.metrics, self.simulated, error)
         if self.streaming:
-            self.deltas.put(StreamDelta(self.request_id, "", [], reason, stop_reason))
+            if reason == "error":
+                self.deltas.put(RequestFailedError(f"request {self.request_id} failed: {error}"))
+            else:
+                self.deltas.put(StreamDelta(self.request_id, "", [], reason, stop_reason))
         self.done.set()
 
     def fail(self, error: BaseException) -> None:

@@ -17,7 +17,7 @@ two's-complement integers and ``G = 0x9E3779B97F4A7C15``::
     row_key  = mix(mix(seed + G) + step * G)
     word(j)  = mix(row_key + (j + 1) * G)                     # 64 bits
     bits(v)  = low 32 bits of word(v // 2) if v is even, else its high 32 bits
-    u(v)     = (2 * ((bits(v) >> 1) & (2**22 - 1)) + 1) / 2**23   # in (0, 1), 22 bits
+    u(v)     = ((bits(v) & (2**23 - 1)) | 1) / 2**23           # in (0, 1), 22 random bits
     g(v)     = -log(-log(u(v)))                              # Gumbel(0, 1)
 
 A random row samples ``argmax(logits + T * g)`` over the kept tokens, which is
@@ -37,7 +37,8 @@ one per-row threshold on the logits, and a token is kept iff ``logit >= threshol
   change under renormalisation, so applying it after top-k/top-p is the closed form
   ``logit >= max_logit + T * log(min_p)`` and needs no sort.
 
-Only top-k/top-p need a sort, and only when ``any_top_k_top_p_min_p`` is set.
+Only top-k/top-p need a sort. It runs whenever ``any_top_k_top_p_min_p`` is set,
+since the flag does not say which filter a row uses; without it no filter runs.
 """
 
 from __future__ import annotations
@@ -52,11 +53,13 @@ import torch
 # keeps logits / T finite in the top-p softmax.
 GREEDY_TEMPERATURE_EPS = 1e-5
 
-# On CPU the random path runs in row blocks whose int64 scratch is about this big:
-# the ~20 elementwise passes then stay in cache and reuse two small buffers instead
-# of page-faulting fresh [R, V] allocations (3-4x faster at R=256, V=49152).
-# Accelerators run all rows at once. Results do not depend on the block size.
-CPU_BLOCK_BYTES = 1 << 20
+# On CPU the random path runs in row blocks whose int64 scratch is about this big, so
+# the ~20 elementwise passes reuse two mid-sized buffers instead of page-faulting
+# fresh [R, V] ones (2x faster at R=256, V=49152). Much smaller blocks are faster
+# on an idle machine but multiply the intra-op fork/join points, each of which
+# stalls when another thread holds a core. Accelerators run all rows at once.
+# Results do not depend on the block size.
+CPU_BLOCK_BYTES = 4 << 20
 
 
 def _as_int64(c: int) -> int:
@@ -126,16 +129,17 @@ def noise_words(keys: torch.Tensor, vocab_size: int, out: torch.Tensor, scratch:
     return out.view(torch.int32)[:, :vocab_size]
 
 
-def gumbel_from_words_(bits: torch.Tensor) -> torch.Tensor:
-    """Turn int32 ``bits`` into Gumbel(0, 1) noise in place; return it as float32.
+def neg_gumbel_from_words_(bits: torch.Tensor) -> torch.Tensor:
+    """Turn int32 ``bits`` in place into ``-g = log(-log(u))``, float32, g ~ Gumbel(0, 1).
 
     Writing 22 hash bits plus a forced 1 into the mantissa of 1.0 gives a float in
     (1, 2) with an odd mantissa, so ``u = f - 1`` is exact and strictly inside (0, 1):
-    neither log below can see 0, and the noise stays within about [-2.8, 15.9].
+    neither log can see 0, and g stays within about [-2.8, 15.9]. The sign is left to
+    the caller, which folds it into its next operation instead of a pass of its own.
     """
     bits.bitwise_and_(_MANTISSA_MASK).bitwise_or_(_FLOAT_ONE_BITS | 1)
-    g = bits.view(torch.float32)
-    return g.sub_(1.0).log_().neg_().log_().neg_()
+    u = bits.view(torch.float32).sub_(1.0)
+    return u.log_().neg_().log_()
 
 
 def _keep_threshold(
@@ -171,17 +175,17 @@ def _sample_block(
     block = logits[rows]  # [n, V]
     n, vocab_size = block.shape
     bits = noise_words(keys[rows], vocab_size, words[:n], scratch[:n])  # [n, V] int32
-    score = gumbel_from_words_(bits)  # [n, V] float32, aliases words
+    score = neg_gumbel_from_words_(bits)  # [n, V] float32, aliases words
     # argmax(logits / T + g) == argmax(logits + T * g) for T > 0, and this form
     # avoids dividing the whole block.
-    torch.addcmul(block, score, temp[rows, None], out=score)
+    torch.addcmul(block, score, temp[rows, None], value=-1.0, out=score)
     if filtered:
         threshold = _keep_threshold(block, temp[rows], st.top_k[rows], st.top_p[rows], st.min_p[rows], row_max[rows])
         score.masked_fill_(block < threshold[:, None], -math.inf)
     return score.max(dim=-1).indices
 
 
-def _row_blocks(num_rows: int, vocab_size: int, device: torch.device) -> int:
+def _block_rows(num_rows: int, vocab_size: int, device: torch.device) -> int:
     if device.type != "cpu":
         return max(num_rows, 1)
     return max(1, min(num_rows, CPU_BLOCK_BYTES // (4 * max(vocab_size, 1))))
@@ -190,12 +194,17 @@ def _row_blocks(num_rows: int, vocab_size: int, device: torch.device) -> int:
 def sample(
     logits: torch.Tensor, st: SamplingTensors, *, all_greedy: bool = False, any_top_k_top_p_min_p: bool = True,
 ) -> SampleResult:
-    """Sample one token per row of ``logits`` ``[R, V]`` float32.
+    """Sample one token per row of ``logits`` ``[R, V]`` float32 (not modified).
 
     Greedy rows (temperature < ``GREEDY_TEMPERATURE_EPS``) take the argmax, lowest index
     on ties. ``all_greedy`` (host-known: every row is greedy) skips all random work.
     ``any_top_k_top_p_min_p`` False promises that no row restricts its distribution
-    and skips the filters, including the sort. Neither flag changes any token.
+    and skips the filters, including the sort. Used truthfully, neither flag changes
+    any token.
+
+    Invariants: row ``r``'s token is a function of ``logits[r]`` and row ``r`` of ``st``
+    only; no host synchronisation; for fixed shapes and flags the same kernels run
+    every call, so the call can be captured into a CUDA graph.
     """
     row_max, greedy_ids = logits.max(dim=-1)  # [R], [R]; NaN propagates into row_max
     finite = torch.isfinite(row_max)
@@ -206,7 +215,7 @@ def sample(
     temp = torch.where(is_greedy, 1.0, st.temperature).to(logits.dtype)  # [R]; 1.0 keeps greedy rows harmless
     keys = row_keys(st.seed, st.step)  # [R]
     num_rows, vocab_size = logits.shape
-    block_rows = _row_blocks(num_rows, vocab_size, logits.device)
+    block_rows = _block_rows(num_rows, vocab_size, logits.device)
     words = torch.empty(block_rows, (vocab_size + 1) // 2, dtype=torch.int64, device=logits.device)
     scratch = torch.empty_like(words)
     random_ids = torch.empty_like(greedy_ids)  # [R]

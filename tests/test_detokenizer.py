@@ -1,8 +1,10 @@
 """IncrementalDetokenizer: concatenated deltas equal ``decode(output_ids)``.
 
-Fast tests use tokenizers trained in memory (byte-level BPE, sentencepiece-like
-BPE with byte fallback) and ByT5 (a Python-only tokenizer, so the offset-window
-strategy); ``model`` tests use the SmolLM2 tokenizer read from its GGUF file.
+Fast tests use tokenizers built in memory: a byte-level BPE trained on a few
+sentences, a Llama-style sentencepiece BPE with byte fallback, and the same two
+seen as Python-only tokenizers, plus ByT5 (a real Python-only tokenizer); the last
+three exercise the offset-window strategy. ``model`` tests use the SmolLM2
+tokenizer read from its GGUF file.
 """
 
 from __future__ import annotations
@@ -320,6 +322,18 @@ def test_random_texts(request: pytest.FixtureRequest, name: str, data: st.DataOb
     alphabet = st.sampled_from(list("ab ,.\né日本🎉👍🏽\u0301\u200d"))
     text = data.draw(st.text(alphabet=alphabet, max_size=30))
     _check_stream(tokenizer, _encode(tokenizer, text))
+
+
+def test_byte_fallback_run_ended_by_word_restarts_stream(sentencepiece: Tokenizer) -> None:
+    """A broken run that already emitted valid bytes ("X", ESC) makes DecodeStream
+    raise "invalid prefix" on the word that ends it; the stream restarts without
+    losing or repeating text, and keeps the word's leading space."""
+    ids = [sentencepiece.token_to_id(t) for t in ["<0x58>", "<0x1B>", "<0x8E>", "▁the", "a", "▁is"]]
+    assert _decode(sentencepiece, ids, True) == "\ufffd" * 3 + " thea is"
+    detok = IncrementalDetokenizer(sentencepiece, [])
+    deltas = [detok.push(i) for i in ids]
+    assert deltas == ["X", "\x1b", "", "\ufffd the", "a", " is"]
+    assert detok.finish() == ""
 
 
 def test_random_token_ids_match_decode(byte_level: Tokenizer) -> None:

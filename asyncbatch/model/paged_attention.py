@@ -23,13 +23,24 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)
 
 
+def gather_blocks(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[B, max_blocks] block ids → [B, max_blocks * block_size, kv_heads, head_dim].
+
+    ``index_select`` on the flattened cache: about twice as fast on CPU as
+    advanced indexing with a 2-D index, and the same kernel on CUDA.
+    """
+    b, mb = block_tables.shape
+    _, bs, kvh, d = cache.shape
+    return cache.index_select(0, block_tables.reshape(-1)).view(b, mb * bs, kvh, d)
+
+
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """q: [B, heads, head_dim] → [B, heads, head_dim]; one query per row."""
     b, h, d = q.shape
     kvh = k_cache.shape[2]
-    k = k_cache[block_tables].flatten(1, 2).transpose(1, 2)  # [B, kv_heads, L, head_dim]
-    v = v_cache[block_tables].flatten(1, 2).transpose(1, 2)
+    k = gather_blocks(k_cache, block_tables).transpose(1, 2)  # [B, kv_heads, L, head_dim]
+    v = gather_blocks(v_cache, block_tables).transpose(1, 2)
     length = k.shape[2]
     mask = torch.arange(length, device=q.device)[None, :] < context_lens[:, None]  # [B, L]
     qg = q.view(b, kvh, h // kvh, d)  # [B, kv_heads, group, head_dim]
@@ -42,8 +53,8 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """q: [q_len, heads, head_dim] for the last q_len positions of a ctx_len context."""
     q_len, h, _ = q.shape
     kvh = k_cache.shape[2]
-    k = k_cache[block_table].flatten(0, 1)[:ctx_len]  # [ctx_len, kv_heads, head_dim]
-    v = v_cache[block_table].flatten(0, 1)[:ctx_len]
+    k = gather_blocks(k_cache, block_table[None])[0, :ctx_len]  # [ctx_len, kv_heads, head_dim]
+    v = gather_blocks(v_cache, block_table[None])[0, :ctx_len]
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, head_dim]
     kh = k.transpose(0, 1).unsqueeze(0).repeat_interleave(h // kvh, dim=1)  # [1, heads, ctx, head_dim]
     vh = v.transpose(0, 1).unsqueeze(0).repeat_interleave(h // kvh, dim=1)

@@ -1,0 +1,170 @@
+"""Faults inside the engine reach callers as exceptions, never as hangs; close() leaves no thread.
+
+Engine-wide faults (forward, sampler, a bug in the planner) fail every waiting
+caller with ``EngineDeadError``. Faults that belong to one request (NaN logits,
+its detokenizer raising) fail that request alone; the others go on.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from tiny_models import save_tiny_model
+
+from asyncbatch import EngineDeadError, RequestFailedError, SamplingParams
+from asyncbatch.executors import torch_executor
+
+PARAMS = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "LlamaForCausalLM")
+
+
+def engine_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("asyncbatch-")]
+
+
+def run_callers(llm, n: int = 4) -> list[BaseException]:
+    errors: list[BaseException] = []
+
+    def caller(i):
+        try:
+            llm.generate([[5 + i, 6, 7]], PARAMS, use_tqdm=False)
+        except BaseException as exc:  # noqa: BLE001 - collected for the assertions
+            errors.append(exc)
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a caller hung"
+    return errors
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_forward_fault_reaches_every_caller(make_llm, tiny_dir, overlap):
+    llm = make_llm(str(tiny_dir), device="cpu", overlap=overlap)
+    count = {"n": 0}
+
+    def hook(meta):
+        count["n"] += 1
+        if count["n"] == 6:
+            raise RuntimeError("injected forward fault")
+
+    llm._core.executor.forward_hook = hook
+    errors = run_callers(llm)
+    assert len(errors) == 4 and all(isinstance(e, EngineDeadError) for e in errors)
+    assert "injected forward fault" in repr(errors[0].__cause__)
+    with pytest.raises(EngineDeadError):
+        llm.generate([[1, 2]], PARAMS, use_tqdm=False)
+    llm.close()
+    assert not engine_threads()
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_sampler_fault_reaches_every_caller(make_llm, tiny_dir, overlap, monkeypatch):
+    real = torch_executor.sample
+    count = {"n": 0}
+
+    def faulty(*args, **kwargs):
+        count["n"] += 1
+        if count["n"] == 4:
+            raise RuntimeError("injected sampler fault")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch_executor, "sample", faulty)
+    llm = make_llm(str(tiny_dir), device="cpu", overlap=overlap)
+    errors = run_callers(llm)
+    assert len(errors) == 4 and "injected sampler fault" in repr(errors[0].__cause__)
+    llm.close()
+    assert not engine_threads()
+
+
+def test_planner_bug_reaches_callers(make_llm, tiny_dir, monkeypatch):
+    llm = make_llm(str(tiny_dir), device="cpu")
+
+    def broken(plan, slot):
+        raise RuntimeError("injected planner fault")
+
+    monkeypatch.setattr(llm._core.writer, "write", broken)
+    errors = run_callers(llm, n=2)
+    assert len(errors) == 2 and "injected planner fault" in repr(errors[0].__cause__)
+
+
+def test_detokenizer_fault_fails_only_that_request(make_llm, tiny_dir):
+    llm = make_llm(str(tiny_dir), device="cpu")
+    good = llm.generate([[9, 9, 9]], PARAMS, use_tqdm=False)[0].token_ids
+    bad_stream = llm.stream([5, 6, 7], PARAMS)
+    handle = llm._core._handles[next(iter(llm._core._handles.keys().__reversed__()))]
+
+    class Exploding:
+        def push(self, token_id):
+            raise UnicodeError("injected detokenizer fault")
+
+    handle.detokenizer = Exploding()
+    neighbour = llm.stream([9, 9, 9], PARAMS)
+    with pytest.raises(RequestFailedError, match="injected detokenizer fault"):
+        list(bad_stream)
+    assert [t for d in neighbour for t in d.token_ids] == good
+    out = llm.generate([[9, 9, 9]], PARAMS, use_tqdm=False)[0]
+    assert out.token_ids == good
+    llm.generate([[1]], SamplingParams(max_tokens=1), use_tqdm=False)
+    llm.check_integrity()
+    assert llm.num_free_blocks == llm.num_usable_blocks
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_nan_logits_fail_one_request(make_llm, tiny_dir, overlap):
+    llm = make_llm(str(tiny_dir), device="cpu", overlap=overlap)
+    prompts = [[5, 6, 7], [40, 41, 42], [9, 9, 9]]
+    expected = [o.token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
+    model = llm._core.executor.model
+    real_forward = model.forward
+    poisoned_first_token = 40
+
+    def forward(batch, kv_caches):
+        logits = real_forward(batch, kv_caches)
+        rows = batch.input_ids[batch.logits_indices] == poisoned_first_token
+        return torch.where(rows[:, None], torch.full_like(logits, float("nan")), logits)
+
+    model.forward = forward
+    try:
+        outs = llm.generate([[5, 6, 7], [40], [9, 9, 9]], PARAMS, use_tqdm=False)
+    finally:
+        model.forward = real_forward
+    assert outs[1].finish_reason == "error" and "NaN" in outs[1].error
+    assert outs[0].token_ids == expected[0] and outs[2].token_ids == expected[2]
+    with pytest.raises(RequestFailedError):
+        model.forward = forward
+        try:
+            list(llm.stream([40], PARAMS))
+        finally:
+            model.forward = real_forward
+    llm.check_integrity()
+    assert llm.num_free_blocks == llm.num_usable_blocks
+
+
+def test_consumer_exception_inside_stream_aborts_the_request(make_llm, tiny_dir):
+    llm = make_llm(str(tiny_dir), device="cpu")
+    with pytest.raises(KeyError):
+        for delta in llm.stream([5, 6, 7], PARAMS):
+            raise KeyError("user code failed while consuming")
+    llm.generate([[1]], SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.check_integrity()
+    assert llm.num_free_blocks == llm.num_usable_blocks
+
+
+def test_close_with_requests_in_flight_wakes_waiters(make_llm, tiny_dir):
+    llm = make_llm(str(tiny_dir), device="cpu")
+    long = SamplingParams(max_tokens=90, temperature=0.0, ignore_eos=True)
+    stream = llm.stream([5, 6, 7], long)
+    next(stream)
+    llm.close()
+    with pytest.raises(EngineDeadError):
+        list(stream)
+    assert not engine_threads()

@@ -1,0 +1,84 @@
+"""Overlap mode against synchronous mode on the default model (real torch execution on CPU).
+
+Same requests, same parameters, same seeds: the same tokens, with stop
+strings, stop ids, EOS, max_tokens, chunked prefill and preemption in the
+mix; aborted requests end with a prefix of what they would have produced.
+"""
+
+from __future__ import annotations
+
+import pytest
+from engine_checks import assert_idle_and_clean
+
+from asyncbatch import SamplingParams
+
+pytestmark = pytest.mark.model
+
+TEXTS = ["The weather today", "My favourite food is", "Python is a language that", "In 1969, humans",
+         "Rules for a good meeting:", "The ocean is", "Why do cats purr?", "A short poem about rain:"]
+
+
+def workload(tokenizer):
+    prompts, params = [], []
+    for i in range(16):
+        text = TEXTS[i % len(TEXTS)] + (" Please explain in detail." * (i % 4))
+        if i % 4 == 3:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}], tokenize=False,
+                                                 add_generation_prompt=True)
+        prompts.append(tokenizer.encode(text, add_special_tokens=False))
+        kind = i % 4
+        if kind == 0:
+            params.append(SamplingParams(max_tokens=6 + i, temperature=0.0, stop=[" the", "."]))
+        elif kind == 1:
+            params.append(SamplingParams(max_tokens=20, temperature=0.8, top_p=0.95, seed=i))
+        elif kind == 2:
+            params.append(SamplingParams(max_tokens=18, temperature=0.0, stop_token_ids=[13, 28]))
+        else:
+            params.append(SamplingParams(max_tokens=40, temperature=0.0))  # chat prompt: ends by EOS
+    return prompts, params
+
+
+@pytest.mark.parametrize("engine_kwargs", [
+    {"max_num_batched_tokens": 32, "max_num_seqs": 8},  # chunked prefill, joins and leaves
+    {"num_kv_blocks": 12, "max_num_batched_tokens": 64, "max_num_seqs": 8},  # preemption
+], ids=["chunked", "preempting"])
+def test_overlap_equals_sync_on_default_model(make_llm, engine_kwargs):
+    runs = {}
+    for overlap in (True, False):
+        llm = make_llm(device="cpu", overlap=overlap, debug_check_integrity=True, **engine_kwargs)
+        prompts, params = workload(llm.tokenizer)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert_idle_and_clean(llm)
+        runs[overlap] = (outs, llm.stats())
+    (over, over_stats), (sync, sync_stats) = runs[True], runs[False]
+    reasons = set()
+    for a, b in zip(over, sync):
+        assert a.token_ids == b.token_ids, a.request_id
+        assert (a.text, a.finish_reason, a.stop_reason) == (b.text, b.finish_reason, b.stop_reason)
+        reasons.add((a.finish_reason, type(a.stop_reason).__name__))
+    assert ("stop", "NoneType") in reasons and ("length", "NoneType") in reasons
+    assert ("stop", "str") in reasons or ("stop", "int") in reasons
+    assert over_stats["output_tokens"] == sync_stats["output_tokens"] == sum(len(o.token_ids) for o in sync)
+    if "num_kv_blocks" in engine_kwargs:
+        assert over_stats["preemptions"] > 0 and sync_stats["preemptions"] > 0
+
+
+def test_aborted_streams_end_with_a_prefix(make_llm):
+    full_llm = make_llm(device="cpu")
+    prompts, _ = workload(full_llm.tokenizer)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    full = [o.token_ids for o in full_llm.generate(prompts[:6], params, use_tqdm=False)]
+    llm = make_llm(device="cpu", overlap=True, debug_check_integrity=True)
+    streams = [llm.stream(p, params) for p in prompts[:6]]
+    got: list[list[int]] = [[] for _ in streams]
+    for i, stream in enumerate(streams):
+        for n, delta in enumerate(stream):
+            got[i].extend(delta.token_ids)
+            if n == 2 + i and i % 2 == 0:
+                break  # leaving the iterator aborts the request
+    for i, tokens in enumerate(got):
+        assert tokens == full[i][:len(tokens)]
+        if i % 2:
+            assert tokens == full[i]
+    llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # a full step after the aborts
+    assert_idle_and_clean(llm)

@@ -1,0 +1,89 @@
+"""Sampling, stop conditions and streaming on the default model (CPU, float32)."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncbatch import LLM, SamplingParams
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["overlap", "sync"])
+def llm(request):
+    engine = LLM(device="cpu", overlap=request.param, max_num_batched_tokens=256, max_num_seqs=64)
+    yield engine
+    engine.close()
+
+
+PROMPT = "The history of the printing press begins"
+
+
+def test_seeded_sampling_is_batch_invariant(llm):
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, top_k=50, seed=1234)
+    alone = llm.generate([PROMPT], params, use_tqdm=False)[0].token_ids
+    others = [f"Story number {i}: once" for i in range(32)]
+    crowd_params = [SamplingParams(max_tokens=4 + i % 9, temperature=1.0, seed=i) for i in range(32)]
+    outs = llm.generate(others[:16] + [PROMPT] + others[16:], crowd_params[:16] + [params] + crowd_params[16:],
+                        use_tqdm=False)
+    assert outs[16].token_ids == alone
+    different_seed = llm.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0.9, seed=99),
+                                  use_tqdm=False)[0].token_ids
+    assert different_seed != alone
+
+
+def test_stop_string_cuts_text(llm):
+    base = llm.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)[0]
+    stop = base.text[10:14]
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0.0, stop=[stop]), use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == base.text[:base.text.index(stop)]
+    assert base.token_ids[:len(out.token_ids)] == out.token_ids
+    kept = llm.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0.0, stop=[stop],
+                                                 include_stop_str_in_output=True), use_tqdm=False)[0]
+    assert kept.text == base.text[:base.text.index(stop) + len(stop)]
+
+
+def test_stop_token_ids_and_max_tokens(llm):
+    base = llm.generate([PROMPT], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)[0]
+    assert base.finish_reason == "length" and len(base.token_ids) == 16
+    target = base.token_ids[5]
+    first = base.token_ids.index(target)
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=[target]),
+                       use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and out.stop_reason == target
+    assert out.token_ids == base.token_ids[:first + 1]
+
+
+def test_eos_and_ignore_eos(llm):
+    chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Say just: hello"}], tokenize=False,
+                                             add_generation_prompt=True)
+    ids = llm.tokenizer.encode(chat, add_special_tokens=False)
+    stopped = llm.generate([ids], SamplingParams(max_tokens=64, temperature=0.0), use_tqdm=False)[0]
+    assert stopped.finish_reason == "stop" and stopped.stop_reason is None
+    assert stopped.token_ids[-1] == llm.tokenizer.eos_token_id
+    assert llm.tokenizer.eos_token not in stopped.text
+    forced = llm.generate([ids], SamplingParams(max_tokens=len(stopped.token_ids) + 5, temperature=0.0,
+                                                ignore_eos=True), use_tqdm=False)[0]
+    assert forced.finish_reason == "length" and len(forced.token_ids) == len(stopped.token_ids) + 5
+    assert forced.token_ids[:len(stopped.token_ids)] == stopped.token_ids
+
+
+def test_stream_deltas_concatenate_to_final_output(llm):
+    params = SamplingParams(max_tokens=20, temperature=0.0, stop=["."])
+    final = llm.generate([PROMPT], params, use_tqdm=False)[0]
+    deltas = list(llm.stream(PROMPT, params))
+    assert "".join(d.text for d in deltas) == final.text
+    assert [t for d in deltas for t in d.token_ids] == final.token_ids
+    assert deltas[-1].finish_reason == final.finish_reason
+
+
+def test_chat_applies_template(llm):
+    out = llm.chat([{"role": "user", "content": "What is 2+2?"}], SamplingParams(max_tokens=8, temperature=0.0),
+                   use_tqdm=False)[0]
+    template = llm.tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], tokenize=False,
+                                                 add_generation_prompt=True)
+    assert out.prompt_token_ids == llm.tokenizer.encode(template, add_special_tokens=False)
+    assert out.metrics.ttft is not None and out.metrics.latency >= out.metrics.ttft
