@@ -8,7 +8,7 @@ goes to the first cause in ``CAUSES`` whose intervals cover it:
     device   [ step N ]░░░░░░░░░░░░░░░░░░░░░░░░░░░░[ step N+1 ]
     planner     [wait N ]··[apply N]·······[plan N+1]·
     output                       [out N]
-    pieces             wakeup apply  output wakeup planning launch
+    pieces             result apply  output wakeup planning launch
 
 Priority (first wins) and the intervals each cause reads:
 
@@ -27,7 +27,12 @@ Priority (first wins) and the intervals each cause reads:
 6. ``apply``        the planner appending tokens, EOS/stop ids, frees.
 7. ``d2h``          ``[device_end, device_end + d2h_ms]`` of the previous step.
 8. ``output``       the output thread: detokenize, stop strings, stream.
-9. the remainder no interval covers, split by where it lies:
+9. ``result``       ``[device_end N, wait_end N]``: the planner waiting for step
+   N's tokens after the device finished it (event/D2H completion and the
+   planner's wake-up), counted only when it had to have them before planning
+   N+1 (``wait_end N <= plan_start N+1``: synchronous mode, or an overlap
+   planner that had nothing else to schedule).
+10. the remainder no interval covers, split by where it lies:
    ``wakeup``  before step N+1's planning began: threads waking up and handing
                off (the planner after its wait, the output queue, the GIL);
    ``launch``  after it: the executor picking up a launched step.
@@ -57,6 +62,7 @@ CAUSES: dict[str, str] = {
     "apply": "applying results",
     "d2h": "D2H copy",
     "output": "output processing",
+    "result": "waiting for the step's result after device end",
     "wakeup": "wake-up/hand-off latency before planning",
     "launch": "launch latency (launched, not yet started)",
 }
@@ -211,7 +217,10 @@ def attribute_gaps(records: Sequence[StepRecord], lifetimes: Iterable[tuple[floa
         a, b = before.device_end, after.device_start
         if b <= a:
             continue
-        gap = _attribute_one(a, b, order, after.plan_start)
+        extra = []
+        if before.wait_end > a and (after.plan_start <= 0 or before.wait_end <= after.plan_start):
+            extra.append(("result", _Intervals([(a, before.wait_end, 0.0)])))
+        gap = _attribute_one(a, b, order + extra, after.plan_start)
         gap.step_before, gap.step_after = before.step_id, after.step_id
         gaps.append(gap)
         for k, v in gap.causes_ms.items():

@@ -21,8 +21,9 @@ outputs. A request recomputed after preemption rebuilds the same state from
 incremental ``record`` calls built. Every update accumulates, so a slot or token may
 repeat within one call.
 
-The tensors are allocated on first use so an engine whose requests never use
-penalties pays nothing. The caller should make that first use outside CUDA-graph
+The tensors (5 bytes per slot and vocabulary entry: 63 MB for 256 slots x 49152)
+are allocated on first use so an engine whose requests never use penalties pays
+nothing; the caller may then also skip the calls for slots without penalties. The caller should make that first use outside CUDA-graph
 capture; after it, every method is capture-safe (no host syncs, fixed shapes).
 """
 

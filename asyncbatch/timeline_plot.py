@@ -21,7 +21,7 @@ from asyncbatch.timeline import StepRecord
 
 CAUSE_COLORS = {
     "queue_empty": "#bbbbbb", "slot_fence": "#d62728", "h2d": "#8c564b", "planning": "#1f77b4",
-    "gc": "#e377c2", "apply": "#2ca02c", "d2h": "#bcbd22", "output": "#9467bd", "wakeup": "#ff7f0e",
+    "gc": "#e377c2", "apply": "#2ca02c", "d2h": "#bcbd22", "output": "#9467bd", "result": "#8dd3c7", "wakeup": "#ff7f0e",
     "launch": "#17becf",
 }
 _PLANNER_STAGES = (("schedule", "plan_start", "schedule_end", "#1f77b4"),

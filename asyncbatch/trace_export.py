@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from asyncbatch.gap_report import CAUSES, GapReport, attribute_gaps, h2d_precedes_device_start
@@ -31,25 +32,39 @@ _TRACK_LABELS = {"planner": "planner (CPU)", "device": "device", "idle": "device
 _PID_BASE = 900_000_000  # above any OS pid, so a merged torch.profiler trace keeps its own processes
 
 
-class _Run:
-    """What one exported run needs: records, backend, a label and (optionally) request lifetimes."""
+@dataclass
+class TraceRun:
+    """One run to export: completed step records and what they were measured on."""
 
-    def __init__(self, source, lifetimes: Iterable[tuple[float, float]] | None = None) -> None:
-        self.backend, self.mode, self.simulated = "unknown", "", False
-        if isinstance(source, Timeline):
-            self.records = source.window()
-        elif hasattr(source, "timeline") and hasattr(source, "config"):  # an LLM
-            self.records = source.timeline.window()
-            self.backend, self.simulated = source.device, getattr(source, "simulated", False)
-            self.mode = "overlap" if source.config.overlap else "sync"
-        else:
-            self.records = [r for r in source if r.device_end > 0]
-        self.report: GapReport = attribute_gaps(self.records, lifetimes, h2d_precedes_device_start(self.backend))
+    records: list[StepRecord]
+    backend: str = "unknown"
+    mode: str = ""
+    simulated: bool = False
+    lifetimes: list[tuple[float, float]] | None = None  # request (arrival, finished), for "queue empty"
+    report: GapReport | None = None  # computed from the above when None
+
+    def __post_init__(self) -> None:
+        self.records = [r for r in self.records if r.device_end > 0]
+        if self.report is None:
+            self.report = attribute_gaps(self.records, self.lifetimes, h2d_precedes_device_start(self.backend))
 
     @property
     def label(self) -> str:
         sim = " (simulated)" if self.simulated else ""
-        return f"asyncbatch {self.mode} on {self.backend}{sim}".replace("  ", " ")
+        return " ".join(x for x in ("asyncbatch", self.mode, "on", self.backend) if x) + sim
+
+
+def as_run(source, lifetimes: Iterable[tuple[float, float]] | None = None) -> TraceRun:
+    """A ``TraceRun`` from an ``LLM`` (its current window), a ``Timeline``, a list of records, or a ``TraceRun``."""
+    if isinstance(source, TraceRun):
+        return source
+    spans = list(lifetimes) if lifetimes is not None else None
+    if isinstance(source, Timeline):
+        return TraceRun(source.window(), lifetimes=spans)
+    if hasattr(source, "timeline") and hasattr(source, "config"):  # an LLM
+        return TraceRun(source.timeline.window(), source.device, "overlap" if source.config.overlap else "sync",
+                        bool(getattr(source, "simulated", False)), spans)
+    return TraceRun(list(source), lifetimes=spans)
 
 
 def _slice(name: str, start: float, end: float, pid: int, track: str, origin: float, **args: object) -> dict:
@@ -108,7 +123,7 @@ def _device(r: StepRecord, pid: int, o: float, backend: str) -> list[dict]:
     return out
 
 
-def _idle(run: _Run, pid: int, o: float) -> list[dict]:
+def _idle(run: TraceRun, pid: int, o: float) -> list[dict]:
     out = []
     for gap in run.report.gaps:
         for s, e, cause in gap.pieces:
@@ -117,7 +132,7 @@ def _idle(run: _Run, pid: int, o: float) -> list[dict]:
     return out
 
 
-def _metadata(run: _Run, pid: int, order: int) -> list[dict]:
+def _metadata(run: TraceRun, pid: int, order: int) -> list[dict]:
     out = [{"name": "process_name", "ph": "M", "pid": pid, "args": {"name": run.label}},
            {"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": order}}]
     copies = h2d_precedes_device_start(run.backend)
@@ -129,7 +144,7 @@ def _metadata(run: _Run, pid: int, order: int) -> list[dict]:
     return out
 
 
-def _run_events(run: _Run, pid: int, order: int, origin: float | None) -> list[dict]:
+def _run_events(run: TraceRun, pid: int, order: int, origin: float | None) -> list[dict]:
     if not run.records:
         return _metadata(run, pid, order)
     o = origin if origin is not None else min(r.plan_start or r.device_start for r in run.records)
@@ -187,7 +202,7 @@ def export_traces(sources: Mapping[str, object], path: str | Path, torch_trace: 
     events: list[dict] = []
     other: dict = {"generator": "asyncbatch.trace_export", "clock": "perf_counter", "runs": {}}
     for i, (name, source) in enumerate(sources.items()):
-        run = _Run(source, (lifetimes or {}).get(name))
+        run = as_run(source, (lifetimes or {}).get(name))
         events += _run_events(run, _PID_BASE + i, i, origin)
         other["runs"][name] = {"label": run.label, "backend": run.backend, "mode": run.mode,
                                "simulated": run.simulated, "steps": len(run.records),

@@ -1,0 +1,110 @@
+"""asyncbatch under test, in overlap or synchronous mode.
+
+Offline runs call ``LLM.generate`` (TTFT and finish times from the engine's
+per-request metrics); online runs give every request its own thread reading
+``LLM.stream``, which timestamps each delta as it reaches the caller.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from asyncbatch.bench.memory import MemorySampler, rss_mib
+from asyncbatch.bench.records import RequestRecord, RunResult
+from asyncbatch.bench.system_base import BenchSettings, BenchSystem, ThreadErrors, replay
+from asyncbatch.llm import LLM
+from asyncbatch.sampling_params import SamplingParams
+from asyncbatch.workloads import WorkItem
+
+
+class AsyncBatchSystem(BenchSystem):
+    def __init__(self, settings: BenchSettings, overlap: bool) -> None:
+        self.settings = settings
+        self.overlap = overlap
+        self.name = "asyncbatch-overlap" if overlap else "asyncbatch-sync"
+        self.description = ("asyncbatch, planner one step ahead (overlap=True)" if overlap
+                            else "asyncbatch, synchronous loop (overlap=False)")
+        before = rss_mib()
+        self.llm = LLM(settings.model, device=settings.device, dtype=settings.dtype, overlap=overlap,
+                       max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
+                       seed=settings.seed)
+        self.load_mib = max(rss_mib() - before, 0.0)
+
+    @property
+    def model_path(self) -> str:
+        return str(self.llm.model_path)
+
+    def _params(self, item: WorkItem) -> SamplingParams:
+        return SamplingParams(max_tokens=item.max_tokens, temperature=self.settings.temperature,
+                              top_k=-1, top_p=1.0, ignore_eos=self.settings.ignore_eos)
+
+    def config(self) -> dict:
+        c = self.llm.config
+        return {"overlap": self.overlap, "device": self.llm.device, "dtype": str(self.llm.dtype),
+                "max_num_seqs": c.max_num_seqs, "max_num_batched_tokens": c.max_num_batched_tokens,
+                "block_size": c.block_size, "num_kv_blocks": self.llm.num_usable_blocks + 1,
+                "simulated": self.llm.simulated}
+
+    def _stats(self) -> dict:
+        stats = self.llm.stats()
+        stats["computed_tokens"] = int(round(stats.get("tokens_per_step", 0.0) * stats.get("steps", 0)))
+        return stats
+
+    def run_offline(self, items: list[WorkItem]) -> RunResult:
+        prompts = [it.prompt_token_ids for it in items]
+        params = [self._params(it) for it in items]
+        with MemorySampler() as mem:
+            self.llm.reset_stats()
+            start = time.perf_counter()
+            outs = self.llm.generate(prompts, params, use_tqdm=False)
+            end = time.perf_counter()
+        records = []
+        for prompt, out in zip(prompts, outs):
+            if out.error is not None:
+                raise RuntimeError(f"{self.name}: request {out.request_id} failed: {out.error}")
+            m = out.metrics
+            records.append(RequestRecord(len(prompt), len(out.token_ids), m.arrival_time, m.first_token_time,
+                                         m.finished_time, None, list(out.token_ids)))
+        stats = self._stats()
+        return RunResult(self.name, records, start, end, stats["computed_tokens"], stats,
+                         mem.result(self.load_mib))
+
+    def run_online(self, items: list[WorkItem], offsets: list[float]) -> RunResult:
+        records: list[RequestRecord | None] = [None] * len(items)
+        errors = ThreadErrors()
+        threads: list[threading.Thread] = []
+
+        def consume(i: int) -> None:
+            item = items[i]
+            try:
+                arrival = time.perf_counter()
+                times: list[float] = []
+                ids: list[int] = []
+                for delta in self.llm.stream(item.prompt_token_ids, self._params(item)):
+                    if delta.token_ids:
+                        times.append(time.perf_counter())
+                        ids.extend(delta.token_ids)
+                records[i] = RequestRecord(len(item.prompt_token_ids), len(ids), arrival,
+                                           times[0] if times else None, times[-1] if times else None, times, ids)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by the caller
+                errors.add(exc)
+
+        def submit(i: int) -> None:
+            thread = threading.Thread(target=consume, args=(i,), name=f"bench-stream-{i}", daemon=True)
+            thread.start()
+            threads.append(thread)
+
+        with MemorySampler() as mem:
+            self.llm.reset_stats()
+            start = replay(offsets, submit)
+            for thread in threads:
+                thread.join()
+            end = time.perf_counter()
+        errors.raise_first()
+        stats = self._stats()
+        return RunResult(self.name, [r for r in records if r is not None], start, end, stats["computed_tokens"],
+                         stats, mem.result(self.load_mib))
+
+    def close(self) -> None:
+        self.llm.close()

@@ -1,0 +1,273 @@
+"""``python -m asyncbatch profile``: the idle-gap report, overlap and synchronous side by side.
+
+Both modes get the same requests (seeded), each in a fresh engine after a short
+warmup; the table gives device busy fraction, idle time per step and the share
+of idle time per cause (``asyncbatch.gap_report``). With ``--out DIR`` it also
+writes ``report.json``, ``report.md``, ``trace.json`` (both runs, Perfetto /
+chrome://tracing) and ``timeline.png`` (a window of steps of both runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from asyncbatch.gap_report import CAUSES, GapReport, gap_report, lifetimes_of
+from asyncbatch.sampling_params import SamplingParams
+from asyncbatch.sim_config import SimConfig
+from asyncbatch.timeline_marks import count_ranges, enable_nvtx, measure_mark_overhead
+from asyncbatch.workloads import WorkItem, uniform_requests
+
+_SIM = SimConfig()  # defaults of the simulated device
+
+
+def add_profile_command(subparsers, engine_args_fn: Callable[[argparse.ArgumentParser], None]) -> None:
+    p = subparsers.add_parser("profile", help="idle-gap report: overlap vs synchronous on the same requests",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    engine_args_fn(p)
+    p.set_defaults(device="sim", func=cmd_profile)
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--prompt-len", default="16-128", help="MIN-MAX prompt tokens (uniform)")
+    p.add_argument("--output-len", default="16-128", help="MIN-MAX output tokens (uniform, ignore_eos)")
+    p.add_argument("--request-rate", type=float, default=0.0, help="Poisson arrivals per second (0: all at once)")
+    p.add_argument("--warmup-requests", type=int, default=4)
+    p.add_argument("--sim-step-ms", type=float, default=_SIM.step_fixed_ms, help="sim: fixed cost per step")
+    p.add_argument("--sim-per-token-us", type=float, default=_SIM.per_token_us)
+    p.add_argument("--sim-per-context-ns", type=float, default=_SIM.per_context_token_ns)
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads (cpu backend)")
+    p.add_argument("--window", type=int, default=24, help="steps shown in timeline.png")
+    p.add_argument("--window-start", type=int, default=None, help="first step index of the plot window")
+    p.add_argument("--out", default=None, help="directory for report.json, report.md, trace.json, timeline.png")
+    p.add_argument("--nvtx", action="store_true", help="NVTX ranges on during the measured runs (for nsys)")
+    p.add_argument("--torch-profiler", action="store_true",
+                   help="record the overlap run with torch.profiler and merge it into trace-overlap-torch.json")
+
+
+def _range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition("-")
+    lo_i, hi_i = int(lo), int(hi or lo)
+    if not 1 <= lo_i <= hi_i:
+        raise ValueError(f"expected MIN-MAX with 1 <= MIN <= MAX, got {text!r}")
+    return lo_i, hi_i
+
+
+def _engine_kwargs(args: argparse.Namespace, overlap: bool) -> dict:
+    kwargs = {"device": args.device, "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
+              "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed, "overlap": overlap,
+              "num_threads": args.num_threads}
+    if args.device == "sim":
+        kwargs["sim"] = SimConfig(step_fixed_ms=args.sim_step_ms, per_token_us=args.sim_per_token_us,
+                                  per_context_token_ns=args.sim_per_context_ns)
+    return kwargs
+
+
+def _generate(llm, items: list[WorkItem], rate: float, seed: int) -> list:
+    params = [SamplingParams(max_tokens=it.max_tokens, temperature=0.0, ignore_eos=True) for it in items]
+    prompts = [it.prompt_token_ids for it in items]
+    if rate <= 0:
+        return llm.generate(prompts, params, use_tqdm=False)
+    # Poisson arrivals: one submitting thread per request, each sleeping until its arrival.
+    arrivals = np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, len(items)))
+    outputs: list = [None] * len(items)
+    start = time.perf_counter()
+
+    def submit(i: int) -> None:
+        time.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
+        outputs[i] = llm.generate([prompts[i]], [params[i]], use_tqdm=False)[0]
+
+    threads = [threading.Thread(target=submit, args=(i,), daemon=True) for i in range(len(items))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outputs
+
+
+def _settle(llm, timeout_s: float = 5.0) -> None:
+    """Wait until every launched step was applied and output-processed (a last overlap step may still run)."""
+    deadline = time.perf_counter() + timeout_s
+    while time.perf_counter() < deadline:
+        if all(r.apply_end > 0 and r.output_end > 0 for r in list(llm.timeline.records)):
+            return
+        time.sleep(0.005)
+
+
+def _run_mode(args: argparse.Namespace, overlap: bool, items: list[WorkItem], warmup: list[WorkItem],
+              out_dir: Path | None) -> dict:
+    from asyncbatch.llm import LLM
+
+    with LLM(args.model, **_engine_kwargs(args, overlap)) as llm:
+        with count_ranges() as counter:  # counts the ranges per step (NVTX on only for the warmup)
+            _generate(llm, warmup, 0.0, args.seed)
+            _settle(llm)
+        warm_steps = max(len(llm.timeline.window()), 1)
+        enable_nvtx(args.nvtx)
+        llm.reset_stats()
+        profiler = _torch_profiler(llm.device) if args.torch_profiler and overlap else None
+        start = time.perf_counter()
+        if profiler is not None:
+            with profiler:
+                outputs = _generate(llm, items, args.request_rate, args.seed)
+        else:
+            outputs = _generate(llm, items, args.request_rate, args.seed)
+        wall = time.perf_counter() - start
+        _settle(llm)
+        enable_nvtx(False)
+        lifetimes = lifetimes_of(outputs)
+        report = gap_report(llm, lifetimes)
+        stats = llm.stats()
+        run = {"mode": "overlap" if overlap else "sync", "backend": llm.device, "simulated": llm.simulated,
+               "wall_s": wall, "output_tokens": sum(len(o.token_ids) for o in outputs), "stats": stats,
+               "report": report, "records": llm.timeline.window(), "lifetimes": lifetimes,
+               "token_ids": [o.token_ids for o in outputs],
+               "ranges_per_step": (counter.stage_ranges + counter.step_ranges) / warm_steps,
+               "ranges_by_name": {k: v / warm_steps for k, v in sorted(counter.by_name.items())}}
+        if profiler is not None and out_dir is not None:
+            from asyncbatch.trace_export import export_trace
+
+            torch_path = out_dir / "torch-overlap.json"
+            profiler.export_chrome_trace(str(torch_path))
+            export_trace(llm, out_dir / "trace-overlap-torch.json", torch_trace=torch_path, lifetimes=lifetimes)
+        return run
+
+
+def _torch_profiler(device: str):
+    import torch
+    from torch._C._profiler import _ExperimentalConfig
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    # The engine's device and planner threads are not the caller's: profile every thread.
+    return torch.profiler.profile(activities=activities, experimental_config=_ExperimentalConfig(
+        profile_all_threads=True))
+
+
+def environment(backend: str, sim: SimConfig | None) -> dict:
+    """Hardware, commit and versions, for the report's header."""
+    import torch
+
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    host = f"{cpu}, {os.cpu_count()} logical cores"
+    if backend == "cuda":
+        hardware = f"{torch.cuda.get_device_name(0)} (host: {host})"
+    elif backend == "sim" and sim is not None:
+        hardware = (f"simulated device ({sim.step_fixed_ms:g} ms + {sim.per_token_us:g} us/token + "
+                    f"{sim.per_context_token_ns:g} ns/context token per step) on {host}")
+    else:
+        hardware = host
+    root = Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, check=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain"], capture_output=True, text=True,
+                               check=False, timeout=10).stdout.strip()
+        commit += " + uncommitted changes" if dirty else ""
+    except (OSError, subprocess.SubprocessError):
+        commit = "uncommitted working tree"
+    return {"hardware": hardware, "commit": commit, "command": "python -m asyncbatch " + shlex.join(sys.argv[1:]),
+            "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+
+
+def _median_max(report: GapReport) -> str:
+    gaps = [g.gap_ms for g in report.gaps] + [0.0] * (report.steps - 1 - len(report.gaps))  # zero gaps too
+    return f"{np.median(gaps):.3f}/{max(gaps):.1f}" if gaps else "-"
+
+
+def format_table(runs: list[dict]) -> str:
+    """The side-by-side table (plain text, also valid inside a Markdown code block)."""
+    names = [r["mode"] for r in runs]
+    lines = [f"{'':<50}" + "".join(f"{n:>12}" for n in names)]
+
+    def row(label: str, values: list[str]) -> None:
+        lines.append(f"{label:<50}" + "".join(f"{v:>12}" for v in values))
+
+    reports: list[GapReport] = [r["report"] for r in runs]
+    row("steps", [str(rep.steps) for rep in reports])
+    row("output tokens/s (wall)", [f"{r['output_tokens'] / r['wall_s']:.1f}" for r in runs])
+    row("device busy", [f"{100 * rep.busy_fraction:.1f}%" for rep in reports])
+    row("device ms per step", [f"{rep.busy_ms / max(rep.steps, 1):.3f}" for rep in reports])
+    row("idle ms per step", [f"{rep.idle_ms_per_step:.3f}" for rep in reports])
+    row("idle ms per gap: median / largest", [_median_max(rep) for rep in reports])
+    row("idle ms total", [f"{rep.idle_ms:.1f}" for rep in reports])
+    lines.append("idle time by cause (% of idle time):")
+    for key, label in CAUSES.items():
+        row(f"  {label}", [f"{100 * rep.shares()[key]:.1f}" for rep in reports])
+    row("  sum of causes / idle time", [f"{100 * sum(rep.causes_ms.values()) / rep.idle_ms:.2f}%"
+                                        if rep.idle_ms > 0 else "-" for rep in reports])
+    row("planner ms per step (timeline)", [f"{r['stats']['planner_ms_per_step']:.3f}" for r in runs])
+    row("output ms per step (timeline)", [f"{r['stats']['output_ms_per_step']:.3f}" for r in runs])
+    return "\n".join(lines)
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from asyncbatch.timeline_plot import plot_timeline
+    from asyncbatch.trace_export import TraceRun, export_traces
+
+    prompt_range, output_range = _range(args.prompt_len), _range(args.output_len)
+    out_dir = Path(args.out) if args.out else None
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    overhead = measure_mark_overhead(100_000)
+    vocab = 49152  # SmolLM2's; prompts use ordinary ids only (the sim and the model accept them)
+    items = uniform_requests(args.num_requests, prompt_range, output_range, vocab, seed=args.seed)
+    warmup = uniform_requests(args.warmup_requests, prompt_range, (8, 8), vocab, seed=args.seed + 1)
+    modes = [False] if args.no_overlap else [True, False]
+    runs = [_run_mode(args, overlap, items, warmup, out_dir) for overlap in modes]
+    env = environment(runs[0]["backend"], _engine_kwargs(args, True).get("sim"))
+    same = all(r["token_ids"] == runs[0]["token_ids"] for r in runs)
+    sim = " (SIMULATED device: modelled step times, pseudo-tokens)" if runs[0]["simulated"] else ""
+    header = (f"asyncbatch profile on {runs[0]['backend']}{sim}\n"
+              f"hardware: {env['hardware']}\ncommit: {env['commit']}\ncommand: {env['command']}\n"
+              f"workload: {args.num_requests} requests, prompts {args.prompt_len} tokens, outputs "
+              f"{args.output_len} tokens (ignore_eos), greedy, "
+              f"{'all at once' if args.request_rate <= 0 else f'{args.request_rate:g} req/s Poisson'}")
+    enabled = f"{overhead.enabled_ns:.0f} ns" if overhead.enabled_ns is not None else "n/a"
+    rps = runs[0]["ranges_per_step"]
+    nvtx_line = (f"NVTX: {rps:.1f} ranges per step; one range costs {overhead.disabled_ns - overhead.baseline_ns:.0f} ns "
+                 f"off, {enabled} on without a profiler (loop {overhead.baseline_ns:.0f} ns) -> "
+                 f"{rps * (overhead.disabled_ns - overhead.baseline_ns) / 1e3:.2f} us/step off"
+                 + (f", {rps * (overhead.enabled_ns - overhead.baseline_ns) / 1e3:.2f} us/step on"
+                    if overhead.enabled_ns is not None else ""))
+    text = (f"{header}\n\n{format_table(runs)}\n\nidentical tokens in every mode: {same}\n{nvtx_line}\n"
+            f"NVTX during the measured runs: {'on' if args.nvtx else 'off'}")
+    print(text)
+    if out_dir is not None:
+        names = {r["mode"]: r for r in runs}
+        export_traces({m: TraceRun(r["records"], r["backend"], m, r["simulated"], r["lifetimes"], r["report"])
+                       for m, r in names.items()}, out_dir / "trace.json")
+        plot_timeline({f"{m} ({r['backend']}{', simulated' if r['simulated'] else ''})": (r["records"], r["report"])
+                       for m, r in names.items()}, out_dir / "timeline.png", args.window_start, args.window,
+                      title=f"asyncbatch timeline window: {runs[0]['backend']}{sim}, {env['hardware']}")
+        report = {"environment": env, "workload": vars(args) | {"func": None}, "identical_tokens": same,
+                  "nvtx": {"overhead": dataclasses.asdict(overhead),
+                           "ranges_per_step": rps, "ranges_by_name_per_step": runs[0]["ranges_by_name"]},
+                  "runs": {r["mode"]: {"backend": r["backend"], "simulated": r["simulated"], "wall_s": r["wall_s"],
+                                       "output_tokens": r["output_tokens"], "stats": r["stats"],
+                                       "gap_report": r["report"].to_dict()} for r in runs}}
+        (out_dir / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+        (out_dir / "report.md").write_text(f"# Idle-gap report\n\n```\n{text}\n```\n\nFiles: `trace.json` (open in "
+                                           "ui.perfetto.dev or chrome://tracing), `timeline.png`, `report.json`.\n")
+        print(f"wrote {out_dir}/report.json, report.md, trace.json, timeline.png")
+    return 0 if same else 1
+
