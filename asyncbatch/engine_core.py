@@ -89,8 +89,9 @@ class EngineCore:
                 raise EngineDeadError("the engine is closed")
             if len(self._handles) > 4096:
                 self._handles = {k: h for k, h in self._handles.items() if not h.finished}
-            if request.request_id in self._handles:
-                raise ValueError(f"request_id {request.request_id!r} is already in use")
+            existing = self._handles.get(request.request_id)
+            if existing is not None and not existing.finished:
+                raise ValueError(f"request_id {request.request_id!r} is already in use by a live request")
             self._handles[request.request_id] = request.handle
         self._inbox.put(("add", request))
 

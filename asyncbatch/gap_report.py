@@ -206,11 +206,12 @@ def attribute_gaps(records: Sequence[StepRecord], lifetimes: Iterable[tuple[floa
     """
     done = sorted((r for r in records if _valid(r.device_start, r.device_end)), key=lambda r: r.device_start)
     causes = dict.fromkeys(CAUSES, 0.0)
+    spans = list(lifetimes) if lifetimes is not None else []
     if not done:
-        return GapReport(0, 0.0, 0.0, 0.0, causes, lifetimes is not None)
+        return GapReport(0, 0.0, 0.0, 0.0, causes, bool(spans))
     index = _host_intervals(records, h2d_before_start)
-    if lifetimes is not None:
-        index["queue_empty"] = _queue_empty(lifetimes)
+    if spans:  # no lifetimes at all means "not measured", not "the queue was always empty"
+        index["queue_empty"] = _queue_empty(spans)
     order = [(k, index[k]) for k in _ORDER if k in index]
     gaps = []
     for before, after in itertools.pairwise(done):
@@ -228,7 +229,7 @@ def attribute_gaps(records: Sequence[StepRecord], lifetimes: Iterable[tuple[floa
     busy = sum(r.device_end - r.device_start for r in done) * 1e3
     span = (max(r.device_end for r in done) - done[0].device_start) * 1e3
     idle = sum(g.gap_ms for g in gaps)
-    return GapReport(len(done), span, busy, idle, causes, lifetimes is not None, gaps)
+    return GapReport(len(done), span, busy, idle, causes, bool(spans), gaps)
 
 
 def _attribute_one(a: float, b: float, order: list[tuple[str, _Intervals]], next_plan_start: float

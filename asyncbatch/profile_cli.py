@@ -10,6 +10,7 @@ chrome://tracing) and ``timeline.png`` (a window of steps of both runs).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -20,6 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,10 +29,45 @@ import numpy as np
 from asyncbatch.gap_report import CAUSES, GapReport, gap_report, lifetimes_of
 from asyncbatch.sampling_params import SamplingParams
 from asyncbatch.sim_config import SimConfig
-from asyncbatch.timeline_marks import count_ranges, enable_nvtx, measure_mark_overhead
+from asyncbatch.timeline_marks import (
+    MarkOverhead,
+    count_ranges,
+    enable_nvtx,
+    measure_mark_overhead,
+    nvtx_enabled,
+)
+from asyncbatch.trace_export import TraceRun, export_trace, export_traces
 from asyncbatch.workloads import WorkItem, uniform_requests
 
 _SIM = SimConfig()  # defaults of the simulated device
+
+
+@dataclass
+class ModeRun:
+    """One mode's measured run (the engine is closed; records and outputs stay)."""
+
+    mode: str  # "overlap" | "sync"
+    backend: str
+    simulated: bool
+    wall_s: float
+    outputs: list
+    stats: dict  # LLM.stats() of the measured window
+    report: GapReport
+    records: list
+    lifetimes: list[tuple[float, float]]
+    ranges_per_step: float  # NVTX ranges per step, counted during the warmup
+    ranges_by_name: dict[str, float]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(len(o.token_ids) for o in self.outputs)
+
+    def trace_run(self) -> TraceRun:
+        return TraceRun(self.records, self.backend, self.mode, self.simulated, self.lifetimes, self.report)
+
+    def to_dict(self) -> dict:
+        return {"backend": self.backend, "simulated": self.simulated, "wall_s": self.wall_s,
+                "output_tokens": self.output_tokens, "stats": self.stats, "gap_report": self.report.to_dict()}
 
 
 def add_profile_command(subparsers, engine_args_fn: Callable[[argparse.ArgumentParser], None]) -> None:
@@ -47,7 +84,7 @@ def add_profile_command(subparsers, engine_args_fn: Callable[[argparse.ArgumentP
     p.add_argument("--sim-per-token-us", type=float, default=_SIM.per_token_us)
     p.add_argument("--sim-per-context-ns", type=float, default=_SIM.per_context_token_ns)
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (cpu backend)")
-    p.add_argument("--window", type=int, default=24, help="steps shown in timeline.png")
+    p.add_argument("--window", type=int, default=16, help="steps shown in timeline.png")
     p.add_argument("--window-start", type=int, default=None, help="first step index of the plot window")
     p.add_argument("--out", default=None, help="directory for report.json, report.md, trace.json, timeline.png")
     p.add_argument("--nvtx", action="store_true", help="NVTX ranges on during the measured runs (for nsys)")
@@ -74,7 +111,9 @@ def _engine_kwargs(args: argparse.Namespace, overlap: bool) -> dict:
 
 
 def _generate(llm, items: list[WorkItem], rate: float, seed: int) -> list:
-    params = [SamplingParams(max_tokens=it.max_tokens, temperature=0.0, ignore_eos=True) for it in items]
+    # Explicit seeds: with concurrent submission the arrival order (and so a derived seed) may differ per mode.
+    params = [SamplingParams(max_tokens=it.max_tokens, temperature=0.0, ignore_eos=True, seed=seed * 100_003 + i)
+              for i, it in enumerate(items)]
     prompts = [it.prompt_token_ids for it in items]
     if rate <= 0:
         return llm.generate(prompts, params, use_tqdm=False)
@@ -104,42 +143,37 @@ def _settle(llm, timeout_s: float = 5.0) -> None:
         time.sleep(0.005)
 
 
-def _run_mode(args: argparse.Namespace, overlap: bool, items: list[WorkItem], warmup: list[WorkItem],
-              out_dir: Path | None) -> dict:
+def _run_mode(args: argparse.Namespace, overlap: bool, out_dir: Path | None) -> ModeRun:
     from asyncbatch.llm import LLM
 
+    nvtx_was_on = nvtx_enabled()  # ASYNCBATCH_NVTX=1 counts as --nvtx
     with LLM(args.model, **_engine_kwargs(args, overlap)) as llm:
+        vocab = llm.tokenizer.vocab_size
+        items = uniform_requests(args.num_requests, _range(args.prompt_len), _range(args.output_len), vocab,
+                                 seed=args.seed)
+        warmup = uniform_requests(args.warmup_requests, _range(args.prompt_len), (8, 8), vocab, seed=args.seed + 1)
         with count_ranges() as counter:  # counts the ranges per step (NVTX on only for the warmup)
-            _generate(llm, warmup, 0.0, args.seed)
+            _generate(llm, warmup, 0.0, args.seed + 1)
             _settle(llm)
         warm_steps = max(len(llm.timeline.window()), 1)
-        enable_nvtx(args.nvtx)
+        enable_nvtx(args.nvtx or nvtx_was_on)
         llm.reset_stats()
         profiler = _torch_profiler(llm.device) if args.torch_profiler and overlap else None
         start = time.perf_counter()
-        if profiler is not None:
-            with profiler:
-                outputs = _generate(llm, items, args.request_rate, args.seed)
-        else:
+        with profiler if profiler is not None else contextlib.nullcontext():
             outputs = _generate(llm, items, args.request_rate, args.seed)
         wall = time.perf_counter() - start
         _settle(llm)
-        enable_nvtx(False)
+        enable_nvtx(nvtx_was_on)
         lifetimes = lifetimes_of(outputs)
-        report = gap_report(llm, lifetimes)
-        stats = llm.stats()
-        run = {"mode": "overlap" if overlap else "sync", "backend": llm.device, "simulated": llm.simulated,
-               "wall_s": wall, "output_tokens": sum(len(o.token_ids) for o in outputs), "stats": stats,
-               "report": report, "records": llm.timeline.window(), "lifetimes": lifetimes,
-               "token_ids": [o.token_ids for o in outputs],
-               "ranges_per_step": (counter.stage_ranges + counter.step_ranges) / warm_steps,
-               "ranges_by_name": {k: v / warm_steps for k, v in sorted(counter.by_name.items())}}
+        run = ModeRun("overlap" if overlap else "sync", llm.device, llm.simulated, wall, outputs, llm.stats(),
+                      gap_report(llm, lifetimes), llm.timeline.window(), lifetimes,
+                      (counter.stage_ranges + counter.step_ranges) / warm_steps,
+                      {k: v / warm_steps for k, v in sorted(counter.by_name.items())})
         if profiler is not None and out_dir is not None:
-            from asyncbatch.trace_export import export_trace
-
             torch_path = out_dir / "torch-overlap.json"
             profiler.export_chrome_trace(str(torch_path))
-            export_trace(llm, out_dir / "trace-overlap-torch.json", torch_trace=torch_path, lifetimes=lifetimes)
+            export_trace(run.trace_run(), out_dir / "trace-overlap-torch.json", torch_trace=torch_path)
         return run
 
 
@@ -194,17 +228,17 @@ def _median_max(report: GapReport) -> str:
     return f"{np.median(gaps):.3f}/{max(gaps):.1f}" if gaps else "-"
 
 
-def format_table(runs: list[dict]) -> str:
+def format_table(runs: list[ModeRun]) -> str:
     """The side-by-side table (plain text, also valid inside a Markdown code block)."""
-    names = [r["mode"] for r in runs]
-    lines = [f"{'':<50}" + "".join(f"{n:>12}" for n in names)]
+    names = [r.mode for r in runs]
+    lines = [f"{'':<50}" + "".join(f"{n:>14}" for n in names)]
 
     def row(label: str, values: list[str]) -> None:
-        lines.append(f"{label:<50}" + "".join(f"{v:>12}" for v in values))
+        lines.append(f"{label:<50}" + "".join(f"{v:>14}" for v in values))
 
-    reports: list[GapReport] = [r["report"] for r in runs]
+    reports = [r.report for r in runs]
     row("steps", [str(rep.steps) for rep in reports])
-    row("output tokens/s (wall)", [f"{r['output_tokens'] / r['wall_s']:.1f}" for r in runs])
+    row("output tokens/s (wall)", [f"{r.output_tokens / r.wall_s:.1f}" for r in runs])
     row("device busy", [f"{100 * rep.busy_fraction:.1f}%" for rep in reports])
     row("device ms per step", [f"{rep.busy_ms / max(rep.steps, 1):.3f}" for rep in reports])
     row("idle ms per step", [f"{rep.idle_ms_per_step:.3f}" for rep in reports])
@@ -215,59 +249,57 @@ def format_table(runs: list[dict]) -> str:
         row(f"  {label}", [f"{100 * rep.shares()[key]:.1f}" for rep in reports])
     row("  sum of causes / idle time", [f"{100 * sum(rep.causes_ms.values()) / rep.idle_ms:.2f}%"
                                         if rep.idle_ms > 0 else "-" for rep in reports])
-    row("planner ms per step (timeline)", [f"{r['stats']['planner_ms_per_step']:.3f}" for r in runs])
-    row("output ms per step (timeline)", [f"{r['stats']['output_ms_per_step']:.3f}" for r in runs])
+    row("planner ms per step (timeline)", [f"{r.stats['planner_ms_per_step']:.3f}" for r in runs])
+    row("output ms per step (timeline)", [f"{r.stats['output_ms_per_step']:.3f}" for r in runs])
     return "\n".join(lines)
+
+
+def _nvtx_line(overhead: MarkOverhead, per_step: float) -> str:
+    off = overhead.disabled_ns - overhead.baseline_ns
+    line = (f"NVTX: {per_step:.1f} ranges per step; a range costs {off:.0f} ns when off -> "
+            f"{per_step * off / 1e3:.2f} us/step")
+    if overhead.enabled_ns is not None:
+        on = overhead.enabled_ns - overhead.baseline_ns
+        line += f"; {on:.0f} ns when on without a profiler -> {per_step * on / 1e3:.2f} us/step"
+    return line
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from asyncbatch.timeline_plot import plot_timeline
-    from asyncbatch.trace_export import TraceRun, export_traces
 
-    prompt_range, output_range = _range(args.prompt_len), _range(args.output_len)
     out_dir = Path(args.out) if args.out else None
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
     overhead = measure_mark_overhead(100_000)
-    vocab = 49152  # SmolLM2's; prompts use ordinary ids only (the sim and the model accept them)
-    items = uniform_requests(args.num_requests, prompt_range, output_range, vocab, seed=args.seed)
-    warmup = uniform_requests(args.warmup_requests, prompt_range, (8, 8), vocab, seed=args.seed + 1)
-    modes = [False] if args.no_overlap else [True, False]
-    runs = [_run_mode(args, overlap, items, warmup, out_dir) for overlap in modes]
-    env = environment(runs[0]["backend"], _engine_kwargs(args, True).get("sim"))
-    same = all(r["token_ids"] == runs[0]["token_ids"] for r in runs)
-    sim = " (SIMULATED device: modelled step times, pseudo-tokens)" if runs[0]["simulated"] else ""
-    header = (f"asyncbatch profile on {runs[0]['backend']}{sim}\n"
-              f"hardware: {env['hardware']}\ncommit: {env['commit']}\ncommand: {env['command']}\n"
-              f"workload: {args.num_requests} requests, prompts {args.prompt_len} tokens, outputs "
-              f"{args.output_len} tokens (ignore_eos), greedy, "
-              f"{'all at once' if args.request_rate <= 0 else f'{args.request_rate:g} req/s Poisson'}")
-    enabled = f"{overhead.enabled_ns:.0f} ns" if overhead.enabled_ns is not None else "n/a"
-    rps = runs[0]["ranges_per_step"]
-    nvtx_line = (f"NVTX: {rps:.1f} ranges per step; one range costs {overhead.disabled_ns - overhead.baseline_ns:.0f} ns "
-                 f"off, {enabled} on without a profiler (loop {overhead.baseline_ns:.0f} ns) -> "
-                 f"{rps * (overhead.disabled_ns - overhead.baseline_ns) / 1e3:.2f} us/step off"
-                 + (f", {rps * (overhead.enabled_ns - overhead.baseline_ns) / 1e3:.2f} us/step on"
-                    if overhead.enabled_ns is not None else ""))
-    text = (f"{header}\n\n{format_table(runs)}\n\nidentical tokens in every mode: {same}\n{nvtx_line}\n"
-            f"NVTX during the measured runs: {'on' if args.nvtx else 'off'}")
+    runs = [_run_mode(args, overlap, out_dir) for overlap in ([False] if args.no_overlap else [True, False])]
+    first = runs[0]
+    env = environment(first.backend, _engine_kwargs(args, True).get("sim"))
+    same = all([o.token_ids for o in r.outputs] == [o.token_ids for o in first.outputs] for r in runs)
+    sim = " (SIMULATED device: modelled step times, pseudo-tokens)" if first.simulated else ""
+    arrivals = "all at once" if args.request_rate <= 0 else f"{args.request_rate:g} req/s Poisson"
+    text = (f"asyncbatch profile on {first.backend}{sim}\nhardware: {env['hardware']}\ncommit: {env['commit']}\n"
+            f"command: {env['command']}\nworkload: {args.num_requests} requests, prompts {args.prompt_len} tokens, "
+            f"outputs {args.output_len} tokens (ignore_eos), greedy, {arrivals}\n\n{format_table(runs)}\n\n"
+            f"identical tokens in every mode: {same}\n{_nvtx_line(overhead, first.ranges_per_step)}\n"
+            f"NVTX during the measured runs: {'on' if args.nvtx or nvtx_enabled() else 'off'}")
     print(text)
-    if out_dir is not None:
-        names = {r["mode"]: r for r in runs}
-        export_traces({m: TraceRun(r["records"], r["backend"], m, r["simulated"], r["lifetimes"], r["report"])
-                       for m, r in names.items()}, out_dir / "trace.json")
-        plot_timeline({f"{m} ({r['backend']}{', simulated' if r['simulated'] else ''})": (r["records"], r["report"])
-                       for m, r in names.items()}, out_dir / "timeline.png", args.window_start, args.window,
-                      title=f"asyncbatch timeline window: {runs[0]['backend']}{sim}, {env['hardware']}")
-        report = {"environment": env, "workload": vars(args) | {"func": None}, "identical_tokens": same,
-                  "nvtx": {"overhead": dataclasses.asdict(overhead),
-                           "ranges_per_step": rps, "ranges_by_name_per_step": runs[0]["ranges_by_name"]},
-                  "runs": {r["mode"]: {"backend": r["backend"], "simulated": r["simulated"], "wall_s": r["wall_s"],
-                                       "output_tokens": r["output_tokens"], "stats": r["stats"],
-                                       "gap_report": r["report"].to_dict()} for r in runs}}
-        (out_dir / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-        (out_dir / "report.md").write_text(f"# Idle-gap report\n\n```\n{text}\n```\n\nFiles: `trace.json` (open in "
-                                           "ui.perfetto.dev or chrome://tracing), `timeline.png`, `report.json`.\n")
-        print(f"wrote {out_dir}/report.json, report.md, trace.json, timeline.png")
+    traces = {r.mode: r.trace_run() for r in runs}
+    if args.trace:
+        export_traces(traces, args.trace)
+    if out_dir is None:
+        return 0 if same else 1
+    export_traces(traces, out_dir / "trace.json")
+    plot_timeline({f"{r.mode} ({r.backend}{', simulated' if r.simulated else ''})": (r.records, r.report)
+                   for r in runs}, out_dir / "timeline.png", args.window_start, args.window,
+                  title=(f"asyncbatch timeline window: {first.backend}{sim}\n"
+                         f"{env['hardware']}; commit {env['commit']}"))
+    report = {"environment": env, "workload": {k: v for k, v in vars(args).items() if k != "func"},
+              "identical_tokens": same,
+              "nvtx": {"overhead": dataclasses.asdict(overhead), "ranges_per_step": first.ranges_per_step,
+                       "ranges_by_name_per_step": first.ranges_by_name},
+              "runs": {r.mode: r.to_dict() for r in runs}}
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    (out_dir / "report.md").write_text(f"# Idle-gap report\n\n```\n{text}\n```\n\nFiles: `trace.json` (open in "
+                                       "ui.perfetto.dev or chrome://tracing), `timeline.png`, `report.json`.\n")
+    print(f"wrote {out_dir}/report.json, report.md, trace.json, timeline.png")
     return 0 if same else 1
-

@@ -68,8 +68,11 @@ def as_run(source, lifetimes: Iterable[tuple[float, float]] | None = None) -> Tr
 
 
 def _slice(name: str, start: float, end: float, pid: int, track: str, origin: float, **args: object) -> dict:
-    return {"name": name, "ph": "X", "pid": pid, "tid": _TRACKS[track], "ts": round((start - origin) * 1e6, 3),
-            "dur": round(max(end - start, 0.0) * 1e6, 3), "args": args}
+    # Whole nanoseconds, written as microseconds: a boundary two slices share becomes the same integer in the
+    # viewer (Perfetto rounds ts*1000), so slices that touch never appear to overlap or mis-nest.
+    ts_ns, end_ns = round((start - origin) * 1e9), round((end - origin) * 1e9)
+    return {"name": name, "ph": "X", "pid": pid, "tid": _TRACKS[track], "ts": ts_ns / 1000,
+            "dur": max(end_ns - ts_ns, 0) / 1000, "args": args}
 
 
 def _valid(start: float, end: float) -> bool:
@@ -110,16 +113,19 @@ def _device(r: StepRecord, pid: int, o: float, backend: str) -> list[dict]:
                   forward_ms=r.forward_ms, sample_ms=r.sample_ms, d2h_ms=r.d2h_ms)]
     h2d, fwd, smp, d2h = r.h2d_ms * 1e-3, r.forward_ms * 1e-3, r.sample_ms * 1e-3, r.d2h_ms * 1e-3
     if h2d_precedes_device_start(backend):
-        stages = [("forward", start, start + fwd), ("sample", start + fwd, min(start + fwd + smp, end))]
+        # Only durations are recorded for the copies: H2D is drawn ending at the step's start (exact when the
+        # device waited for it, early otherwise), D2H starting at its end.
+        forwarded = min(start + fwd, end)
+        stages = [("forward", start, forwarded), ("sample", forwarded, min(forwarded + smp, end))]
         out.append(_slice("h2d", start - h2d, start, pid, "h2d", o, step=step))
         out.append(_slice("d2h", end, end + d2h, pid, "d2h", o, step=step))
     elif backend == "cpu":  # the device thread copies in, runs, samples, then copies out
-        stages = [("h2d", start, start + h2d), ("forward", start + h2d, start + h2d + fwd),
-                  ("sample", start + h2d + fwd, end)]
+        copied, forwarded = min(start + h2d, end), min(start + h2d + fwd, end)
+        stages = [("h2d", start, copied), ("forward", copied, forwarded), ("sample", forwarded, end)]
         out.append(_slice("d2h", end, end + d2h, pid, "device", o, step=step))
     else:  # sim: the modelled step is all "forward"; its copy happens on the thread, off the modelled clock
         stages = [("forward", start, end)]
-    out += [_slice(name, s, min(e, end), pid, "device", o, step=step) for name, s, e in stages if e > s]
+    out += [_slice(name, s, e, pid, "device", o, step=step) for name, s, e in stages if e > s]
     return out
 
 

@@ -8,6 +8,7 @@ prompt alone.
 from __future__ import annotations
 
 import pytest
+import torch
 from engine_checks import assert_idle_and_clean
 from reference import compare_greedy
 from tiny_models import EOS_ID, LLAMA3_ROPE, save_tiny_model
@@ -84,3 +85,42 @@ def test_preemption_keeps_greedy_tokens(make_llm, tmp_path):
         assert tight.stats()["preemptions"] > 0, "the cache was meant to be too small"
         assert got == expected
         assert_idle_and_clean(tight)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_repetition_penalty_matches_transformers(make_llm, tmp_path, overlap):
+    """Repetition penalty over prompt and output, as transformers' RepetitionPenaltyLogitsProcessor does;
+    the tight cache makes requests recompute, which must rebuild the penalty state."""
+    path = save_tiny_model(tmp_path / "llama", "LlamaForCausalLM")
+    prompts = [[3 + (i * 17 + j) % 40 for j in range(6 + 2 * i)] for i in range(6)]
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype="float32").eval()
+    expected = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24,
+                                 repetition_penalty=1.5, eos_token_id=None, pad_token_id=0,
+                                 temperature=None, top_p=None, top_k=None)
+        expected.append(out[0, len(prompt):].tolist())
+    params = SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.5, ignore_eos=True)
+    for kwargs in ({}, {"num_kv_blocks": 16, "block_size": 4}):
+        llm = make_llm(str(path), device="cpu", overlap=overlap, max_num_seqs=6, **kwargs)
+        got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == expected, kwargs
+        if kwargs:
+            assert llm.stats()["preemptions"] > 0
+        plain = llm.generate(prompts[:1], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+                             use_tqdm=False)[0].token_ids
+        assert plain != expected[0], "the penalty must change something for this test to mean anything"
+        llm.close()
+
+
+def test_penalties_and_seeded_sampling_same_in_both_modes(make_llm, tmp_path):
+    path = save_tiny_model(tmp_path / "qwen3", "Qwen3ForCausalLM")
+    prompts = [[3 + (i * 11 + j) % 60 for j in range(4 + 3 * i)] for i in range(8)]
+    params = [SamplingParams(max_tokens=20, temperature=0.7, seed=i, presence_penalty=0.5, frequency_penalty=0.3,
+                             top_p=0.9 if i % 2 else 1.0, ignore_eos=True) for i in range(8)]
+    runs = []
+    for overlap in (True, False):
+        llm = make_llm(str(path), device="cpu", overlap=overlap, num_kv_blocks=20, block_size=4, max_num_seqs=8)
+        runs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert runs[0] == runs[1]

@@ -40,7 +40,7 @@ class MemorySampler:
         self._thread: threading.Thread | None = None
         self._cuda = torch.cuda.is_available()
 
-    def __enter__(self) -> MemorySampler:
+    def __enter__(self) -> MemorySampler:  # noqa: PYI034 - not meant to be subclassed
         self.start_mib = self.peak_mib = rss_mib()
         if self._cuda:
             torch.cuda.reset_peak_memory_stats()

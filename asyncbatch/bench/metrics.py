@@ -8,6 +8,10 @@ Definitions (vLLM's ``benchmark_serving`` conventions):
   all requests.
 - E2E: submission to the last output token.
 - Throughputs divide by the run's wall time (first submission to last output).
+- Output tokens per CPU-second divide by this process's CPU time (all threads)
+  in the same window: on a shared machine it moves less with other people's
+  jobs than wall-clock throughput does, so it is reported beside it, together
+  with ``contention``, the share of the CPUs other processes took meanwhile.
 
 Distributions are summarised as mean, P50, P90 and P99 in milliseconds; a
 metric the system could not measure is ``None`` (never a made-up zero).
@@ -28,7 +32,7 @@ ENGINE_KEYS = ("device_busy_fraction", "idle_gap_ms_mean", "idle_gap_ms_p99", "p
                "device_ms_per_step", "tokens_per_step", "steps", "preemptions")
 DISTRIBUTIONS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 SCALARS = ("duration_s", "request_throughput", "output_throughput", "total_token_throughput",
-           "computed_token_throughput", "peak_memory_mib")
+           "computed_token_throughput", "peak_memory_mib", "cpu_s", "output_tokens_per_cpu_s", "contention")
 
 
 def distribution(values_s: Iterable[float | None]) -> dict | None:
@@ -62,6 +66,10 @@ def run_metrics(run: RunResult) -> dict:
         "output_throughput": out_tokens / duration,
         "total_token_throughput": (out_tokens + prompt_tokens) / duration,
         "computed_token_throughput": None if run.computed_tokens is None else run.computed_tokens / duration,
+        "cpu_s": run.cpu_s,
+        "output_tokens_per_cpu_s": out_tokens / run.cpu_s if run.cpu_s else None,
+        "host": dict(run.host),
+        "contention": run.host.get("contention"),
         "ttft_ms": distribution(r.ttft for r in reqs),
         "tpot_ms": distribution(r.tpot for r in reqs),
         "itl_ms": distribution(itls) if has_chunks else None,

@@ -12,6 +12,7 @@ Invariants of a ``RequestRecord``:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 
 @dataclass(slots=True)
@@ -44,7 +45,7 @@ class RequestRecord:
         t = self.chunk_times
         if not t or len(t) < 2:
             return []
-        return [b - a for a, b in zip(t, t[1:])]
+        return [b - a for a, b in pairwise(t)]
 
 
 @dataclass(slots=True)
@@ -66,6 +67,8 @@ class RunResult:
     engine_stats: dict | None = None
     memory: dict = field(default_factory=dict)
     request_rate: float | None = None  # None: offline, everything submitted at once
+    cpu_s: float | None = None  # this process's CPU time (all threads) inside the timed window
+    host: dict = field(default_factory=dict)  # contention by other processes (``host_load.HostLoad``)
 
     @property
     def duration(self) -> float:

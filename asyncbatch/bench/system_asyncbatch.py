@@ -48,7 +48,7 @@ class AsyncBatchSystem(BenchSystem):
 
     def _stats(self) -> dict:
         stats = self.llm.stats()
-        stats["computed_tokens"] = int(round(stats.get("tokens_per_step", 0.0) * stats.get("steps", 0)))
+        stats["computed_tokens"] = round(stats.get("tokens_per_step", 0.0) * stats.get("steps", 0))
         return stats
 
     def run_offline(self, items: list[WorkItem]) -> RunResult:
@@ -56,9 +56,9 @@ class AsyncBatchSystem(BenchSystem):
         params = [self._params(it) for it in items]
         with MemorySampler() as mem:
             self.llm.reset_stats()
-            start = time.perf_counter()
+            start, cpu0 = time.perf_counter(), time.process_time()
             outs = self.llm.generate(prompts, params, use_tqdm=False)
-            end = time.perf_counter()
+            end, cpu_s = time.perf_counter(), time.process_time() - cpu0
         records = []
         for prompt, out in zip(prompts, outs):
             if out.error is not None:
@@ -68,7 +68,7 @@ class AsyncBatchSystem(BenchSystem):
                                          m.finished_time, None, list(out.token_ids)))
         stats = self._stats()
         return RunResult(self.name, records, start, end, stats["computed_tokens"], stats,
-                         mem.result(self.load_mib))
+                         mem.result(self.load_mib), cpu_s=cpu_s)
 
     def run_online(self, items: list[WorkItem], offsets: list[float]) -> RunResult:
         records: list[RequestRecord | None] = [None] * len(items)
@@ -97,14 +97,15 @@ class AsyncBatchSystem(BenchSystem):
 
         with MemorySampler() as mem:
             self.llm.reset_stats()
+            cpu0 = time.process_time()
             start = replay(offsets, submit)
             for thread in threads:
                 thread.join()
-            end = time.perf_counter()
+            end, cpu_s = time.perf_counter(), time.process_time() - cpu0
         errors.raise_first()
         stats = self._stats()
         return RunResult(self.name, [r for r in records if r is not None], start, end, stats["computed_tokens"],
-                         stats, mem.result(self.load_mib))
+                         stats, mem.result(self.load_mib), cpu_s=cpu_s)
 
     def close(self) -> None:
         self.llm.close()

@@ -55,7 +55,7 @@ class BenchSystem(ABC):
         """What this system was configured with, for the JSON report."""
         return {}
 
-    def close(self) -> None:  # noqa: B027 - optional hook
+    def close(self) -> None:
         pass
 
 

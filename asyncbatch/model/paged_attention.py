@@ -1,18 +1,58 @@
-"""Attention over the paged KV cache in plain torch (CPU and CUDA).
+"""Attention over the paged KV cache: the torch reference, and dispatch to Triton on CUDA.
 
 Cache layout per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
-Single-token rows are attended together with a static-shape gather through
-their block tables (padded to ``max_blocks``, masked by context length), which
-is the shape a CUDA graph can capture. Multi-token chunks are attended one row
-at a time with a causal mask offset by the tokens already in the cache.
+The torch reference (the CPU path, and CUDA without Triton) attends
+single-token rows together with a static-shape gather through their block
+tables (padded to ``max_blocks``, masked by context length) and multi-token
+chunks one row at a time with a causal mask offset by the tokens already in
+the cache.
+
+On CUDA tensors ``paged_attention`` runs the Triton kernels of
+``triton_attention`` instead (decode rows and all prefill chunks in one launch
+each), unless Triton is missing or ``ASYNCBATCH_ATTENTION=torch`` (or
+``set_attention_backend("torch")``) asks for the reference. Triton is imported
+on the first CUDA call only, so CPU runs never import it.
 """
 
 from __future__ import annotations
+
+import os
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
 from asyncbatch.model.forward_batch import ForwardBatch
+
+ATTENTION_BACKENDS = ("auto", "triton", "torch")
+_backend = os.environ.get("ASYNCBATCH_ATTENTION", "auto")
+_triton: ModuleType | None = None
+_triton_missing = False
+
+
+def set_attention_backend(name: str) -> None:
+    """``"auto"`` (Triton on CUDA when it imports), ``"triton"`` (required on CUDA) or ``"torch"``."""
+    global _backend
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    _backend = name
+
+
+def triton_kernels(device: torch.device) -> ModuleType | None:
+    """The ``triton_attention`` module if attention on ``device`` should use it, else None."""
+    global _triton, _triton_missing
+    if device.type != "cuda" or _backend == "torch":
+        return None
+    if _triton is None and not _triton_missing:
+        try:
+            from asyncbatch.model import triton_attention
+        except ImportError:
+            if _backend == "triton":
+                raise
+            _triton_missing = True
+        else:
+            _triton = triton_attention
+    return _triton
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -72,6 +112,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     v_cache: torch.Tensor, batch: ForwardBatch, scale: float) -> torch.Tensor:
     """q: [T, heads, head_dim], k/v: [T, kv_heads, head_dim] → [T, heads, head_dim]."""
     write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+    kernels = triton_kernels(q.device)
+    if kernels is not None:
+        return kernels.paged_attention(q, k_cache, v_cache, batch, scale)
     nd = batch.num_decode
     if not batch.prefill_rows:
         return decode_attention(q, k_cache, v_cache, batch.decode_block_tables, batch.decode_context_lens, scale)

@@ -1,0 +1,167 @@
+"""The results document (JSON), the machine it was measured on, and the terminal table."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import transformers
+
+from asyncbatch.bench.metrics import median_of, spread
+from asyncbatch.bench.runner import SystemData, rate_key
+from asyncbatch.bench.schema import SCHEMA_ID, validate
+from asyncbatch.bench.systems import GENERATE_BATCH, OVERLAP, STATIC, SYNC
+
+_REPO = Path(__file__).resolve().parents[2]
+
+
+def machine_info(device: str) -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    info = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "platform": platform.platform(), "device": device,
+            "switch_interval_s": sys.getswitchinterval()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=_REPO, capture_output=True, text=True,
+                             timeout=10, check=True)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def comparisons(results: list[SystemData], rates: list[float | None]) -> list[dict]:
+    """asyncbatch overlap's median output throughput over each other system's, at each rate."""
+    by_name = {r.name: r for r in results}
+    if OVERLAP not in by_name:
+        return []
+    out = []
+    for rate in rates:
+        num = _median_tput(by_name[OVERLAP], rate)
+        for other in (GENERATE_BATCH, SYNC, STATIC):
+            if other in by_name and num:
+                den = _median_tput(by_name[other], rate)
+                if den:
+                    out.append({"request_rate": rate_key(rate), "numerator": OVERLAP, "denominator": other,
+                                "output_throughput_ratio": num / den})
+    return out
+
+
+def _median_tput(data: SystemData, rate: float | None) -> float | None:
+    s = spread([m["output_throughput"] for m in data.points[rate].metrics])
+    return None if s is None else s["median"]
+
+
+def build_document(kind: str, settings: dict, workload: dict, results: list[SystemData],
+                   rates: list[float | None], correctness: dict | None) -> dict:
+    return {
+        "schema": SCHEMA_ID,
+        "kind": kind,
+        "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "git_commit": git_commit(),
+        "machine": machine_info(settings.get("device", "cpu")),
+        "settings": settings,
+        "workload": workload,
+        "request_rates": [rate_key(r) for r in rates],
+        "systems": [{"name": r.name, "description": r.description, "config": r.config, "load_mib": r.load_mib,
+                     "points": [p.as_dict(rate) for rate, p in r.points.items()]} for r in results],
+        "correctness": correctness,
+        "comparisons": comparisons(results, rates),
+        "plots": [],
+    }
+
+
+def write_json(doc: dict, results_dir: Path, name: str) -> Path:
+    validate(doc)
+    results_dir.mkdir(parents=True, exist_ok=True)
+    path = results_dir / name
+    path.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
+    return path
+
+
+def _pct(value: float | None) -> float | None:
+    return None if value is None else 100 * value
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def table(doc: dict) -> str:
+    """One row per system and request rate: medians over repeats, output tok/s with its min-max."""
+    head = (f"{'system':<28} {'rate':>6} {'req/s':>7} {'out tok/s (min-max)':>24} {'total tok/s':>11} "
+            f"{'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9} {'ITL p50':>8} {'E2E p50':>9} "
+            f"{'busy%':>6} {'plan ms':>7} {'mem MiB':>8} {'tok/CPU-s':>9} {'others%':>7}")
+    lines = [head, "-" * len(head)]
+    for system in doc["systems"]:
+        for point in system["points"]:
+            s = point["summary"]
+            out = s["output_throughput"]
+            busy = median_of(s, "engine", "device_busy_fraction")
+            rate = "offline" if point["request_rate"] is None else str(point["request_rate"])
+            tput = f"{out['median']:.1f} ({out['min']:.1f}-{out['max']:.1f})"
+            lines.append(
+                f"{system['name']:<28} {rate:>6} {_fmt(median_of(s, 'request_throughput'), 2):>7} {tput:>24} "
+                f"{_fmt(median_of(s, 'total_token_throughput')):>11} "
+                f"{_fmt(median_of(s, 'ttft_ms', 'p50'), 0):>9} {_fmt(median_of(s, 'ttft_ms', 'p99'), 0):>9} "
+                f"{_fmt(median_of(s, 'tpot_ms', 'p50')):>9} {_fmt(median_of(s, 'tpot_ms', 'p99')):>9} "
+                f"{_fmt(median_of(s, 'itl_ms', 'p50')):>8} {_fmt(median_of(s, 'e2e_ms', 'p50'), 0):>9} "
+                f"{_fmt(None if busy is None else 100 * busy):>6} "
+                f"{_fmt(median_of(s, 'engine', 'planner_ms_per_step'), 2):>7} "
+                f"{_fmt(median_of(s, 'peak_memory_mib'), 0):>8} "
+                f"{_fmt(median_of(s, 'output_tokens_per_cpu_s')):>9} {_fmt(_pct(median_of(s, 'contention')), 0):>7}")
+    for c in doc["comparisons"]:
+        rate = "offline" if c["request_rate"] is None else f"rate {c['request_rate']}"
+        lines.append(f"{c['numerator']} / {c['denominator']} ({rate}): {c['output_throughput_ratio']:.2f}x "
+                     "output tokens/s (medians)")
+    corr = doc.get("correctness")
+    if corr:
+        for name, r in corr["results"].items():
+            lines.append(f"tokens vs {corr['reference']}: {name}: {r['identical']}/{r['compared']} requests "
+                         f"identical, mean common prefix {100 * r['mean_common_prefix_fraction']:.1f}%")
+    return "\n".join(lines)
+
+
+def markdown_table(doc: dict) -> str:
+    """The headline numbers as a Markdown table (medians over repeats; min-max for throughput)."""
+    def f(v: float | None, digits: int = 1) -> str:
+        return "-" if v is None else f"{v:.{digits}f}"
+
+    header = ("| system | rate (req/s) | output tok/s (min-max) | total tok/s | req/s | TTFT p50 / p99 (ms) | "
+              "TPOT p50 / p99 (ms) | device busy % | planner ms/step | peak MiB | output tok/CPU-s | "
+              "CPU taken by others |")
+    rows = [header, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for system in doc["systems"]:
+        for p in system["points"]:
+            s = p["summary"]
+            o = s["output_throughput"]
+            busy = median_of(s, "engine", "device_busy_fraction")
+            rate = "offline" if p["request_rate"] is None else p["request_rate"]
+            rows.append(
+                f"| {system['name']} | {rate} | **{o['median']:.1f}** ({o['min']:.1f}-{o['max']:.1f}) | "
+                f"{f(median_of(s, 'total_token_throughput'))} | {f(median_of(s, 'request_throughput'), 2)} | "
+                f"{f(median_of(s, 'ttft_ms', 'p50'), 0)} / {f(median_of(s, 'ttft_ms', 'p99'), 0)} | "
+                f"{f(median_of(s, 'tpot_ms', 'p50'))} / {f(median_of(s, 'tpot_ms', 'p99'))} | "
+                f"{f(None if busy is None else 100 * busy)} | "
+                f"{f(median_of(s, 'engine', 'planner_ms_per_step'), 2)} | "
+                f"{f(median_of(s, 'peak_memory_mib'), 0)} | {f(median_of(s, 'output_tokens_per_cpu_s'))} | "
+                f"{f(_pct(median_of(s, 'contention')), 0)}% |")
+    return "\n".join(rows)

@@ -1,0 +1,68 @@
+"""The systems a benchmark can compare, by name.
+
+Built lazily, so a run of asyncbatch alone never imports transformers' batching
+code, and the transformers baselines are built only when asked for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from asyncbatch.bench.system_base import BenchSettings, BenchSystem
+
+OVERLAP, SYNC = "asyncbatch-overlap", "asyncbatch-sync"
+GENERATE_BATCH, STATIC = "transformers-generate_batch", "transformers-static"
+SYSTEM_NAMES = (OVERLAP, SYNC, GENERATE_BATCH, STATIC)
+ALIASES = {"overlap": OVERLAP, "sync": SYNC, "generate_batch": GENERATE_BATCH, "cb": GENERATE_BATCH,
+           "static": STATIC}
+
+
+def _overlap(s: BenchSettings) -> BenchSystem:
+    from asyncbatch.bench.system_asyncbatch import AsyncBatchSystem
+
+    return AsyncBatchSystem(s, overlap=True)
+
+
+def _sync(s: BenchSettings) -> BenchSystem:
+    from asyncbatch.bench.system_asyncbatch import AsyncBatchSystem
+
+    return AsyncBatchSystem(s, overlap=False)
+
+
+def _generate_batch(s: BenchSettings) -> BenchSystem:
+    from asyncbatch.bench.system_hf_continuous import HFContinuousSystem
+
+    return HFContinuousSystem(s)
+
+
+def _static(s: BenchSettings) -> BenchSystem:
+    from asyncbatch.bench.system_hf_static import HFStaticSystem
+
+    return HFStaticSystem(s)
+
+
+BUILDERS: dict[str, Callable[[BenchSettings], BenchSystem]] = {
+    OVERLAP: _overlap, SYNC: _sync, GENERATE_BATCH: _generate_batch, STATIC: _static}
+
+
+def parse_systems(text: str) -> list[str]:
+    """``"all"`` or a comma list of names or aliases (overlap, sync, generate_batch, static)."""
+    if text.strip() == "all":
+        return list(SYSTEM_NAMES)
+    names = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        name = ALIASES.get(part, part)
+        if name not in BUILDERS:
+            raise ValueError(f"unknown system {part!r}; known: {list(SYSTEM_NAMES)} or {sorted(ALIASES)}")
+        if name not in names:
+            names.append(name)
+    if not names:
+        raise ValueError("no systems given")
+    return names
+
+
+def build_system(name: str, settings: BenchSettings) -> BenchSystem:
+    return BUILDERS[name](settings)

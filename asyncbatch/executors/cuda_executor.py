@@ -1,0 +1,247 @@
+"""The ``cuda`` backend: three streams, pinned slots, and captured graphs for decode steps.
+
+The planner thread launches each step itself; nothing here waits for the
+device except ``wait`` (the caller's later wait for step N's tokens). The one
+wait on the launch path is the planner's slot fence, which fires on the
+``h2d_end`` event recorded below.
+
+    planner     [launch N: pad + copies, replay, D2H]        [launch N+1 ...]      [wait N: d2h event]
+    H2D stream     [slot A → static set A]●h2d_end                [slot B → set B]●
+    compute                   (wait ●)[start● graph(A, bucket, variant) end●]  (wait ●)[ step N+1 ...
+    D2H stream                                          (wait end●)[ids N]●d2h → set A free again
+
+Which path a step takes (``_graph_plan``): a captured graph when graphs are
+on, the step is decode-only (``num_decode == num_tokens``), uses no penalties
+and fits the largest bucket; otherwise the eager path (prefill, mixed steps,
+penalties, oversized batches), whose inputs are copied into fresh device
+tensors and which runs the same model with the Triton prefill kernel.
+
+Stream-order invariants:
+  * the H2D copy into static set ``s`` waits for ``set_free[s]``, the D2H event
+    of the last step that replayed set ``s`` (its graph read the inputs before
+    that and its outputs were copied out by then);
+  * the compute stream waits for the step's ``h2d_end``; the D2H stream waits
+    for its ``end``;
+  * an eager step's device tensors stay referenced in ``_in_flight`` until
+    ``wait`` has seen its D2H event;
+  * the executor's own pinned buffers (prefill rows, first-chunk slots) are
+    indexed by host slot, so the slot's fence protects them too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from asyncbatch.executors.base import StepHandle, StepResult
+from asyncbatch.executors.decode_graph import DecodeGraphStep, SamplingVariant
+from asyncbatch.executors.torch_executor import TorchExecutor
+from asyncbatch.model.forward_batch import ForwardBatch
+from asyncbatch.model.llama import CausalLM
+from asyncbatch.model.paged_attention import triton_kernels
+from asyncbatch.step_metadata import StepMeta
+from asyncbatch.timeline_marks import mark
+from cuda_graphs import CudaGraphBackend, GraphRunner, normalize_batch_sizes
+
+logger = logging.getLogger(__name__)
+
+HOST_SLOTS = 2  # the engine's double buffer: one static input set per host slot
+DEFAULT_CAPTURE_VARIANTS = (SamplingVariant.GREEDY, SamplingVariant.SAMPLE)  # FILTERED is captured on first use
+
+
+class GraphPlan(NamedTuple):
+    set_index: int
+    rows: int
+    bucket: int
+    variant: SamplingVariant
+
+
+@dataclass(slots=True)
+class _StepEvents:
+    h2d_start: torch.cuda.Event = field(default_factory=lambda: torch.cuda.Event(enable_timing=True))
+    h2d_end: torch.cuda.Event = field(default_factory=lambda: torch.cuda.Event(enable_timing=True))
+    start: torch.cuda.Event = field(default_factory=lambda: torch.cuda.Event(enable_timing=True))
+    sample: torch.cuda.Event = field(default_factory=lambda: torch.cuda.Event(enable_timing=True))
+    end: torch.cuda.Event = field(default_factory=lambda: torch.cuda.Event(enable_timing=True))
+    d2h: torch.cuda.Event = field(default_factory=lambda: torch.cuda.Event(enable_timing=True))
+
+
+class CudaExecutor(TorchExecutor):
+    def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_num_seqs: int,
+                 device: torch.device, *, max_blocks_per_seq: int | None = None, enable_cuda_graphs: bool = True,
+                 cuda_graph_batch_sizes: tuple[int, ...] | None = None,
+                 capture_variants: tuple[SamplingVariant, ...] = DEFAULT_CAPTURE_VARIANTS) -> None:
+        super().__init__(model, kv_caches, max_num_seqs, device)
+        if self.device.type != "cuda":
+            raise ValueError(f"CudaExecutor needs a CUDA device, got {self.device}")
+        self._triton = triton_kernels(self.device)  # the Triton attention module, or None (torch reference)
+        block_size = kv_caches[0][0].shape[1]
+        # The engine's block tables are max_model_len / block_size wide; the model's rotary table is max_model_len.
+        self.max_blocks_per_seq = max_blocks_per_seq or -(-model.rope_cos.shape[0] // block_size)
+        self.h2d_stream = torch.cuda.Stream(self.device)
+        self.compute_stream = torch.cuda.Stream(self.device)
+        self.d2h_stream = torch.cuda.Stream(self.device)
+        pinned = {"dtype": torch.int64, "pin_memory": True}
+        self._out_host = [torch.zeros(max_num_seqs, **pinned) for _ in range(2)]
+        self._finite_host = [torch.zeros(max_num_seqs, dtype=torch.bool, pin_memory=True) for _ in range(2)]
+        self._prefill_rows_host = [torch.zeros(max_num_seqs, 3, **pinned) for _ in range(HOST_SLOTS)]
+        self._first_chunk_host = [torch.zeros(max_num_seqs, **pinned) for _ in range(HOST_SLOTS)]
+        self._in_flight: dict[int, tuple] = {}  # eager steps' tensors, alive until their D2H event fired
+        self._set_free: list[torch.cuda.Event | None] = [None] * HOST_SLOTS
+        self.graphs: GraphRunner | None = None
+        self.graphs_off_reason = "disabled (enable_cuda_graphs=False)"
+        if enable_cuda_graphs:
+            self._build_graphs(max_num_seqs, cuda_graph_batch_sizes, capture_variants)
+        # Host clock of a reference event, so CUDA event times map onto the timeline's clock.
+        self._ref_event = torch.cuda.Event(enable_timing=True)
+        self._ref_event.record()
+        self._ref_event.synchronize()
+        self._ref_host = time.perf_counter()
+
+    def _build_graphs(self, max_num_seqs: int, sizes: tuple[int, ...] | None,
+                      variants: tuple[SamplingVariant, ...]) -> None:
+        # Without the Triton decode kernel a graph would gather all max_blocks_per_seq blocks of every row.
+        if self._triton is None:
+            self.graphs_off_reason = "off: the Triton attention kernels are unavailable"
+            logger.warning("CUDA graphs %s", self.graphs_off_reason)
+            return
+        batch_sizes = normalize_batch_sizes(sizes, max_num_seqs)
+        step = DecodeGraphStep(self.model, self.kv_caches, self.token_buffer, batch_sizes[-1],
+                               self.max_blocks_per_seq)
+        self.graphs = GraphRunner(step, batch_sizes, HOST_SLOTS, self.device, CudaGraphBackend(self.device))
+        self.graphs_off_reason = ""
+        with torch.inference_mode():
+            self.graphs.capture_all(variants)
+        torch.cuda.synchronize(self.device)
+
+    # -- host → device hooks (see TorchExecutor._copy_in) --------------------------------
+    def _upload(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+    def _table_rows(self, table: np.ndarray, rows: int, width: int) -> np.ndarray:
+        # Whole rows are one contiguous pinned range, so the copy is a true async DMA; the Triton
+        # kernels read only the blocks a row's context covers, whatever the width. The torch
+        # reference gathers every column, so it gets the narrow (strided, staged) copy.
+        return table[:rows] if self._triton is not None else super()._table_rows(table, rows, width)
+
+    def _first_chunk_slots(self, meta: StepMeta) -> torch.Tensor:
+        host = self._first_chunk_host[meta.slot.index]
+        k = len(meta.first_chunk_slots)
+        host[:k] = torch.as_tensor(meta.first_chunk_slots, dtype=torch.int64)
+        return host[:k].to(self.device, non_blocking=True)
+
+    def _make_batch(self, meta: StepMeta, prefill_tables: torch.Tensor, **fields: object) -> ForwardBatch:
+        if self._triton is None:
+            return ForwardBatch(**fields)
+        rows = meta.prefill_rows
+        host = self._prefill_rows_host[meta.slot.index]
+        host[:len(rows)] = torch.as_tensor([(p.token_start, p.q_len, p.ctx_len) for p in rows],
+                                           dtype=torch.int64).view(-1, 3)
+        prefill_meta = host[:len(rows)].to(self.device, non_blocking=True)
+        return self._triton.PagedForwardBatch(**fields, prefill_meta=prefill_meta, prefill_tables=prefill_tables,
+                                              max_prefill_len=max((p.q_len for p in rows), default=0))
+
+    # -- launch ---------------------------------------------------------------------
+    def _graph_plan(self, meta: StepMeta) -> GraphPlan | None:
+        nd = meta.num_decode
+        if self.graphs is None or nd == 0 or nd != meta.num_tokens or meta.any_penalty:
+            return None
+        bucket = self.graphs.bucket_for(nd)
+        if bucket is None:
+            return None
+        if meta.slot.index >= HOST_SLOTS or meta.slot.decode_block_tables.shape[1] != self.max_blocks_per_seq:
+            raise ValueError(f"host slot {meta.slot.index} with {meta.slot.decode_block_tables.shape[1]} blocks "
+                             f"per row does not match the graphs' {HOST_SLOTS} sets of {self.max_blocks_per_seq}")
+        return GraphPlan(meta.slot.index, nd, bucket, SamplingVariant.for_step(meta))
+
+    def _capture_missing(self, plan: GraphPlan) -> None:
+        """Capture a graph on first use, ordered after every earlier use of its input set."""
+        with torch.cuda.stream(self.compute_stream), torch.inference_mode(), mark("capture"):
+            free = self._set_free[plan.set_index]
+            if free is not None:
+                self.compute_stream.wait_event(free)
+            self.graphs.capture(plan.set_index, plan.bucket, plan.variant, lazy=True)
+            captured = torch.cuda.Event()
+            captured.record()
+        self._set_free[plan.set_index] = captured  # the H2D copy must not refill the set before warm-up ends
+
+    def launch(self, meta: StepMeta) -> StepHandle:
+        handle = StepHandle(meta.step_id, time.perf_counter())
+        plan = self._graph_plan(meta)
+        if plan is not None and not self.graphs.has(plan.set_index, plan.bucket, plan.variant):
+            self._capture_missing(plan)
+        ev = _StepEvents()
+        step = None
+        with torch.cuda.stream(self.h2d_stream), mark("h2d", meta.step_id):
+            ev.h2d_start.record()
+            if plan is None:
+                step = self._copy_in(meta)
+            else:
+                free = self._set_free[plan.set_index]
+                if free is not None:
+                    self.h2d_stream.wait_event(free)
+                self.graphs.prepare(plan.set_index, DecodeGraphStep.host_arrays(meta.slot), plan.rows, plan.bucket)
+            ev.h2d_end.record()
+        meta.slot.fence.signal_with_cuda_event(ev.h2d_end)
+        with torch.cuda.stream(self.compute_stream), torch.inference_mode():
+            self.compute_stream.wait_event(ev.h2d_end)
+            ev.start.record()
+            if plan is None:
+                tokens, finite, _ = self._compute(meta, step, ev.sample)
+            else:
+                with mark("graph", meta.step_id, f" bucket={plan.bucket} {plan.variant.value}"):
+                    outputs = self.graphs.replay(plan.set_index, plan.bucket, plan.variant)
+                tokens, finite = outputs["token_ids"][:plan.rows], outputs["finite"][:plan.rows]
+                ev.sample.record()  # sampling is inside the graph: its time counts as forward
+            ev.end.record()
+        r = meta.num_sampled
+        out, fin = self._out_host[meta.step_id % 2], self._finite_host[meta.step_id % 2]
+        with torch.cuda.stream(self.d2h_stream):
+            self.d2h_stream.wait_event(ev.end)
+            out[:r].copy_(tokens, non_blocking=True)
+            fin[:r].copy_(finite, non_blocking=True)
+            ev.d2h.record()
+        if plan is None:
+            self._in_flight[meta.step_id] = (step, tokens, finite)
+        else:
+            self._set_free[plan.set_index] = ev.d2h
+        handle._waiter = (ev, r)
+        return handle
+
+    def wait(self, handle: StepHandle) -> StepResult:
+        ev, r = handle._waiter
+        ev.d2h.synchronize()
+        self._in_flight.pop(handle.step_id, None)
+        out = self._out_host[handle.step_id % 2][:r].numpy().copy()
+        fin = self._finite_host[handle.step_id % 2][:r].numpy().copy()
+        ref, base = self._ref_event, self._ref_host
+        return StepResult(handle.step_id, out, fin,
+                          device_start=base + ref.elapsed_time(ev.start) / 1e3,
+                          device_end=base + ref.elapsed_time(ev.end) / 1e3,
+                          h2d_ms=ev.h2d_start.elapsed_time(ev.h2d_end),
+                          forward_ms=ev.start.elapsed_time(ev.sample),
+                          sample_ms=ev.sample.elapsed_time(ev.end),
+                          d2h_ms=ev.end.elapsed_time(ev.d2h))
+
+    def describe(self) -> dict:
+        info = super().describe()
+        info["attention"] = "triton" if self._triton is not None else "torch"
+        info["cuda_graphs"] = self.graphs is not None
+        if self.graphs is None:
+            info["cuda_graphs_off_reason"] = self.graphs_off_reason
+        else:
+            info["cuda_graph_batch_sizes"] = list(self.graphs.batch_sizes)
+            info["cuda_graph_stats"] = self.graphs.stats.as_dict()
+        return info
+
+    def close(self) -> None:
+        with contextlib.suppress(RuntimeError):  # a device error that killed the engine may be sticky
+            torch.cuda.synchronize(self.device)
+        self._in_flight.clear()
+        self.graphs = None

@@ -1,0 +1,101 @@
+"""The decode step as a ``cuda_graphs.CapturableStep``: what a captured graph runs.
+
+A decode-only step is a function of per-row inputs that the planner already
+writes into the host slot (token slot, position, KV slot, block table row,
+context length, sampling parameters); everything else it touches has a fixed
+address (weights, KV cache, the device token buffer). So one graph per padded
+batch size serves every step of that size:
+
+    input_ids = token_buffer[decode_token_slots]        # last step's tokens, never via the host
+    logits    = model(input_ids, positions, KV through block_tables/context_lens)
+    tokens    = sample(logits, per-row parameters)       # greedy, sample or filtered variant
+    token_buffer[decode_token_slots] = tokens
+
+Padding rows (``rows .. bucket``) are made harmless by their pad values, not
+by masks sprinkled through the model: they read and write the dummy token row
+(``dummy_token_row``, one past the last request slot), write their key/value
+to the first slot of the dummy KV block (``DUMMY_BLOCK``, never allocated to a
+request), attend over that one slot (context length 1) and sample greedily.
+Real rows never read the dummy block or the dummy token row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from enum import Enum
+
+import torch
+
+from asyncbatch.block_manager import DUMMY_BLOCK
+from asyncbatch.host_slots import HostSlot
+from asyncbatch.model.forward_batch import ForwardBatch
+from asyncbatch.model.llama import CausalLM
+from asyncbatch.sampler import SamplingTensors, sample
+from asyncbatch.step_metadata import StepMeta
+from cuda_graphs import BufferSpec
+
+
+class SamplingVariant(Enum):
+    """Which sampler path a graph contains; chosen per step from host-known flags."""
+
+    GREEDY = "greedy"  # every row greedy: argmax only
+    SAMPLE = "sample"  # some random rows, no top-k/top-p/min-p: Gumbel-max without the sort
+    FILTERED = "filtered"  # some row filters: the full path
+
+    @classmethod
+    def for_step(cls, meta: StepMeta) -> SamplingVariant:
+        if meta.all_greedy:
+            return cls.GREEDY
+        return cls.FILTERED if meta.any_filter else cls.SAMPLE
+
+
+class DecodeGraphStep:
+    """Decode-only step over static inputs; see the module docstring for the padding rules."""
+
+    def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 token_buffer: torch.Tensor, max_rows: int, max_blocks_per_seq: int) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.token_buffer = token_buffer  # [max_num_seqs + 1], the last row is the dummy
+        self.dummy_token_row = token_buffer.shape[0] - 1
+        self.block_size = kv_caches[0][0].shape[1]
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self._row_ids = torch.arange(max_rows, dtype=torch.int64, device=token_buffer.device)  # logits rows
+
+    def input_specs(self) -> Sequence[BufferSpec]:
+        i64, f32 = torch.int64, torch.float32
+        return (
+            BufferSpec("token_slots", (), i64, self.dummy_token_row, "decode_token_slots"),
+            BufferSpec("positions", (), i64, 0, "positions"),
+            BufferSpec("slot_mapping", (), i64, DUMMY_BLOCK * self.block_size, "slot_mapping"),
+            BufferSpec("block_tables", (self.max_blocks_per_seq,), i64, DUMMY_BLOCK, "decode_block_tables"),
+            BufferSpec("context_lens", (), i64, 1, "decode_context_lens"),
+            BufferSpec("temperature", (), f32, 0.0, "sample_temperature"),
+            BufferSpec("top_k", (), i64, 0, "sample_top_k"),
+            BufferSpec("top_p", (), f32, 1.0, "sample_top_p"),
+            BufferSpec("min_p", (), f32, 0.0, "sample_min_p"),
+            BufferSpec("seed", (), i64, 0, "sample_seed"),
+            BufferSpec("step", (), i64, 0, "sample_step"),
+        )
+
+    @staticmethod
+    def host_arrays(slot: HostSlot) -> dict[str, object]:
+        """The host slot's arrays by name, as ``BufferSpec.host`` names them."""
+        return {name: getattr(slot, name) for name in (
+            "decode_token_slots", "positions", "slot_mapping", "decode_block_tables", "decode_context_lens",
+            "sample_temperature", "sample_top_k", "sample_top_p", "sample_min_p", "sample_seed", "sample_step")}
+
+    def run(self, inputs: Mapping[str, torch.Tensor], variant: SamplingVariant) -> dict[str, torch.Tensor]:
+        slots = inputs["token_slots"]  # [rows]
+        rows = slots.shape[0]
+        batch = ForwardBatch(
+            input_ids=self.token_buffer[slots], positions=inputs["positions"], slot_mapping=inputs["slot_mapping"],
+            num_decode=rows, decode_block_tables=inputs["block_tables"], decode_context_lens=inputs["context_lens"],
+            prefill_rows=[], logits_indices=self._row_ids[:rows])
+        logits = self.model(batch, self.kv_caches)  # [rows, vocab] float32
+        sampling = SamplingTensors(temperature=inputs["temperature"], top_k=inputs["top_k"], top_p=inputs["top_p"],
+                                   min_p=inputs["min_p"], seed=inputs["seed"], step=inputs["step"])
+        result = sample(logits, sampling, all_greedy=variant is SamplingVariant.GREEDY,
+                        any_top_k_top_p_min_p=variant is SamplingVariant.FILTERED)
+        self.token_buffer[slots] = result.token_ids
+        return {"token_ids": result.token_ids, "finite": result.finite}

@@ -1,0 +1,244 @@
+"""Triton kernels for attention over the paged KV cache, and the dispatch helper.
+
+Two kernels, both reading keys/values through block tables, with an online
+softmax in float32 (the cache layout is ``paged_attention``'s:
+``[num_blocks, block_size, num_kv_heads, head_dim]`` per layer):
+
+* ``decode_attention``: one query token per row. One program per (row, KV
+  head) computes every query head of that KV head's group, so each key is
+  read once. The loop runs over ``ceil(context_len / BLOCK_N)`` tiles of *that
+  row only*, so a block table may be as wide as ``max_blocks_per_seq`` (the
+  static shape a CUDA graph captures) without costing anything: entries past
+  a row's context are never read. A row with context length 0 writes zeros.
+* ``prefill_attention``: many chunks of consecutive query tokens in one
+  launch (varlen). Row ``r`` is described by ``rows[r] = (token_start, q_len,
+  ctx_len)``: its queries are tokens ``token_start .. token_start + q_len`` of
+  ``q`` and sit at positions ``ctx_len - q_len .. ctx_len - 1`` of the row's
+  context, with a causal mask. Grid ``(rows, q tiles, heads)``; tiles past a
+  row's ``q_len`` do nothing.
+
+Numerics: scores and the softmax are float32. With float32 inputs the dot
+products run in IEEE float32 (not tf32), so results match the torch reference
+to about 1e-7 relative; with bfloat16/float16 inputs the matrix products of
+the prefill kernel take the inputs' dtype on tensor cores, accumulating in
+float32.
+
+Triton is imported with this module, and its interpreter (CPU tensors,
+``TRITON_INTERPRET=1``) is chosen when ``triton`` is first imported, so
+``paged_attention`` imports this module only when a CUDA tensor arrives. On
+CPU tensors the kernels need the interpreter; there every product runs in
+float32 because the interpreter computes bfloat16 arithmetic wrongly.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from asyncbatch.model.forward_batch import ForwardBatch
+
+# Registers per program stay bounded: a decode tile holds GROUP_PAD * BLOCK_N * DIM_PAD floats.
+_DECODE_TILE_ELEMENTS = 8192
+
+
+@dataclass(slots=True)
+class PagedForwardBatch(ForwardBatch):
+    """A ``ForwardBatch`` that also carries the prefill rows as device tensors.
+
+    The CUDA executor uploads these from pinned memory with the rest of the
+    step, so the prefill kernel needs no host round trip; without them
+    ``paged_attention`` builds them from ``prefill_rows`` (a blocking copy).
+    """
+
+    prefill_meta: torch.Tensor | None = None  # [P, 3] int64: token_start, q_len, ctx_len
+    prefill_tables: torch.Tensor | None = None  # [P, >= max blocks of any row] int64
+    max_prefill_len: int = 0  # largest q_len among the prefill rows
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale,
+                   stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                   stride_bt, stride_ot, stride_oh,
+                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0)
+    kvh = tl.program_id(1)
+    ctx = tl.load(lens_ptr + row)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, DIM_PAD)
+    head_mask = (g < GROUP)[:, None] & (d < HEAD_DIM)[None, :]
+    heads = kvh * GROUP + g
+    q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=head_mask, other=0.0)
+    q = q.to(tl.float32)  # [GROUP_PAD, DIM_PAD]
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    for start in range(0, ctx, BLOCK_N):
+        pos = start + n
+        valid = pos < ctx
+        block = tl.load(tables_ptr + row * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        within = pos % BLOCK_SIZE
+        kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
+        k = tl.load(k_ptr + (block * stride_kb + within * stride_ks + kvh * stride_kh)[:, None] + d[None, :],
+                    mask=kv_mask, other=0.0).to(tl.float32)  # [BLOCK_N, DIM_PAD]
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_PAD, BLOCK_N]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        # The first tile always holds position 0, so m_new is finite from the first iteration on.
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + (block * stride_vb + within * stride_vs + kvh * stride_vh)[:, None] + d[None, :],
+                    mask=kv_mask, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m_i = m_new
+    out = acc / tl.maximum(l_i, 1e-30)[:, None]  # context 0: acc is 0, so the row is 0
+    tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=head_mask)
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, rows_ptr, out_ptr, scale,
+                    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                    stride_bt, stride_ot, stride_oh,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr):
+    r = tl.program_id(0)
+    tile = tl.program_id(1)
+    head = tl.program_id(2)
+    token_start = tl.load(rows_ptr + r * 3)
+    q_len = tl.load(rows_ptr + r * 3 + 1)
+    ctx = tl.load(rows_ptr + r * 3 + 2)
+    m0 = tile * BLOCK_M
+    if m0 < q_len:
+        kvh = head // GROUP
+        m = m0 + tl.arange(0, BLOCK_M)
+        d = tl.arange(0, DIM_PAD)
+        q_mask = (m < q_len)[:, None] & (d < HEAD_DIM)[None, :]
+        tokens = (token_start + m).to(tl.int64)
+        q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + d[None, :], mask=q_mask, other=0.0)
+        if FP32_DOT:
+            q = q.to(tl.float32)
+        q_pos = ctx - q_len + m  # [BLOCK_M] position of each query in the row's context
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
+        kv_end = tl.minimum(ctx, ctx - q_len + m0 + BLOCK_M)  # causal: later keys are masked for the whole tile
+        n = tl.arange(0, BLOCK_N)
+        for start in range(0, kv_end, BLOCK_N):
+            pos = start + n
+            valid = pos < kv_end
+            block = tl.load(tables_ptr + r * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+            within = pos % BLOCK_SIZE
+            kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
+            k = tl.load(k_ptr + (block * stride_kb + within * stride_ks + kvh * stride_kh)[:, None] + d[None, :],
+                        mask=kv_mask, other=0.0)  # [BLOCK_N, DIM_PAD]
+            v = tl.load(v_ptr + (block * stride_vb + within * stride_vs + kvh * stride_vh)[:, None] + d[None, :],
+                        mask=kv_mask, other=0.0)
+            if FP32_DOT:
+                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            keep = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+            s = tl.where(keep, s * scale, float("-inf"))  # [BLOCK_M, BLOCK_N]
+            # Key 0 is visible to every query and lies in the first tile: m_new is finite from then on.
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if FP32_DOT:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+        out = acc / tl.maximum(l_i, 1e-30)[:, None]
+        tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def _check_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("q and the KV caches must be contiguous in head_dim")
+    if q.shape[1] % k_cache.shape[2]:
+        raise ValueError(f"{q.shape[1]} query heads do not divide into {k_cache.shape[2]} KV heads")
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                     context_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q ``[B, heads, head_dim]`` → ``[B, heads, head_dim]``; block tables ``[B, any width]``.
+
+    Row ``i`` attends over its first ``context_lens[i]`` cached positions.
+    Launch only (no host sync), so it can be captured into a CUDA graph.
+    """
+    _check_layout(q, k_cache, v_cache)
+    b, h, d = q.shape
+    kvh = k_cache.shape[2]
+    group = h // kvh
+    out = torch.empty_like(q) if out is None else out
+    if b == 0:
+        return out
+    group_pad, dim_pad = triton.next_power_of_2(group), triton.next_power_of_2(d)
+    fit = max(1, _DECODE_TILE_ELEMENTS // (group_pad * dim_pad))
+    block_n = max(16, min(64, 1 << (fit.bit_length() - 1)))  # largest power of two that fits, in [16, 64]
+    _decode_kernel[(b, kvh)](
+        q, k_cache, v_cache, block_tables, context_lens, out, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, DIM_PAD=dim_pad, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n,
+    )
+    return out
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      rows: torch.Tensor, max_q_len: int, scale: float, out: torch.Tensor) -> torch.Tensor:
+    """Attend every prefill row at once; writes the rows' tokens of ``out`` ``[T, heads, head_dim]``.
+
+    ``rows`` ``[P, 3]`` int64 ``(token_start, q_len, ctx_len)``, ``block_tables``
+    ``[P, >= ceil(ctx_len / block_size)]``; ``max_q_len`` bounds the grid.
+    Tokens of ``out`` outside the rows are left as they are.
+    """
+    _check_layout(q, k_cache, v_cache)
+    num_rows = rows.shape[0]
+    if num_rows == 0 or max_q_len == 0:
+        return out
+    h, d = q.shape[1], q.shape[2]
+    kvh = k_cache.shape[2]
+    fp32_dot = q.dtype == torch.float32 or not q.is_cuda
+    block_m = 16 if max_q_len <= 16 else 64
+    block_n = 32 if d > 64 or fp32_dot else 64
+    grid = (num_rows, triton.cdiv(max_q_len, block_m), h)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, rows, out, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=h // kvh, HEAD_DIM=d, DIM_PAD=max(16, triton.next_power_of_2(d)), BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_M=block_m, BLOCK_N=block_n, FP32_DOT=fp32_dot,
+    )
+    return out
+
+
+def _prefill_inputs(batch: ForwardBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Rows, tables and longest q_len: from a ``PagedForwardBatch`` as uploaded, else built here (blocking)."""
+    if isinstance(batch, PagedForwardBatch) and batch.prefill_meta is not None:
+        return batch.prefill_meta, batch.prefill_tables, batch.max_prefill_len
+    rows = torch.tensor([(r.token_start, r.q_len, r.ctx_len) for r in batch.prefill_rows], dtype=torch.int64,
+                        device=device)
+    tables = torch.nn.utils.rnn.pad_sequence([r.block_table for r in batch.prefill_rows], batch_first=True)
+    return rows, tables, max(r.q_len for r in batch.prefill_rows)
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+                    scale: float) -> torch.Tensor:
+    """Decode rows then prefill rows of ``batch``; this step's keys/values are already in the cache."""
+    nd = batch.num_decode
+    out = torch.empty_like(q)  # [T, heads, head_dim]
+    if nd:
+        decode_attention(q[:nd], k_cache, v_cache, batch.decode_block_tables, batch.decode_context_lens, scale,
+                         out=out[:nd])
+    if batch.prefill_rows:
+        rows, tables, max_q_len = _prefill_inputs(batch, q.device)
+        prefill_attention(q, k_cache, v_cache, tables, rows, max_q_len, scale, out)
+    return out

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Prepared check for a lent GPU machine (no network, nothing installed there; it has torch, triton,
+# transformers, pytest). Runs from the repository root of a copy of the tree:
+#
+#   1. environment   (nvidia-smi, versions)                                   -> $OUT/env.txt
+#   2. CUDA tests    (Triton kernels, graphs vs eager, overlap vs sync,
+#                     no host sync on the launch path)            <= 180 s    -> $OUT/tests.log
+#   3. benchmark     (SmolLM2-135M bf16, 256 requests: overlap/sync x
+#                     graphs on/off)                               <= 240 s    -> $OUT/bench.log, report.{json,md}
+#   4. summary       (test counts, the benchmark table; printed last)          -> $OUT/summary.txt
+#
+# Finishes in under 8 minutes: every stage runs under `timeout`. The model is looked for under
+# $ASYNCBATCH_CACHE, ./.cache/asyncbatch/SmolLM2*, ~/.cache/asyncbatch and the Hugging Face cache;
+# without one the benchmark uses random weights of SmolLM2-135M's shape and its report says so first.
+# Outside the device tool, $OUT defaults to results/gpu_check. PYTHON picks the interpreter (python3).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/results/gpu_check}
+mkdir -p "$OUT"
+rm -f "$OUT/report.json" "$OUT/report.md"
+PY=${PYTHON:-python3}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+unset TRITON_INTERPRET
+
+{
+  echo "date: $(date -u +%FT%TZ)  host: $(hostname)"
+  nvidia-smi -L 2>&1 || echo "nvidia-smi: not available"
+  timeout 60 "$PY" - <<'EOF' 2>&1
+import platform, torch
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
+      "available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    print("device", torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability())
+    free, total = torch.cuda.mem_get_info()
+    print(f"memory free {free / 2**30:.1f} GiB of {total / 2**30:.1f} GiB")
+for name in ("triton", "transformers", "pytest", "hypothesis"):
+    try:
+        print(name, __import__(name).__version__)
+    except Exception as exc:
+        print(name, "MISSING", exc)
+EOF
+} > "$OUT/env.txt"
+cat "$OUT/env.txt"
+
+echo "== CUDA tests"
+timeout 180 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_triton_attention.py tests/test_cuda_path.py \
+  tests/test_cuda_graphs.py > "$OUT/tests.log" 2>&1
+tests_rc=$?
+tail -n 25 "$OUT/tests.log"
+
+echo "== benchmark"
+timeout 240 "$PY" scripts/gpu_bench.py --out "$OUT" "$@" > "$OUT/bench.log" 2>&1
+bench_rc=$?
+tail -n 5 "$OUT/bench.log"
+
+{
+  echo "== summary (tests rc=$tests_rc, benchmark rc=$bench_rc; 124 = timed out)"
+  grep -E "^(device|python)" "$OUT/env.txt"
+  echo "tests: $(tail -n 1 "$OUT/tests.log")"
+  if [[ -f "$OUT/report.md" ]]; then cat "$OUT/report.md"; else echo "no benchmark report (see bench.log)"; fi
+} > "$OUT/summary.txt"
+cat "$OUT/summary.txt"
+[[ $tests_rc -eq 0 && $bench_rc -eq 0 ]]

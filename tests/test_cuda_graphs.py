@@ -1,0 +1,270 @@
+"""CUDA-graph bookkeeping on CPU: buckets, padding, static-buffer refill, graph sets, and the decode step.
+
+Capture itself needs CUDA (``tests/test_cuda_path.py``); here ``EagerBackend``
+stands in for it, so everything around capture runs with plain CPU tensors,
+including the engine's real decode step on a tiny model against the eager
+executor path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from tiny_models import save_tiny_model
+
+from asyncbatch.block_manager import DUMMY_BLOCK
+from asyncbatch.executors.decode_graph import DecodeGraphStep, SamplingVariant
+from asyncbatch.executors.torch_executor import TorchExecutor
+from asyncbatch.host_slots import HostSlot
+from asyncbatch.model.forward_batch import ForwardBatch, PrefillRow
+from asyncbatch.model.loader import load_model
+from asyncbatch.step_metadata import StepMeta
+from cuda_graphs import (
+    BufferSpec,
+    EagerBackend,
+    GraphRunner,
+    StaticBuffers,
+    choose_bucket,
+    default_batch_sizes,
+    normalize_batch_sizes,
+    pad_host_rows,
+)
+
+
+# -- buckets ------------------------------------------------------------------------------
+@pytest.mark.parametrize("max_num_seqs", [1, 3, 8, 9, 100, 256, 257, 300, 1000])
+def test_default_batch_sizes_shape(max_num_seqs):
+    sizes = default_batch_sizes(max_num_seqs)
+    assert sizes[-1] == max_num_seqs and sizes[0] == 1
+    assert list(sizes) == sorted(set(sizes))
+    steps = np.diff([s for s in sizes if s != max_num_seqs])
+    below = [s for s in sizes if s < max_num_seqs]
+    assert [s for s in below if s <= 8] == [s for s in (1, 2, 4, 8) if s < max_num_seqs]
+    assert all(d == 8 for s, d in zip(below[1:], steps) if 16 < s <= 256)
+    assert all(d == 16 for s, d in zip(below[1:], steps) if s > 256)
+
+
+@given(st.lists(st.integers(1, 600), min_size=1, max_size=20), st.integers(1, 600))
+def test_choose_bucket_is_the_smallest_that_fits(sizes, rows):
+    sizes = tuple(sorted(set(sizes)))
+    bucket = choose_bucket(sizes, rows)
+    fitting = [s for s in sizes if s >= rows]
+    assert bucket == (min(fitting) if fitting else None)
+
+
+def test_default_buckets_pad_little():
+    sizes = default_batch_sizes(512)
+    pads = [choose_bucket(sizes, n) - n for n in range(1, 513)]
+    assert max(pads[:256]) <= 7 and max(pads) <= 15
+
+
+def test_normalize_batch_sizes():
+    assert normalize_batch_sizes(None, 16) == default_batch_sizes(16)
+    assert normalize_batch_sizes([8, 1, 8, 512], 64) == (1, 8, 64)  # above max_num_seqs: clamped
+    for bad in ([], [0], [2.5], [True]):
+        with pytest.raises(ValueError):
+            normalize_batch_sizes(bad, 64)
+    with pytest.raises(ValueError):
+        choose_bucket((1, 2), 0)
+
+
+# -- padding and static buffers ----------------------------------------------------------------
+SPECS = (BufferSpec("ids", (), torch.int64, 99, "host_ids"),
+         BufferSpec("table", (3,), torch.int64, 0, "host_table"),
+         BufferSpec("temp", (), torch.float32, 0.5, "host_temp"))
+
+
+def host_arrays(rows: int = 10) -> dict[str, np.ndarray]:
+    return {"host_ids": np.arange(rows, dtype=np.int64), "host_table": np.arange(rows * 3).reshape(rows, 3) + 1,
+            "host_temp": np.linspace(1, 2, rows).astype(np.float32)}
+
+
+def test_pad_host_rows_touches_only_the_padding_rows():
+    host, before = host_arrays(), host_arrays()
+    pad_host_rows(host, SPECS, 3, 6)
+    for spec in SPECS:
+        arr, old = host[spec.host], before[spec.host]
+        np.testing.assert_array_equal(arr[:3], old[:3])
+        np.testing.assert_array_equal(arr[6:], old[6:])
+        assert np.all(arr[3:6] == spec.pad)
+    pad_host_rows(host, SPECS, 4, 4)  # empty range: nothing
+    assert host["host_ids"][4] == 99
+
+
+def test_static_buffers_start_padded_refill_and_reset():
+    buffers = StaticBuffers(SPECS, 8, "cpu")
+    assert all(torch.all(t == s.pad) for s, t in zip(SPECS, buffers.tensors.values()))
+    host = host_arrays()
+    addresses = {n: t.data_ptr() for n, t in buffers.tensors.items()}
+    buffers.load(host, 5)
+    assert {n: t.data_ptr() for n, t in buffers.tensors.items()} == addresses  # fixed addresses
+    np.testing.assert_array_equal(buffers.tensors["table"][:5].numpy(), host["host_table"][:5])
+    assert torch.all(buffers.tensors["ids"][5:] == 99)  # rows past the copy keep what they held
+    views = buffers.views(4)
+    assert views["table"].shape == (4, 3) and views["ids"].data_ptr() == addresses["ids"]
+    buffers.reset()
+    assert torch.all(buffers.tensors["temp"] == 0.5)
+    with pytest.raises(ValueError):
+        buffers.load(host, 9)
+    with pytest.raises(ValueError):
+        StaticBuffers((SPECS[0], SPECS[0]), 4, "cpu")
+
+
+# -- graph sets ----------------------------------------------------------------------------------
+class ToyStep:
+    """out = ids * scale + the sum of the table row; also counts padding rows it saw."""
+
+    def __init__(self) -> None:
+        self.runs = 0
+
+    def input_specs(self):
+        return SPECS
+
+    def run(self, inputs, variant):
+        self.runs += 1
+        scale = {"double": 2, "triple": 3}[variant]
+        return {"out": inputs["ids"] * scale + inputs["table"].sum(dim=1), "pad": (inputs["ids"] == 99).sum()[None]}
+
+
+def test_graph_runner_bookkeeping():
+    backend = EagerBackend()
+    runner = GraphRunner(ToyStep(), (1, 2, 4, 8), 2, torch.device("cpu"), backend, warmup=1)
+    assert runner.bucket_for(3) == 4 and runner.bucket_for(9) is None and runner.max_rows == 8
+    runner.capture_all(["double"])
+    assert runner.stats.num_graphs == backend.captures == 8 and runner.stats.lazy_captures == 0
+    assert runner.has(1, 8, "double") and not runner.has(1, 8, "triple")
+    with pytest.raises(KeyError):
+        runner.replay(0, 4, "triple")
+    runner.capture(0, 4, "triple", lazy=True)
+    runner.capture(0, 4, "triple", lazy=True)  # already there: nothing new
+    assert runner.stats.num_graphs == 9 and runner.stats.lazy_captures == 1
+    with pytest.raises(ValueError):
+        runner.capture(0, 3, "double")  # not a bucket
+
+    host = host_arrays()
+    runner.prepare(1, host, 3, 4)
+    assert host["host_ids"][3] == 99 and host["host_ids"][4] == 4  # row 3 padded, row 4 untouched
+    first = runner.replay(1, 4, "double")
+    expected = torch.tensor([0 * 2 + 6, 1 * 2 + 15, 2 * 2 + 24, 99 * 2 + 0])
+    assert torch.equal(first["out"], expected) and first["pad"].item() == 1
+    host = host_arrays()
+    runner.prepare(1, host, 4, 4)  # the next step refills every row of the bucket
+    again = runner.replay(1, 4, "double")
+    assert again["out"] is first["out"]  # static outputs: the same tensors every replay
+    assert again["pad"].item() == 0 and again["out"][3].item() == 3 * 2 + 33
+    with pytest.raises(ValueError):
+        runner.prepare(0, host, 5, 4)
+
+
+def test_graph_runner_validates_sizes():
+    with pytest.raises(ValueError):
+        GraphRunner(ToyStep(), (4, 2), 2, torch.device("cpu"), EagerBackend())
+    with pytest.raises(ValueError):
+        GraphRunner(ToyStep(), (1, 2), 0, torch.device("cpu"), EagerBackend())
+
+
+# -- the engine's decode step ---------------------------------------------------------------------------
+BLOCK_SIZE, NUM_BLOCKS, MAX_SEQS, MAX_BLOCKS = 4, 48, 8, 8
+PROMPT_LENS = (5, 9, 2, 7, 4)
+REQUEST_SLOTS = (0, 2, 5, 6, 3)  # token-buffer rows: not contiguous, not in row order
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    path = save_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "LlamaForCausalLM")
+    return load_model(path, torch.float32, torch.device("cpu"), max_positions=BLOCK_SIZE * MAX_BLOCKS)
+
+
+def prefilled_state(model):
+    """KV caches and token buffer (on the model's device) after prefilling every prompt, and the block tables."""
+    device = model.output_weight.device
+    kv_shape = (NUM_BLOCKS, BLOCK_SIZE, model.num_kv_heads, model.head_dim)
+    g = torch.Generator().manual_seed(0)
+    caches = [(torch.zeros(kv_shape, device=device), torch.zeros(kv_shape, device=device))
+              for _ in model.model.layers]
+    tables = np.zeros((len(PROMPT_LENS), MAX_BLOCKS), dtype=np.int64)
+    free = iter(range(NUM_BLOCKS - 1, DUMMY_BLOCK, -1))
+    for i in range(len(PROMPT_LENS)):
+        tables[i] = [next(free) for _ in range(MAX_BLOCKS)]
+    ids, pos, slots, rows, start = [], [], [], [], 0
+    for i, n in enumerate(PROMPT_LENS):
+        ids += torch.randint(3, 250, (n,), generator=g).tolist()
+        pos += list(range(n))
+        slots += [tables[i, p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(n)]
+        rows.append(PrefillRow(start, n, n, torch.from_numpy(tables[i, :-(-n // BLOCK_SIZE)]).to(device)))
+        start += n
+    last = [r.token_start + r.q_len - 1 for r in rows]
+    i64 = {"dtype": torch.int64, "device": device}
+    batch = ForwardBatch(torch.tensor(ids, **i64), torch.tensor(pos, **i64), torch.tensor(slots, **i64), 0,
+                         torch.zeros(0, 1, **i64), torch.zeros(0, **i64), rows, torch.tensor(last, **i64))
+    with torch.inference_mode():
+        first = model(batch, caches).argmax(dim=-1)
+    token_buffer = torch.zeros(MAX_SEQS + 1, **i64)
+    token_buffer[list(REQUEST_SLOTS)] = first
+    return caches, token_buffer, tables
+
+
+def write_decode_rows(slot: HostSlot, tables: np.ndarray, n: int, step: int, temps: list[float], top_k: int) -> StepMeta:
+    """What the planner writes for a decode-only step of the first ``n`` requests."""
+    pos = np.array([PROMPT_LENS[i] + step for i in range(n)])
+    slot.decode_token_slots[:n] = REQUEST_SLOTS[:n]
+    slot.positions[:n] = pos
+    slot.slot_mapping[:n] = tables[np.arange(n), pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+    slot.decode_block_tables[:n] = tables[:n]
+    slot.decode_context_lens[:n] = pos + 1
+    slot.logits_indices[:n] = np.arange(n)
+    slot.sample_token_slots[:n] = REQUEST_SLOTS[:n]
+    slot.sample_temperature[:n] = temps[:n]
+    slot.sample_top_k[:n] = top_k
+    slot.sample_top_p[:n], slot.sample_min_p[:n] = 1.0, 0.0
+    slot.sample_seed[:n] = np.arange(n) * 7 + 1
+    slot.sample_step[:n] = step
+    width = int((pos // BLOCK_SIZE + 1).max())
+    greedy = all(t == 0 for t in temps[:n])
+    return StepMeta(step, slot, n, n, width, [], n, int(pos.sum()) + n, greedy, top_k > 0 and not greedy,
+                    False, [])
+
+
+@pytest.mark.parametrize("temps,top_k,variant", [
+    ([0.0] * 5, 0, SamplingVariant.GREEDY),
+    ([0.0, 0.9, 1.3, 0.0, 0.7], 0, SamplingVariant.SAMPLE),
+    ([0.8, 0.9, 1.3, 0.0, 0.7], 20, SamplingVariant.FILTERED),
+], ids=["greedy", "sample", "filtered"])
+def test_decode_graph_step_matches_eager_path(tiny_model, temps, top_k, variant):
+    caches, token_buffer, tables = prefilled_state(tiny_model)
+    eager = TorchExecutor(tiny_model, [(k.clone(), v.clone()) for k, v in caches], MAX_SEQS, torch.device("cpu"))
+    eager.token_buffer.copy_(token_buffer)
+    graph_caches = [(k.clone(), v.clone()) for k, v in caches]
+    graph_tokens = token_buffer.clone()
+    step = DecodeGraphStep(tiny_model, graph_caches, graph_tokens, max_rows=MAX_SEQS, max_blocks_per_seq=MAX_BLOCKS)
+    runner = GraphRunner(step, (1, 2, 4, 8), 2, torch.device("cpu"), EagerBackend(), warmup=0)
+    slots = [HostSlot.allocate(i, 16, MAX_SEQS, MAX_BLOCKS, pinned=False) for i in range(2)]
+    try:
+        for step_index, n in enumerate([5, 5, 3, 4, 1]):  # the batch shrinks and grows within buckets
+            slot = slots[step_index % 2]
+            meta = write_decode_rows(slot, tables, n, step_index, temps, top_k)
+            chosen = SamplingVariant.for_step(meta)
+            assert chosen is (variant if any(temps[:n]) else SamplingVariant.GREEDY)
+            with torch.inference_mode():
+                want, want_finite, _ = eager._compute(meta, eager._copy_in(meta))
+                bucket = runner.bucket_for(n)
+                runner.capture(slot.index, bucket, chosen, lazy=True)  # on first use: resets the set to padding
+                runner.prepare(slot.index, DecodeGraphStep.host_arrays(slot), n, bucket)
+                out = runner.replay(slot.index, bucket, chosen)
+            assert out["token_ids"][:n].tolist() == want.tolist(), step_index
+            assert out["finite"][:n].all() and want_finite.all()
+            assert np.all(slot.decode_block_tables[n:bucket] == DUMMY_BLOCK)
+            assert np.all(slot.decode_token_slots[n:bucket] == step.dummy_token_row)
+    finally:
+        eager.close()
+    real_rows = list(range(MAX_SEQS))
+    assert torch.equal(graph_tokens[real_rows], eager.token_buffer[real_rows])
+    for (gk, gv), (ek, ev) in zip(graph_caches, eager.kv_caches):
+        # Real blocks agree (to rounding: a GEMM over a padded batch may block its sums differently);
+        # only the dummy block holds what padding rows wrote.
+        torch.testing.assert_close(gk[DUMMY_BLOCK + 1:], ek[DUMMY_BLOCK + 1:], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(gv[DUMMY_BLOCK + 1:], ev[DUMMY_BLOCK + 1:], rtol=1e-5, atol=1e-5)
+        assert torch.all(ek[DUMMY_BLOCK] == 0) and gk[DUMMY_BLOCK].abs().sum() > 0
