@@ -162,6 +162,48 @@ def _keep_threshold(
     return torch.maximum(top_k_top_p, _min_p_threshold(temp, min_p, row_max))
 
 
+# On CPU a full sort of a 49k vocabulary costs ~2 ms a row; the kept set of top-k/top-p is
+# almost always within the largest few hundred logits, so ``topk`` of this many candidates
+# decides it, and only rows whose kept set might reach past them pay for the sort.
+CPU_FILTER_CANDIDATES = 1024
+
+
+def _keep_threshold_cpu(
+    logits: torch.Tensor, temp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+    min_p: torch.Tensor, row_max: torch.Tensor,
+) -> torch.Tensor:
+    """Same result as ``_keep_threshold`` from the top ``CPU_FILTER_CANDIDATES`` logits.
+
+    Normalises over the top-k set when it lies within the candidates, else over
+    the whole row (a logsumexp pass instead of a sort). Synchronises with the host
+    to pick fallback rows, which is why only the CPU uses it.
+    """
+    n, vocab_size = logits.shape
+    cand = min(CPU_FILTER_CANDIDATES, vocab_size)
+    if cand == vocab_size:
+        return _keep_threshold(logits, temp, top_k, top_p, min_p, row_max)
+    values = logits.topk(cand, dim=-1).values  # [n, cand], descending
+    k = torch.where((top_k <= 0) | (top_k > vocab_size), vocab_size, top_k)  # [n]
+    in_top_k = torch.arange(cand, device=logits.device) < k[:, None]  # [n, cand]
+    scaled = values / temp[:, None]
+    within = torch.logsumexp(scaled.masked_fill(~in_top_k, -math.inf), dim=-1)
+    whole = torch.logsumexp(logits / temp[:, None], dim=-1)
+    log_norm = torch.where(k <= cand, within, whole)  # [n]
+    probs = (scaled - log_norm[:, None]).exp_().masked_fill_(~in_top_k, 0.0)
+    mass_before = torch.nn.functional.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))
+    in_top_p = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    count = (in_top_k & in_top_p).sum(dim=-1).clamp_(min=1)  # [n]
+    threshold = values.gather(1, (count - 1)[:, None]).squeeze(1)
+    unrestricted = (k >= vocab_size) & (top_p >= 1.0)
+    threshold = torch.where(unrestricted, torch.full_like(threshold, -math.inf), threshold)
+    beyond = (count == cand) & ~unrestricted  # the kept set may extend past the candidates
+    if bool(beyond.any()):
+        rows = beyond.nonzero().squeeze(1)
+        threshold[rows] = _keep_threshold(logits[rows], temp[rows], top_k[rows], top_p[rows], min_p[rows],
+                                          row_max[rows])
+    return torch.maximum(threshold, _min_p_threshold(temp, min_p, row_max))
+
+
 def _min_p_threshold(temp: torch.Tensor, min_p: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
     # min_p == 0 gives log 0 = -inf: nothing dropped.
     return row_max + temp * torch.log(min_p)
@@ -180,7 +222,8 @@ def _sample_block(
     # avoids dividing the whole block.
     torch.addcmul(block, score, temp[rows, None], value=-1.0, out=score)
     if filtered:
-        threshold = _keep_threshold(block, temp[rows], st.top_k[rows], st.top_p[rows], st.min_p[rows], row_max[rows])
+        keep = _keep_threshold_cpu if block.device.type == "cpu" else _keep_threshold
+        threshold = keep(block, temp[rows], st.top_k[rows], st.top_p[rows], st.min_p[rows], row_max[rows])
         score.masked_fill_(block < threshold[:, None], -math.inf)
     return score.max(dim=-1).indices
 
