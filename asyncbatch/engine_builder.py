@@ -3,8 +3,11 @@
 KV capacity: ``num_kv_blocks`` if given; otherwise a memory budget divided by
 the bytes one token's keys and values take in every layer. The budget is
 ``kv_cache_memory_gib`` if given, else on CUDA ``gpu_memory_utilization`` of
-the memory free after weights, on CPU 2 GiB, on ``sim`` 16 GiB (a modelled
-GPU). Capacity never exceeds what ``max_num_seqs`` full-length requests need.
+the memory free after the weights and what steps and CUDA graphs will take
+(measured by one worst-case profile step, ``executors.cuda_memory``), on CPU
+2 GiB, on ``sim`` 16 GiB (a modelled GPU). Capacity never exceeds what
+``max_num_seqs`` full-length requests need. Graphs are captured after the KV
+cache exists (they bake in its addresses).
 """
 
 from __future__ import annotations
@@ -62,14 +65,15 @@ def kv_bytes_per_token(hf_config: PretrainedConfig, dtype: torch.dtype) -> int:
     return 2 * hf_config.num_hidden_layers * kv_heads * head_dim * element
 
 
-def choose_num_blocks(config: EngineConfig, device: str, bytes_per_token: int, max_len: int) -> int:
+def choose_num_blocks(config: EngineConfig, device: str, bytes_per_token: int, max_len: int,
+                      reserved_bytes: int = 0) -> int:
     if config.num_kv_blocks is not None:
         return config.num_kv_blocks
     if config.kv_cache_memory_gib is not None:
         budget = config.kv_cache_memory_gib * _GIB
     elif device == "cuda":
         free, _total = torch.cuda.mem_get_info()
-        budget = free * config.gpu_memory_utilization
+        budget = max(free - reserved_bytes, 0) * config.gpu_memory_utilization
     elif device == "sim":
         budget = 16 * _GIB
     else:
@@ -116,12 +120,26 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
         dtype = resolve_dtype(config.dtype, device)
         torch_device = torch.device(device)
         model = load_model(path, dtype, torch_device, max_positions=max_len)
-        num_blocks = choose_num_blocks(config, device, kv_bytes_per_token(hf_config, dtype), max_len)
+        reserved = 0
+        if device == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory_gib is None:
+            from asyncbatch.executors.cuda_memory import profile_step_memory
+
+            reserved = profile_step_memory(model, config.max_num_seqs, config.max_num_batched_tokens,
+                                           config.block_size, graphs=config.enable_cuda_graphs).reserve_bytes
+        num_blocks = choose_num_blocks(config, device, kv_bytes_per_token(hf_config, dtype), max_len, reserved)
         kv_shape = (num_blocks, config.block_size, model.num_kv_heads, model.head_dim)
         kv_caches = [(torch.zeros(kv_shape, dtype=dtype, device=torch_device),
                       torch.zeros(kv_shape, dtype=dtype, device=torch_device))
                      for _ in range(hf_config.num_hidden_layers)]
-        executor = TorchExecutor(model, kv_caches, config.max_num_seqs, torch_device)
+        if device == "cuda":
+            from asyncbatch.executors.cuda_executor import CudaExecutor
+
+            executor = CudaExecutor(model, kv_caches, config.max_num_seqs, torch_device,
+                                    max_blocks_per_seq=max_blocks_per_seq,
+                                    enable_cuda_graphs=config.enable_cuda_graphs,
+                                    cuda_graph_batch_sizes=config.cuda_graph_batch_sizes)
+        else:
+            executor = TorchExecutor(model, kv_caches, config.max_num_seqs, torch_device)
     blocks = BlockManager(num_blocks, config.block_size)
     scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens)
     hidden = frozenset(t for t in (eos,) if t is not None)

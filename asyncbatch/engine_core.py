@@ -41,7 +41,7 @@ from asyncbatch.request_handle import EngineDeadError
 from asyncbatch.scheduler import Scheduler, StepPlan
 from asyncbatch.step_metadata import StepMeta, StepMetadataWriter
 from asyncbatch.timeline import StepRecord, Timeline
-from asyncbatch.timeline_marks import mark
+from asyncbatch.timeline_marks import mark, step_begin, step_end
 
 
 @dataclass(slots=True)
@@ -50,6 +50,7 @@ class _InFlight:
     meta: StepMeta
     handle: StepHandle
     record: StepRecord
+    nvtx: object = None  # the step's NVTX range, closed once its results are applied
 
 
 class EngineCore:
@@ -208,6 +209,7 @@ class EngineCore:
             plan = self.scheduler.schedule()
         if plan is None:
             return None
+        nvtx = step_begin(plan.step_id, plan.num_decode, len(plan.rows) - plan.num_decode, plan.num_tokens)
         record = self.timeline.new_record(plan.step_id)
         record.plan_start, record.schedule_end = start, time.perf_counter()
         slot = self.slots.next_slot()
@@ -216,7 +218,7 @@ class EngineCore:
             slot.fence.wait()
         record.fence_end = time.perf_counter()
         slot.fence.arm()
-        with mark("prepare_metadata", plan.step_id, f" rows={len(plan.rows)} tokens={plan.num_tokens}"):
+        with mark("prepare_metadata", plan.step_id):
             meta = self.writer.write(plan, slot)
         self.scheduler.release_drained(plan)
         now = time.perf_counter()
@@ -225,12 +227,12 @@ class EngineCore:
             metrics = row.request.handle.metrics
             if metrics.first_scheduled_time is None:
                 metrics.first_scheduled_time = now
-        with mark("launch", plan.step_id, f" decode={plan.num_decode} tokens={plan.num_tokens}"):
+        with mark("launch", plan.step_id):
             handle = self.executor.launch(meta)
         record.launch_end = time.perf_counter()
         record.num_tokens, record.num_decode = plan.num_tokens, plan.num_decode
         record.num_prefill, record.num_sampled = len(plan.rows) - plan.num_decode, meta.num_sampled
-        self._in_flight.append(_InFlight(plan, meta, handle, record))
+        self._in_flight.append(_InFlight(plan, meta, handle, record, nvtx))
         record.gc_ms = (self._gc_pause - gc_before) * 1e3
         if self.config.debug_check_integrity:
             self.scheduler.check_integrity()
@@ -248,6 +250,7 @@ class EngineCore:
         record.sample_ms, record.d2h_ms = result.sample_ms, result.d2h_ms
         with mark("apply", step.plan.step_id):
             updates = self._apply(step.plan, result)
+        step_end(step.nvtx)
         record.apply_end = time.perf_counter()
         batch = OutputBatch(updates, record, threading.Event() if self._max_in_flight == 1 else None)
         self.output.put(batch)

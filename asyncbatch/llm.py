@@ -164,6 +164,12 @@ class LLM:
     def reset_stats(self) -> None:
         self._core.timeline.reset()
 
+    def export_trace(self, path, torch_trace=None) -> dict:
+        """Write the current timeline window as Chrome/Perfetto trace JSON (see ``asyncbatch.trace_export``)."""
+        from asyncbatch.trace_export import export_trace
+
+        return export_trace(self, path, torch_trace=torch_trace)
+
     @property
     def timeline(self):
         return self._core.timeline

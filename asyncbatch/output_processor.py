@@ -76,18 +76,23 @@ class OutputProcessor:
     def _process(self, batch: OutputBatch) -> None:
         start = time.perf_counter()
         accepted = 0
-        with mark("output", batch.record.step_id if batch.record else None):
+        finishes: list[tuple] = []
+        step_id = batch.record.step_id if batch.record else None
+        with mark("output", step_id), mark("detokenize", step_id):
             for update in batch.updates:
                 try:
-                    accepted += self._apply(update, start)
+                    accepted += self._apply(update, start, finishes)
                 except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
                     self._fail_request(update.request, exc)
         if batch.record is not None:
             batch.record.output_start = start
             batch.record.output_end = time.perf_counter()
             batch.record.output_tokens = accepted
+        # Callers wake only now, so a caller reading stats() after its request finished sees this step.
+        for handle, args in finishes:
+            handle.finish(*args)
 
-    def _apply(self, update: RequestUpdate, now: float) -> int:
+    def _apply(self, update: RequestUpdate, now: float, finishes: list[tuple]) -> int:
         handle = update.request.handle
         if handle.finished:
             return 0
@@ -106,7 +111,7 @@ class OutputProcessor:
             if feed.stopped:
                 handle.text += emitted
                 self._emit(handle, emitted, new_ids)
-                handle.finish("stop", feed.matched, now)
+                finishes.append((handle, ("stop", feed.matched, now)))
                 self._on_stop_string(update.request, feed.matched)
                 return len(new_ids)
         if update.finish_reason is not None:
@@ -114,7 +119,7 @@ class OutputProcessor:
         handle.text += emitted
         self._emit(handle, emitted, new_ids)
         if update.finish_reason is not None:
-            handle.finish(update.finish_reason, update.stop_reason, now, update.error)
+            finishes.append((handle, (update.finish_reason, update.stop_reason, now, update.error)))
         return len(new_ids)
 
     def _fail_request(self, request: Request, exc: Exception) -> None:

@@ -169,6 +169,8 @@ class StepMetadataWriter:
             context_tokens=context_tokens,
             all_greedy=not bool(random_rows.any()),
             any_filter=bool((random_rows & ((self._top_k[ss] > 0) | (top_p < 1) | (min_p > 0))).any()),
-            any_penalty=bool(self._uses_penalty[ss].any()),
+            # Non-sampling prefill chunks of a penalised request must still feed its penalty state.
+            any_penalty=bool(self._uses_penalty[ss].any()) or any(self._uses_penalty[p.token_slot]
+                                                                  for p in prefill_meta),
             first_chunk_slots=first_chunks,
         )

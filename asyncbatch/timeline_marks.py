@@ -18,9 +18,9 @@ Two kinds of range, named like the timeline's fields so both pictures agree:
   ranges may overlap (steps N and N+1 are both open in overlap mode).
 
 The ``nvtx`` package registers and caches every distinct message forever;
-per-step messages would grow that cache without bound, so it is cleared every
-``_MESSAGE_CACHE_LIMIT`` step ranges (NVTX itself keeps no per-string state we
-rely on).
+per-step messages would grow that cache without bound, so it is emptied every
+``_MESSAGE_CACHE_LIMIT`` ranges (a message seen again is registered again,
+which the profiler handles; nothing here keeps a registered handle).
 """
 
 from __future__ import annotations
@@ -33,11 +33,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 _DOMAIN = "asyncbatch"
-_MESSAGE_CACHE_LIMIT = 4096
+_MESSAGE_CACHE_LIMIT = 1 << 16
 _nvtx = None  # the imported module, or None
 _domain = None  # an nvtx Domain (tool attached), its DummyDomain, or a _CountingDomain
 _enabled = False
-_step_messages = 0
+_messages = 0  # ranges opened since nvtx's message cache was last emptied
 
 
 def enable_nvtx(on: bool = True) -> bool:
@@ -100,29 +100,33 @@ class _NullRange:
 _NULL = _NullRange()
 
 
+def _attributes(domain, message: str, step_id: int | None):
+    """Event attributes for a range; every ``_MESSAGE_CACHE_LIMIT`` calls, empty nvtx's string cache."""
+    global _messages
+    _messages += 1  # racy across threads, and only a trigger: an occasional lost count does not matter
+    if _messages >= _MESSAGE_CACHE_LIMIT:
+        _messages = 0
+        clear = getattr(getattr(type(domain), "get_registered_string", None), "cache_clear", None)
+        if clear is not None:
+            clear()
+    return domain.get_event_attributes(message=message, payload=step_id)
+
+
 def mark(name: str, step_id: int | None = None, detail: str = ""):
     """A stage range on this thread: ``with mark("forward", step_id, " bucket=64"): ...``."""
     if not _enabled:
         return _NULL
     domain = _domain
-    return _Range(domain, domain.get_event_attributes(message=name + detail, payload=step_id))
+    return _Range(domain, _attributes(domain, name + detail, step_id))
 
 
 def step_begin(step_id: int, num_decode: int, num_prefill: int, num_tokens: int) -> object:
     """Open the step's range (any thread may close it); returns the token for ``step_end``."""
     if not _enabled:
         return None
-    global _step_messages
     domain = _domain
     message = f"step {step_id} decode={num_decode} prefill={num_prefill} tokens={num_tokens}"
-    range_id = domain.start_range(domain.get_event_attributes(message=message, payload=step_id))
-    _step_messages += 1
-    if _step_messages >= _MESSAGE_CACHE_LIMIT:
-        _step_messages = 0
-        clear = getattr(getattr(type(domain), "get_registered_string", None), "cache_clear", None)
-        if clear is not None:
-            clear()
-    return (domain, range_id)
+    return (domain, domain.start_range(_attributes(domain, message, step_id)))
 
 
 def step_end(token: object) -> None:

@@ -55,6 +55,10 @@ class CudaGraphBackend:
     def memory_reserved(self) -> int:
         return int(torch.cuda.memory_reserved(self.device))
 
+    def release_cached(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+
 
 class _EagerGraph:
     """Re-runs the function and copies into the outputs captured first, as a replay would fill them."""
@@ -88,3 +92,6 @@ class EagerBackend:
 
     def memory_reserved(self) -> int:
         return 0
+
+    def release_cached(self) -> None:
+        pass

@@ -66,3 +66,7 @@ class GraphBackend(Protocol):
     def memory_reserved(self) -> int:
         """Bytes the device allocator holds now (0 where not measurable)."""
         ...
+
+    def release_cached(self) -> None:
+        """Wait for the device and return the allocator's unused cached blocks (not the graphs' pool)."""
+        ...

@@ -45,12 +45,13 @@ class CapturedGraph:
 class GraphStats:
     num_graphs: int = 0
     capture_s: float = 0.0  # wall time of warm-ups and captures
-    pool_bytes: int = 0  # growth of the device allocator's reserved memory over all captures
+    pool_bytes: int = 0  # device memory the graphs hold (pool + static outputs), measured in capture_all
     lazy_captures: int = 0  # graphs captured on first use rather than up front
+    replays: int = 0
 
     def as_dict(self) -> dict:
         return {"num_graphs": self.num_graphs, "capture_s": self.capture_s, "pool_bytes": self.pool_bytes,
-                "lazy_captures": self.lazy_captures}
+                "lazy_captures": self.lazy_captures, "replays": self.replays}
 
 
 @dataclass(slots=True)
@@ -90,9 +91,6 @@ class GraphRunner:
     def has(self, set_index: int, bucket: int, variant: Hashable) -> bool:
         return (set_index, bucket, variant) in self._graphs
 
-    def captured_keys(self) -> list[tuple[int, int, Hashable]]:
-        return sorted(self._graphs, key=repr)
-
     # -- capture ----------------------------------------------------------------
     def capture(self, set_index: int, bucket: int, variant: Hashable, lazy: bool = False) -> CapturedGraph:
         """Capture the graph of ``(set_index, bucket, variant)`` unless it exists.
@@ -118,7 +116,8 @@ class GraphRunner:
         before, start = self.backend.memory_reserved(), time.perf_counter()
         graph, outputs = self.backend.capture(run, self._pool, self.warmup)
         self.stats.capture_s += time.perf_counter() - start
-        self.stats.pool_bytes += max(0, self.backend.memory_reserved() - before)
+        if lazy:  # approximate: may include blocks the warm-up left in the allocator's cache
+            self.stats.pool_bytes += max(0, self.backend.memory_reserved() - before)
         self.stats.num_graphs += 1
         self.stats.lazy_captures += int(lazy)
         captured = CapturedGraph(set_index, bucket, variant, graph, outputs)
@@ -126,12 +125,21 @@ class GraphRunner:
         return captured
 
     def capture_all(self, variants: Iterable[Hashable], batch_sizes: Sequence[int] | None = None) -> None:
-        """Capture every set × bucket × variant, largest bucket first."""
+        """Capture every set × bucket × variant, largest bucket first.
+
+        The pool's size is measured around the whole batch with the allocator's
+        cache emptied on both sides, so warm-up memory does not count (this
+        synchronizes the device: call it before serving).
+        """
         variants = list(variants)
+        self.backend.release_cached()
+        before = self.backend.memory_reserved()
         for bucket in sorted(batch_sizes or self.batch_sizes, reverse=True):
             for set_index in range(self.num_sets):
                 for variant in variants:
                     self.capture(set_index, bucket, variant)
+        self.backend.release_cached()
+        self.stats.pool_bytes += max(0, self.backend.memory_reserved() - before)
 
     # -- one step -------------------------------------------------------------------
     def prepare(self, set_index: int, host: Mapping[str, np.ndarray], rows: int, bucket: int) -> None:
@@ -148,4 +156,5 @@ class GraphRunner:
         if captured is None:
             raise KeyError(f"no graph for set {set_index}, bucket {bucket}, variant {variant!r}; capture it first")
         captured.graph.replay()
+        self.stats.replays += 1
         return captured.outputs

@@ -30,6 +30,7 @@ import platform
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -205,7 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.configs.split(","):
         mode, kind = name.split("+")
         print(f"running {name} ...", flush=True)
-        results[name] = run_engine(model, kind == "graphs", mode == "overlap", prompts, params, args)
+        try:
+            results[name] = run_engine(model, kind == "graphs", mode == "overlap", prompts, params, args)
+        except Exception as exc:  # noqa: BLE001 - one broken configuration must not hide the others
+            traceback.print_exc()
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
         report = {"model_note": head, "real_weights": real, "device": device, "torch": torch.__version__,
                   "python": platform.python_version(),
                   "workload": {"requests": args.num_requests, "prompt_range": prompt_range,
@@ -222,11 +227,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def ratios(results: dict) -> dict:
     def tps(name):
-        return results[name]["best"]["tok_per_s"] if name in results else None
+        return results[name]["best"]["tok_per_s"] if "best" in results.get(name, {}) else None
 
     def same(a, b):
-        if a not in results or b not in results:
-            return None
         pairs = list(zip(results[a]["tokens"], results[b]["tokens"]))
         return sum(x == y for x, y in pairs) / len(pairs)
 
@@ -246,6 +249,9 @@ def render(report: dict) -> str:
              (f"{'config':<15} {'tok/s':>9} {'busy%':>6} {'steady%':>8} {'gap ms':>7} {'st.gap':>7} "
              f"{'dev ms':>7} {'plan ms':>7} {'capture s':>9} {'pool MiB':>8} {'graphs':>6}")]
     for name, r in report["results"].items():
+        if "error" in r:
+            lines.append(f"{name:<15} FAILED: {r['error'][:200]}")
+            continue
         best, stats = r["best"], r["executor"].get("cuda_graph_stats", {})
         whole, steady = best["whole"], best["steady"]
         lines.append(

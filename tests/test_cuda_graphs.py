@@ -1,12 +1,16 @@
-"""CUDA-graph bookkeeping on CPU: buckets, padding, static-buffer refill, graph sets, and the decode step.
+"""CUDA-graph bookkeeping on CPU: buckets, padding, static-buffer refill, graph sets, the decode step,
+and the CUDA executor's host logic.
 
 Capture itself needs CUDA (``tests/test_cuda_path.py``); here ``EagerBackend``
 stands in for it, so everything around capture runs with plain CPU tensors,
 including the engine's real decode step on a tiny model against the eager
-executor path.
+executor path, and ``CudaExecutor`` itself with no-op streams and events.
 """
 
 from __future__ import annotations
+
+import contextlib
+import types
 
 import numpy as np
 import pytest
@@ -15,6 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from tiny_models import save_tiny_model
 
+from asyncbatch import LLM, SamplingParams
 from asyncbatch.block_manager import DUMMY_BLOCK
 from asyncbatch.executors.decode_graph import DecodeGraphStep, SamplingVariant
 from asyncbatch.executors.torch_executor import TorchExecutor
@@ -268,3 +273,99 @@ def test_decode_graph_step_matches_eager_path(tiny_model, temps, top_k, variant)
         torch.testing.assert_close(gk[DUMMY_BLOCK + 1:], ek[DUMMY_BLOCK + 1:], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(gv[DUMMY_BLOCK + 1:], ev[DUMMY_BLOCK + 1:], rtol=1e-5, atol=1e-5)
         assert torch.all(ek[DUMMY_BLOCK] == 0) and gk[DUMMY_BLOCK].abs().sum() > 0
+
+
+# -- the CUDA executor's host logic -----------------------------------------------------------------------
+class _NoStream:
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+
+class _NoEvent:
+    def __init__(self, *args, **kwargs) -> None:
+        self.recorded = False
+
+    def record(self, stream=None) -> None:
+        self.recorded = True
+
+    def synchronize(self) -> None:
+        assert self.recorded, "waited on an event that was never recorded"
+
+    def elapsed_time(self, other) -> float:
+        return 0.0
+
+
+@pytest.fixture
+def cuda_host_shim(monkeypatch):
+    """Build ``CudaExecutor`` on the CPU: streams and events are no-ops, memory is not pinned, graphs run
+    through ``EagerBackend`` and attention through the torch reference. Its planning, padding, graph
+    choice, lazy capture, copies and bookkeeping then run for real, in program order (so this says nothing
+    about stream ordering, which ``test_cuda_path`` checks on a GPU). Returns the executor's settings:
+    empty means the plain CPU executor."""
+    from asyncbatch.executors import cuda_executor, torch_executor
+    from asyncbatch.model import paged_attention
+
+    for name, fake in (("Stream", _NoStream), ("Event", _NoEvent), ("stream", lambda s: contextlib.nullcontext()),
+                       ("synchronize", lambda *args, **kwargs: None)):
+        monkeypatch.setattr(torch.cuda, name, fake)
+    reference = types.SimpleNamespace(paged_attention=paged_attention.reference_attention)
+    monkeypatch.setattr(paged_attention, "triton_kernels", lambda device: reference)
+    monkeypatch.setattr(cuda_executor, "triton_kernels", lambda device: reference)
+    monkeypatch.setattr(cuda_executor, "CudaGraphBackend", lambda device: EagerBackend())
+
+    class HostShim(cuda_executor.CudaExecutor):
+        def _check_device(self, device):
+            pass
+
+        @staticmethod
+        def _pinned(*shape, dtype=torch.int64):
+            return torch.zeros(*shape, dtype=dtype)
+
+    settings: dict = {}
+    cpu_executor = torch_executor.TorchExecutor
+
+    def build(model, kv_caches, max_num_seqs, device):
+        if not settings:
+            return cpu_executor(model, kv_caches, max_num_seqs, device)
+        return HostShim(model, kv_caches, max_num_seqs, device, **settings)
+
+    monkeypatch.setattr(torch_executor, "TorchExecutor", build)  # what engine_builder constructs on "cpu"
+    return settings
+
+
+def shim_workload():
+    """Greedy, seeded, filtered and penalised requests, chunked prefill; filtered ones run longest, so the
+    last steps are decode-only filtered steps (a graph variant captured on first use)."""
+    prompts = [[3 + (i * 37 + j * 11) % 250 for j in range(3 + 7 * i)] for i in range(8)]
+    kinds = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+             SamplingParams(max_tokens=14, temperature=0.9, seed=5, ignore_eos=True),
+             SamplingParams(max_tokens=24, temperature=0.8, top_k=20, top_p=0.9, seed=7, ignore_eos=True),
+             SamplingParams(max_tokens=8, temperature=0.7, repetition_penalty=1.3, seed=3, ignore_eos=True)]
+    return prompts, [kinds[i % 4] for i in range(8)]
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_cuda_executor_host_logic_matches_cpu_executor(tmp_path, cuda_host_shim, overlap):
+    path = save_tiny_model(tmp_path / "llama", "LlamaForCausalLM")
+    prompts, params = shim_workload()
+    runs, infos = {}, {}
+    for name, settings in (("cpu", {}), ("eager", {"enable_cuda_graphs": False}),
+                           ("graphs", {"enable_cuda_graphs": True, "cuda_graph_batch_sizes": (1, 2, 4)})):
+        cuda_host_shim.clear()
+        cuda_host_shim.update(settings)
+        with LLM(str(path), device="cpu", max_num_seqs=6, max_num_batched_tokens=32, block_size=4,
+                 overlap=overlap, debug_check_integrity=True) as llm:
+            runs[name] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            infos[name] = llm._core.executor.describe()
+            llm.check_integrity()
+    assert runs["eager"] == runs["cpu"] and runs["graphs"] == runs["cpu"]
+    assert infos["eager"]["cuda_graphs"] is False
+    stats = infos["graphs"]["cuda_graph_stats"]
+    assert stats["num_graphs"] == 2 * 3 * 2 + stats["lazy_captures"]  # sets x buckets x (greedy, sample)
+    assert stats["lazy_captures"] > 0 and stats["replays"] > 10

@@ -52,6 +52,7 @@ def run_decode_steps(model, graphs: bool, temps, top_k, sync_debug: bool = False
     executor = CudaExecutor(model, caches, MAX_SEQS, CUDA, max_blocks_per_seq=MAX_BLOCKS, enable_cuda_graphs=graphs,
                             cuda_graph_batch_sizes=GRAPH_SIZES, capture_variants=tuple(SamplingVariant))
     executor.token_buffer.copy_(token_buffer)
+    torch.cuda.synchronize()  # that copy ran on the default stream; the executor's streams do not wait for it
     slots = [HostSlot.allocate(i, 16, MAX_SEQS, MAX_BLOCKS, pinned=True) for i in range(2)]
     sizes = [5, 4, 4, 3, 5, 2, 1, 1, 4]
     tokens, pending = [], []

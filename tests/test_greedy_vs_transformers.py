@@ -116,11 +116,15 @@ def test_repetition_penalty_matches_transformers(make_llm, tmp_path, overlap):
 
 def test_penalties_and_seeded_sampling_same_in_both_modes(make_llm, tmp_path):
     path = save_tiny_model(tmp_path / "qwen3", "Qwen3ForCausalLM")
-    prompts = [[3 + (i * 11 + j) % 60 for j in range(4 + 3 * i)] for i in range(8)]
+    # Longest first: its early chunks fill whole steps in which no penalised row samples.
+    prompts = [[3 + (i * 11 + j) % 60 for j in range(4 + 3 * i)] for i in reversed(range(8))]
     params = [SamplingParams(max_tokens=20, temperature=0.7, seed=i, presence_penalty=0.5, frequency_penalty=0.3,
+                             repetition_penalty=1.3,
                              top_p=0.9 if i % 2 else 1.0, ignore_eos=True) for i in range(8)]
     runs = []
     for overlap in (True, False):
-        llm = make_llm(str(path), device="cpu", overlap=overlap, num_kv_blocks=20, block_size=4, max_num_seqs=8)
-        runs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
-    assert runs[0] == runs[1]
+        for kwargs in ({"num_kv_blocks": 20}, {"max_num_batched_tokens": 8}):  # preemption; chunked prompts
+            llm = make_llm(str(path), device="cpu", overlap=overlap, block_size=4, max_num_seqs=8, **kwargs)
+            runs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+            llm.close()
+    assert all(run == runs[0] for run in runs[1:])

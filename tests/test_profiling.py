@@ -29,7 +29,7 @@ FAST_SIM = SimConfig(step_fixed_ms=0.5, per_token_us=0.0, per_context_token_ns=0
 @pytest.fixture(autouse=True)
 def nvtx_state(monkeypatch):
     """Every test starts with NVTX off and leaves the module as it found it."""
-    for name in ("_nvtx", "_domain", "_enabled", "_step_messages"):
+    for name in ("_nvtx", "_domain", "_enabled", "_messages"):
         monkeypatch.setattr(timeline_marks, name, getattr(timeline_marks, name))
     enable_nvtx(False)
 
@@ -276,9 +276,11 @@ def test_step_ranges_bound_the_message_cache(monkeypatch):
         cache_clear=lambda: cleared.append(1)), raising=False)
     monkeypatch.setattr(timeline_marks, "_MESSAGE_CACHE_LIMIT", 3)
     enable_nvtx(True)
-    for step in range(7):
+    for step in range(4):
         timeline_marks.step_end(timeline_marks.step_begin(step, 4, 1, 40))
-    assert len(cleared) == 2
+        with mark("prepare_metadata", step, f" rows={step}"):
+            pass
+    assert len(cleared) == 2  # 8 ranges, emptied at the 3rd and the 6th
     assert domain.steps[0][0] == ("step 0 decode=4 prefill=1 tokens=40", 0) and domain.steps[0][2] is not None
 
 

@@ -25,7 +25,9 @@ Stream-order invariants:
   * an eager step's device tensors stay referenced in ``_in_flight`` until
     ``wait`` has seen its D2H event;
   * the executor's own pinned buffers (prefill rows, first-chunk slots) are
-    indexed by host slot, so the slot's fence protects them too.
+    indexed by host slot, so the slot's fence protects them too; the pinned
+    output buffers alternate by step, which holds because at most two steps
+    are in flight (step N+2 is launched only after ``wait(N)``).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from asyncbatch.executors.decode_graph import DecodeGraphStep, SamplingVariant
 from asyncbatch.executors.torch_executor import TorchExecutor
 from asyncbatch.model.forward_batch import ForwardBatch
 from asyncbatch.model.llama import CausalLM
-from asyncbatch.model.paged_attention import triton_kernels
+from asyncbatch.model.paged_attention import PagedForwardBatch, triton_kernels
 from asyncbatch.step_metadata import StepMeta
 from asyncbatch.timeline_marks import mark
 from cuda_graphs import CudaGraphBackend, GraphRunner, normalize_batch_sizes
@@ -73,13 +75,20 @@ class _StepEvents:
 
 
 class CudaExecutor(TorchExecutor):
+    """Launches each step from the planner thread onto three CUDA streams (see the module docstring).
+
+    ``enable_cuda_graphs`` captures ``capture_variants`` for every bucket of
+    ``cuda_graph_batch_sizes`` (default ``cuda_graphs.default_batch_sizes``) and
+    both host slots at construction, after the KV cache exists; other variants
+    are captured on first use. ``max_blocks_per_seq`` must equal the width of
+    the host slots' block tables (default: derived from the model's positions).
+    """
+
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_num_seqs: int,
                  device: torch.device, *, max_blocks_per_seq: int | None = None, enable_cuda_graphs: bool = True,
                  cuda_graph_batch_sizes: tuple[int, ...] | None = None,
                  capture_variants: tuple[SamplingVariant, ...] = DEFAULT_CAPTURE_VARIANTS) -> None:
         super().__init__(model, kv_caches, max_num_seqs, device)
-        if self.device.type != "cuda":
-            raise ValueError(f"CudaExecutor needs a CUDA device, got {self.device}")
         self._triton = triton_kernels(self.device)  # the Triton attention module, or None (torch reference)
         block_size = kv_caches[0][0].shape[1]
         # The engine's block tables are max_model_len / block_size wide; the model's rotary table is max_model_len.
@@ -87,11 +96,10 @@ class CudaExecutor(TorchExecutor):
         self.h2d_stream = torch.cuda.Stream(self.device)
         self.compute_stream = torch.cuda.Stream(self.device)
         self.d2h_stream = torch.cuda.Stream(self.device)
-        pinned = {"dtype": torch.int64, "pin_memory": True}
-        self._out_host = [torch.zeros(max_num_seqs, **pinned) for _ in range(2)]
-        self._finite_host = [torch.zeros(max_num_seqs, dtype=torch.bool, pin_memory=True) for _ in range(2)]
-        self._prefill_rows_host = [torch.zeros(max_num_seqs, 3, **pinned) for _ in range(HOST_SLOTS)]
-        self._first_chunk_host = [torch.zeros(max_num_seqs, **pinned) for _ in range(HOST_SLOTS)]
+        self._out_host = [self._pinned(max_num_seqs) for _ in range(2)]
+        self._finite_host = [self._pinned(max_num_seqs, dtype=torch.bool) for _ in range(2)]
+        self._prefill_rows_host = [self._pinned(max_num_seqs, 3) for _ in range(HOST_SLOTS)]
+        self._first_chunk_host = [self._pinned(max_num_seqs) for _ in range(HOST_SLOTS)]
         self._in_flight: dict[int, tuple] = {}  # eager steps' tensors, alive until their D2H event fired
         self._set_free: list[torch.cuda.Event | None] = [None] * HOST_SLOTS
         self.graphs: GraphRunner | None = None
@@ -120,6 +128,17 @@ class CudaExecutor(TorchExecutor):
             self.graphs.capture_all(variants)
         torch.cuda.synchronize(self.device)
 
+    def _check_device(self, device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"CudaExecutor needs a CUDA device, got {device}")
+
+    def _device_thread(self) -> None:
+        return None  # the planner thread launches onto the streams itself
+
+    @staticmethod
+    def _pinned(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=dtype, pin_memory=True)
+
     # -- host → device hooks (see TorchExecutor._copy_in) --------------------------------
     def _upload(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
@@ -144,8 +163,8 @@ class CudaExecutor(TorchExecutor):
         host[:len(rows)] = torch.as_tensor([(p.token_start, p.q_len, p.ctx_len) for p in rows],
                                            dtype=torch.int64).view(-1, 3)
         prefill_meta = host[:len(rows)].to(self.device, non_blocking=True)
-        return self._triton.PagedForwardBatch(**fields, prefill_meta=prefill_meta, prefill_tables=prefill_tables,
-                                              max_prefill_len=max((p.q_len for p in rows), default=0))
+        return PagedForwardBatch(**fields, prefill_meta=prefill_meta, prefill_tables=prefill_tables,
+                                 max_prefill_len=max((p.q_len for p in rows), default=0))
 
     # -- launch ---------------------------------------------------------------------
     def _graph_plan(self, meta: StepMeta) -> GraphPlan | None:
@@ -202,7 +221,7 @@ class CudaExecutor(TorchExecutor):
             ev.end.record()
         r = meta.num_sampled
         out, fin = self._out_host[meta.step_id % 2], self._finite_host[meta.step_id % 2]
-        with torch.cuda.stream(self.d2h_stream):
+        with torch.cuda.stream(self.d2h_stream), mark("d2h", meta.step_id):
             self.d2h_stream.wait_event(ev.end)
             out[:r].copy_(tokens, non_blocking=True)
             fin[:r].copy_(finite, non_blocking=True)

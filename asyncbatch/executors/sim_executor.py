@@ -23,6 +23,7 @@ from asyncbatch.executors.base import Executor, StepHandle, StepResult
 from asyncbatch.executors.device_thread import DeviceThread
 from asyncbatch.sim_config import SimConfig
 from asyncbatch.step_metadata import StepMeta
+from asyncbatch.timeline_marks import mark
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -69,13 +70,14 @@ class SimExecutor(Executor):
     def _run(self, meta: StepMeta, handle: StepHandle) -> StepResult:
         s, t, nd, r = meta.slot, meta.num_tokens, meta.num_decode, meta.num_sampled
         t0 = time.perf_counter()
-        input_ids = s.input_ids[:t].copy()
-        decode_slots = s.decode_token_slots[:nd].copy()
-        logits_idx = s.logits_indices[:r].copy()
-        sample_slots = s.sample_token_slots[:r].copy()
-        seeds = s.sample_seed[:r].copy()
-        steps = s.sample_step[:r].copy()
-        s.slot_mapping[:t].sum()  # touch the metadata a real copy would move
+        with mark("h2d", meta.step_id):
+            input_ids = s.input_ids[:t].copy()
+            decode_slots = s.decode_token_slots[:nd].copy()
+            logits_idx = s.logits_indices[:r].copy()
+            sample_slots = s.sample_token_slots[:r].copy()
+            seeds = s.sample_seed[:r].copy()
+            steps = s.sample_step[:r].copy()
+            s.slot_mapping[:t].sum()  # touch the metadata a real copy would move
         s.fence.signal()
         h2d_ms = (time.perf_counter() - t0) * 1e3
 
@@ -97,7 +99,8 @@ class SimExecutor(Executor):
         self.token_buffer[sample_slots] = tokens
         delay = end - time.perf_counter()
         if delay > 0:
-            time.sleep(delay)
+            with mark("forward", meta.step_id, " sim"):
+                time.sleep(delay)
         return StepResult(meta.step_id, tokens, np.ones(r, dtype=bool), device_start=start, device_end=end,
                           h2d_ms=h2d_ms, forward_ms=(end - start) * 1e3)
 

@@ -57,20 +57,26 @@ class TorchExecutor(Executor):
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_num_seqs: int,
                  device: torch.device) -> None:
         device = torch.device(device)
-        if device.type != "cpu" and type(self) is TorchExecutor:
-            raise ValueError(f"TorchExecutor runs on the CPU; use CudaExecutor for {device}")
+        self._check_device(device)
         self.model = model
         self.kv_caches = kv_caches
         self.device = device
         self.is_cuda = device.type == "cuda"
         self.name = device.type
         vocab = model.config.vocab_size
-        # One row per request slot, plus a last dummy row that padding rows of CUDA graphs read and write.
-        self.dummy_token_row = max_num_seqs
+        # One row per request slot, plus a last dummy row that padding rows of CUDA graphs read and
+        # write (``DecodeGraphStep.dummy_token_row``).
         self.token_buffer = torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=device)  # [max_num_seqs + 1]
         self.penalties = PenaltyState(max_num_seqs, vocab, device)
         self.forward_hook = None  # tests inject faults here
-        self._thread = None if self.is_cuda else DeviceThread("asyncbatch-device", self._run_threaded)
+        self._thread = self._device_thread()
+
+    def _check_device(self, device: torch.device) -> None:
+        if device.type != "cpu":
+            raise ValueError(f"TorchExecutor runs on the CPU; use CudaExecutor for {device}")
+
+    def _device_thread(self) -> DeviceThread | None:
+        return DeviceThread("asyncbatch-device", self._run_threaded)
 
     # -- host → device (hooks overridden on CUDA) ---------------------------------------
     def _upload(self, array: np.ndarray) -> torch.Tensor:
@@ -123,7 +129,7 @@ class TorchExecutor(Executor):
         if nd:
             # The token sampled last step feeds this one without visiting the host.
             batch.input_ids[:nd] = self.token_buffer[step.decode_slots]
-        with mark("forward", meta.step_id):
+        with mark("forward", meta.step_id, " eager"):
             if self.forward_hook is not None:
                 self.forward_hook(meta)
             logits = self.model(batch, self.kv_caches)  # [R, vocab]
@@ -160,7 +166,8 @@ class TorchExecutor(Executor):
         with torch.inference_mode():
             tokens, finite, t_sample = self._compute(meta, step)
         t2 = time.perf_counter()
-        out_tokens, out_finite = tokens.numpy().copy(), finite.numpy().copy()
+        with mark("d2h", meta.step_id):
+            out_tokens, out_finite = tokens.numpy().copy(), finite.numpy().copy()
         t3 = time.perf_counter()
         return StepResult(meta.step_id, out_tokens, out_finite, device_start=t0, device_end=t2,
                           h2d_ms=(t1 - t0) * 1e3, forward_ms=(t_sample - t1) * 1e3,

@@ -30,30 +30,15 @@ CPU tensors the kernels need the interpreter; there every product runs in
 float32 because the interpreter computes bfloat16 arithmetic wrongly.
 """
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from asyncbatch.model.forward_batch import ForwardBatch
+from asyncbatch.model.paged_attention import PagedForwardBatch
 
 # Registers per program stay bounded: a decode tile holds GROUP_PAD * BLOCK_N * DIM_PAD floats.
 _DECODE_TILE_ELEMENTS = 8192
-
-
-@dataclass(slots=True)
-class PagedForwardBatch(ForwardBatch):
-    """A ``ForwardBatch`` that also carries the prefill rows as device tensors.
-
-    The CUDA executor uploads these from pinned memory with the rest of the
-    step, so the prefill kernel needs no host round trip; without them
-    ``paged_attention`` builds them from ``prefill_rows`` (a blocking copy).
-    """
-
-    prefill_meta: torch.Tensor | None = None  # [P, 3] int64: token_start, q_len, ctx_len
-    prefill_tables: torch.Tensor | None = None  # [P, >= max blocks of any row] int64
-    max_prefill_len: int = 0  # largest q_len among the prefill rows
 
 
 @triton.jit
