@@ -178,7 +178,7 @@ def _keep_threshold_cpu(
     the whole row (a logsumexp pass instead of a sort). Synchronises with the host
     to pick fallback rows, which is why only the CPU uses it.
     """
-    n, vocab_size = logits.shape
+    _, vocab_size = logits.shape
     cand = min(CPU_FILTER_CANDIDATES, vocab_size)
     if cand == vocab_size:
         return _keep_threshold(logits, temp, top_k, top_p, min_p, row_max)

@@ -130,7 +130,7 @@ def main() -> int:
           f"{'ideal':>6} {'plan ms':>7} {'host ms':>7}")
     rows = sim_sweep(args.steps_ms, args.running, args.decode_steps)
     report = {"machine": platform.processor() or platform.machine(), "cpu_count": __import__("os").cpu_count(),
-              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, check=False,
                                        text=True).stdout.strip(), "sim": rows}
     if not args.skip_cpu:
         cpu = cpu_tiny(args.cpu_repeats)

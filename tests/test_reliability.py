@@ -163,7 +163,7 @@ def test_interpreter_exit_with_requests_in_flight(tmp_path):
         "handles = [llm._submit([400], [400], SamplingParams(max_tokens=5000)) for _ in range(8)]\n"
         "print('exiting with requests in flight', flush=True)\n")
     started = time.time()
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "exiting with requests in flight" in proc.stdout
     assert time.time() - started < 60

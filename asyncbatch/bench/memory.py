@@ -1,18 +1,25 @@
-"""Peak memory of a run: resident set size sampled by a background thread, and CUDA peaks.
+"""Peak memory of a system: its persistent tensors, counted exactly, plus what a run adds.
 
-``ru_maxrss`` is a process-lifetime maximum, useless when several systems run
-in one process, so RSS is read from ``/proc/self/statm`` every ``interval_s``
-(20 ms: about 20 us of GIL per sample, under 0.1% of a run). A system's
-figure is what it added: ``load_mib`` (RSS growth while it was built: weights,
-preallocated KV cache) plus ``run_delta_mib`` (RSS growth above the level at the
-start of the run: activations, caches allocated per run). On CUDA the device
-allocator's peak is reported too.
+Several systems share one process, so neither ``ru_maxrss`` (a process-lifetime
+maximum) nor RSS growth while a system is built can be attributed to it: the
+allocator hands a new system the memory an earlier one freed. A system's
+figure is therefore
+
+    peak_mib = state_mib          bytes of its weights, buffers and preallocated KV cache
+             + in_run_state_mib   KV cache a run allocates itself (transformers' manager)
+             + transient_mib      RSS growth above the run's start beyond that (activations,
+                                  a growing DynamicCache), sampled from /proc/self/statm
+
+``transient_mib`` is approximate (it undercounts when freed memory is reused);
+the state terms are exact. RSS is sampled every ``interval_s`` (20 ms: about
+20 us of GIL per sample). On CUDA the device allocator's peak is reported too.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterable
 
 import torch
 
@@ -29,8 +36,22 @@ def rss_mib() -> float:
         return 0.0
 
 
+def tensor_mib(tensors: Iterable[torch.Tensor]) -> float:
+    """MiB of storage behind ``tensors``, each storage counted once."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values()) / _MIB
+
+
+def module_mib(module: torch.nn.Module) -> float:
+    """MiB of a module's parameters and buffers (tied weights once)."""
+    return tensor_mib([*module.parameters(), *module.buffers()])
+
+
 class MemorySampler:
-    """``with MemorySampler() as m: ...`` then ``m.result(load_mib)``."""
+    """``with MemorySampler() as m: ...`` then ``m.result(state_mib)``."""
 
     def __init__(self, interval_s: float = 0.02) -> None:
         self.interval_s = interval_s
@@ -58,9 +79,11 @@ class MemorySampler:
             self._thread.join()
         self.peak_mib = max(self.peak_mib, rss_mib())
 
-    def result(self, load_mib: float) -> dict:
+    def result(self, state_mib: float, in_run_state_mib: float = 0.0) -> dict:
         delta = max(self.peak_mib - self.start_mib, 0.0)
-        out = {"load_mib": load_mib, "run_delta_mib": delta, "peak_mib": load_mib + delta,
+        transient = max(delta - in_run_state_mib, 0.0)
+        out = {"state_mib": state_mib, "in_run_state_mib": in_run_state_mib, "run_delta_mib": delta,
+               "transient_mib": transient, "peak_mib": state_mib + in_run_state_mib + transient,
                "process_peak_rss_mib": self.peak_mib}
         if self._cuda:
             out["cuda_peak_allocated_mib"] = torch.cuda.max_memory_allocated() / _MIB

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 
-from asyncbatch.bench.memory import MemorySampler, rss_mib
+from asyncbatch.bench.memory import MemorySampler, module_mib, tensor_mib
 from asyncbatch.bench.records import RequestRecord, RunResult
 from asyncbatch.bench.system_base import BenchSettings, BenchSystem, ThreadErrors, replay
 from asyncbatch.llm import LLM
@@ -25,11 +25,12 @@ class AsyncBatchSystem(BenchSystem):
         self.name = "asyncbatch-overlap" if overlap else "asyncbatch-sync"
         self.description = ("asyncbatch, planner one step ahead (overlap=True)" if overlap
                             else "asyncbatch, synchronous loop (overlap=False)")
-        before = rss_mib()
         self.llm = LLM(settings.model, device=settings.device, dtype=settings.dtype, overlap=overlap,
                        max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
                        seed=settings.seed)
-        self.load_mib = max(rss_mib() - before, 0.0)
+        executor = self.llm._core.executor  # the benchmark counts the engine's own tensors
+        model, caches = getattr(executor, "model", None), getattr(executor, "kv_caches", [])
+        self.load_mib = (0.0 if model is None else module_mib(model)) + tensor_mib(t for kv in caches for t in kv)
 
     @property
     def model_path(self) -> str:

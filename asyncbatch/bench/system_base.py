@@ -40,7 +40,7 @@ class BenchSystem(ABC):
 
     name: str = ""
     description: str = ""
-    load_mib: float = 0.0  # resident memory added by building the system
+    load_mib: float = 0.0  # MiB of the system's persistent tensors (weights, buffers, preallocated KV cache)
 
     @abstractmethod
     def run_offline(self, items: list[WorkItem]) -> RunResult: ...
