@@ -8,7 +8,10 @@ Overlap mode (the planner runs one step ahead of the device):
 
     planner  [plan N+1][launch N+1][wait N ][apply N][plan N+2][launch N+2][wait N+1]...
     device   [........ step N ..........][.......... step N+1 .........][ step N+2 ..
-    output                                       [detok N, stops N]          [detok N+1]
+    output                                                   [detok N, stops N]   [detok N+1]
+
+(step N's outputs go to the output thread once N+2 is launched, so its Python
+work never competes for the GIL with planning.)
 
 Synchronous mode (the ablation):
 
@@ -155,16 +158,25 @@ class EngineCore:
 
     # -- the planner loop ----------------------------------------------------
     def _run(self) -> None:
+        # Overlap mode hands step N's outputs to the output thread only after step N+2 is launched:
+        # the output thread's Python work then competes for the GIL with nothing on the launch path.
+        held: OutputBatch | None = None
         try:
             while True:
                 idle = not self._in_flight and not self.scheduler.has_work()
+                if idle and held is not None:
+                    self.output.put(held)
+                    held = None
                 if not self._drain_inbox(block=idle):
                     break
                 plan = None
                 if self.scheduler.has_work() and len(self._in_flight) < self._max_in_flight:
                     plan = self._plan_and_launch()
+                if held is not None:
+                    self.output.put(held)
+                    held = None
                 if self._in_flight and (plan is None or len(self._in_flight) >= self._max_in_flight):
-                    self._complete_oldest()
+                    held = self._complete_oldest()
                 elif plan is None and not self._in_flight and self.scheduler.has_work():
                     raise RuntimeError(
                         f"scheduler stalled: {len(self.scheduler.waiting)} waiting, nothing runnable "
@@ -238,7 +250,9 @@ class EngineCore:
             self.scheduler.check_integrity()
         return plan
 
-    def _complete_oldest(self) -> None:
+    def _complete_oldest(self) -> OutputBatch | None:
+        """Wait for the oldest step and apply it; returns its outputs for the caller to hand over
+        (overlap mode), or hands them over and waits for them (synchronous mode, returns None)."""
         step = self._in_flight.popleft()
         record = step.record
         record.wait_start = time.perf_counter()
@@ -252,12 +266,14 @@ class EngineCore:
             updates = self._apply(step.plan, result)
         step_end(step.nvtx)
         record.apply_end = time.perf_counter()
-        batch = OutputBatch(updates, record, threading.Event() if self._max_in_flight == 1 else None)
-        self.output.put(batch)
-        if batch.processed is not None:
-            batch.processed.wait()
         if self.config.debug_check_integrity:
             self.scheduler.check_integrity()
+        if self._max_in_flight > 1:
+            return OutputBatch(updates, record)
+        batch = OutputBatch(updates, record, threading.Event())
+        self.output.put(batch)
+        batch.processed.wait()
+        return None
 
     def _apply(self, plan: StepPlan, result) -> list[RequestUpdate]:
         """Append step N's tokens; finish on EOS, stop ids, max_tokens or non-finite logits."""

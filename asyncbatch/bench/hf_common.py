@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
-from asyncbatch.bench.memory import rss_mib
+from asyncbatch.bench.memory import module_mib
 from asyncbatch.bench.system_base import BenchSettings
 from asyncbatch.config import EngineConfig
 from asyncbatch.engine_builder import choose_num_blocks, kv_bytes_per_token, resolve_device
@@ -29,7 +29,7 @@ class HFModel:
     dtype: torch.dtype
     eos_token_id: int | None
     pad_token_id: int
-    load_mib: float
+    load_mib: float  # weights and buffers
     kv_capacity_tokens: int  # what asyncbatch's KV cache holds with the same settings
 
 
@@ -48,10 +48,9 @@ def load_hf_model(settings: BenchSettings) -> HFModel:
     device = torch.device(device_name)
     dtype = resolve_dtype(settings.dtype, device)
     path = resolve_model_path(settings.model)
-    before = rss_mib()
     hf_logging.disable_progress_bar()  # the benchmark's own bar is the one to watch
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    load_mib = max(rss_mib() - before, 0.0)
+    load_mib = module_mib(model)
     eos = model.generation_config.eos_token_id
     if eos is None:
         eos = model.config.eos_token_id

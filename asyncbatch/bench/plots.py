@@ -26,7 +26,7 @@ def _subtitle(doc: dict) -> str:
     m, s, w = doc["machine"], doc["settings"], doc["workload"]
     model = Path(str(s.get("model_path") or s.get("model") or "default")).name
     return (f"{model}, {s['dtype']}, {m['device']} ({m['cores']} cores), workload {w['name']} "
-            f"x{w['num_requests']}, {s['repeats']} repeats")
+            f"x{w['num_requests']}, {s['repeats']} repeat{'s' if s['repeats'] != 1 else ''}")
 
 
 def throughput_bars(doc: dict, path: Path, rate: object = None) -> Path:

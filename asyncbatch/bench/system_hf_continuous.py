@@ -28,6 +28,7 @@ from asyncbatch.bench.hf_common import effective_eos, generation_config, load_hf
 from asyncbatch.bench.memory import MemorySampler
 from asyncbatch.bench.records import RequestRecord, RunResult
 from asyncbatch.bench.system_base import BenchSettings, BenchSystem, replay
+from asyncbatch.engine_builder import kv_bytes_per_token
 from asyncbatch.workloads import WorkItem
 
 _PAGE_SIZE = 256  # transformers' default page (block) size
@@ -43,6 +44,11 @@ class HFContinuousSystem(BenchSystem):
         self.hf = load_hf_model(settings)
         self.load_mib = self.hf.load_mib
         self._resolved: dict = {}
+
+    def _kv_mib(self) -> float:
+        """The KV cache each run's manager allocates (equal capacity to asyncbatch's)."""
+        per_token = kv_bytes_per_token(self.hf.model.config, self.hf.dtype)
+        return -(-self.hf.kv_capacity_tokens // _PAGE_SIZE) * _PAGE_SIZE * per_token / (1 << 20)
 
     def config(self) -> dict:
         return {"attn_implementation": self.hf.model.config._attn_implementation, "dtype": str(self.hf.dtype),
@@ -105,7 +111,7 @@ class HFContinuousSystem(BenchSystem):
             self._collect(manager, records, len(items), streaming=False)
             end, cpu_s = time.perf_counter(), time.process_time() - cpu0
         ordered = [records[f"r{i}"] for i in range(len(items))]
-        return RunResult(self.name, ordered, start, end, None, None, mem.result(self.load_mib), cpu_s=cpu_s)
+        return RunResult(self.name, ordered, start, end, None, None, mem.result(self.load_mib, self._kv_mib()), cpu_s=cpu_s)
 
     def run_online(self, items: list[WorkItem], offsets: list[float]) -> RunResult:
         eos = effective_eos(self.settings, self.hf)
@@ -136,4 +142,4 @@ class HFContinuousSystem(BenchSystem):
         if errors:
             raise errors[0]
         ordered = [records[f"r{i}"] for i in range(len(items))]
-        return RunResult(self.name, ordered, start, end, None, None, mem.result(self.load_mib), cpu_s=cpu_s)
+        return RunResult(self.name, ordered, start, end, None, None, mem.result(self.load_mib, self._kv_mib()), cpu_s=cpu_s)
