@@ -11,7 +11,10 @@ while the device consumes slot B:
 Invariant: a slot is written only after its fence has fired, i.e. after the
 copy out of it (launched for the step that last used it) has completed. The
 fence is a CUDA event on ``cuda`` and a ``threading.Event`` that the device
-thread sets after its copy on ``cpu``/``sim``.
+thread sets after its copy on ``cpu``/``sim``. With two slots and at most two
+launched steps, the planner's wait for step N's tokens already orders the
+rewrite of N's slot after N's copy; the fence keeps the invariant whatever the
+pipeline depth, at the cost of one event check per step.
 """
 
 from __future__ import annotations
