@@ -47,6 +47,30 @@ from asyncbatch.timeline import StepRecord, Timeline
 from asyncbatch.timeline_marks import mark, step_begin, step_end
 
 
+_switch_lock = threading.Lock()
+_switch_holders: list[float] = []  # the interval each live engine asked for
+_switch_original: float | None = None
+
+
+def _hold_switch_interval(seconds: float) -> None:
+    """Shorten the interpreter's switch interval while any engine runs; restored when the last closes."""
+    global _switch_original
+    with _switch_lock:
+        if not _switch_holders:
+            _switch_original = sys.getswitchinterval()
+        _switch_holders.append(seconds)
+        sys.setswitchinterval(min(_switch_original, *_switch_holders))
+
+
+def _release_switch_interval(seconds: float) -> None:
+    with _switch_lock:
+        _switch_holders.remove(seconds)
+        if _switch_holders:
+            sys.setswitchinterval(min(_switch_original, *_switch_holders))
+        elif _switch_original is not None:
+            sys.setswitchinterval(_switch_original)
+
+
 @dataclass(slots=True)
 class _InFlight:
     plan: StepPlan
@@ -80,8 +104,9 @@ class EngineCore:
         self._gc_pause = 0.0
         self._thread = threading.Thread(target=self._run, name="asyncbatch-planner", daemon=True)
         gc.callbacks.append(self._gc_callback)
-        if config.switch_interval_s is not None:
-            sys.setswitchinterval(min(sys.getswitchinterval(), config.switch_interval_s))
+        self._switch_interval_held = config.switch_interval_s is not None
+        if self._switch_interval_held:
+            _hold_switch_interval(config.switch_interval_s)
         self._thread.start()
 
     # -- callers (any thread) ------------------------------------------------
@@ -114,6 +139,9 @@ class EngineCore:
         self.output.close()
         if self._gc_callback in gc.callbacks:
             gc.callbacks.remove(self._gc_callback)
+        if self._switch_interval_held:
+            self._switch_interval_held = False
+            _release_switch_interval(self.config.switch_interval_s)
         self._fail_handles(EngineDeadError("the engine was closed before the request finished"))
 
     @property
