@@ -46,7 +46,6 @@ from asyncbatch.step_metadata import StepMeta, StepMetadataWriter
 from asyncbatch.timeline import StepRecord, Timeline
 from asyncbatch.timeline_marks import mark, step_begin, step_end
 
-
 _switch_lock = threading.Lock()
 _switch_holders: list[float] = []  # the interval each live engine asked for
 _switch_original: float | None = None

@@ -71,6 +71,18 @@ class Timeline:
         return summarize(self.window())
 
 
+def steady_decode_window(records: list[StepRecord], min_decode: int) -> list[StepRecord]:
+    """The contiguous steady-state decode steps: after the last step with a prefill row, while at least
+    ``min_decode`` rows decode (so the tail where requests drain away is left out)."""
+    last_prefill = max((i for i, r in enumerate(records) if r.num_prefill), default=-1)
+    window = []
+    for record in records[last_prefill + 1:]:
+        if record.num_decode < min_decode:
+            break
+        window.append(record)
+    return window
+
+
 def summarize(records: list[StepRecord]) -> dict:
     """Busy fraction, idle gaps and per-stage costs over a list of completed steps."""
     if not records:

@@ -24,19 +24,12 @@ import time
 from pathlib import Path
 
 from asyncbatch import LLM, SamplingParams, SimConfig
+from asyncbatch.timeline import steady_decode_window, summarize
 
 
 def decode_window_stats(llm: LLM, min_decode: int) -> dict:
-    from asyncbatch.timeline import summarize
-
     records = llm.timeline.window()
-    last_prefill = max((i for i, r in enumerate(records) if r.num_prefill), default=-1)
-    window = []
-    for record in records[last_prefill + 1:]:
-        if record.num_decode < min_decode:
-            break
-        window.append(record)
-    return summarize(window or records)
+    return summarize(steady_decode_window(records, min_decode) or records)
 
 
 def run_sim(step_ms: float, running: int, overlap: bool, decode_steps: int) -> dict:

@@ -58,6 +58,21 @@ def tiny_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_overload_on_cpu_with_a_tiny_model(make_llm, tiny_dir, overlap):
+    """300 requests at once to a real (tiny) model capped at 16 running: all finish, each with the tokens
+    it gets when run alone."""
+    llm = make_llm(str(tiny_dir), device="cpu", overlap=overlap, max_num_seqs=16, max_num_batched_tokens=64,
+                   block_size=4)
+    prompts = [[3 + (i * 7 + j) % 250 for j in range(1 + i % 20)] for i in range(300)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [8] * 300
+    for i in (0, 17, 299):
+        assert llm.generate([prompts[i]], params, use_tqdm=False)[0].token_ids == outs[i].token_ids
+    assert_idle_and_clean(llm)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
 def test_memory_pressure_keeps_greedy_tokens(make_llm, tiny_dir, overlap):
     prompts = [[3 + (i * 13 + j) % 250 for j in range(4 + 3 * i)] for i in range(8)]
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)

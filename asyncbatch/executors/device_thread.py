@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 
-from asyncbatch.executors.base import StepHandle, StepResult
+from asyncbatch.executors.base import Executor, StepHandle, StepResult
 from asyncbatch.step_metadata import StepMeta
 
 _STOP = object()
@@ -51,3 +52,21 @@ class DeviceThread:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+
+class ThreadedExecutor(Executor):
+    """An executor whose device is a ``DeviceThread`` (``cpu``, ``sim``): launch queues, wait blocks."""
+
+    _thread: DeviceThread | None = None
+
+    def launch(self, meta: StepMeta) -> StepHandle:
+        handle = StepHandle(meta.step_id, time.perf_counter())
+        self._thread.submit(meta, handle)
+        return handle
+
+    def wait(self, handle: StepHandle) -> StepResult:
+        return handle.result()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.stop()

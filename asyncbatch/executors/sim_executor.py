@@ -19,8 +19,8 @@ import time
 
 import numpy as np
 
-from asyncbatch.executors.base import Executor, StepHandle, StepResult
-from asyncbatch.executors.device_thread import DeviceThread
+from asyncbatch.executors.base import StepHandle, StepResult
+from asyncbatch.executors.device_thread import DeviceThread, ThreadedExecutor
 from asyncbatch.sim_config import SimConfig
 from asyncbatch.step_metadata import StepMeta
 from asyncbatch.timeline_marks import mark
@@ -39,7 +39,7 @@ def mix64(x: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
-class SimExecutor(Executor):
+class SimExecutor(ThreadedExecutor):
     name = "sim"
     simulated = True
 
@@ -103,17 +103,6 @@ class SimExecutor(Executor):
                 time.sleep(delay)
         return StepResult(meta.step_id, tokens, np.ones(r, dtype=bool), device_start=start, device_end=end,
                           h2d_ms=h2d_ms, forward_ms=(end - start) * 1e3)
-
-    def launch(self, meta: StepMeta) -> StepHandle:
-        handle = StepHandle(meta.step_id, time.perf_counter())
-        self._thread.submit(meta, handle)
-        return handle
-
-    def wait(self, handle: StepHandle) -> StepResult:
-        return handle.result()
-
-    def close(self) -> None:
-        self._thread.stop()
 
     def describe(self) -> dict:
         return {"backend": "sim", "simulated": True, "sim": {

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from asyncbatch.executors.base import Executor, StepHandle, StepResult
-from asyncbatch.executors.device_thread import DeviceThread
+from asyncbatch.executors.base import StepHandle, StepResult
+from asyncbatch.executors.device_thread import DeviceThread, ThreadedExecutor
 from asyncbatch.model.forward_batch import ForwardBatch, PrefillRow
 from asyncbatch.model.llama import CausalLM
 from asyncbatch.penalties import PenaltyState
@@ -51,7 +51,7 @@ class DeviceStep:
     penalty: PenaltyInputs | None
 
 
-class TorchExecutor(Executor):
+class TorchExecutor(ThreadedExecutor):
     """The ``cpu`` backend; ``CudaExecutor`` is the ``cuda`` one."""
 
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_num_seqs: int,
@@ -173,14 +173,3 @@ class TorchExecutor(Executor):
                           h2d_ms=(t1 - t0) * 1e3, forward_ms=(t_sample - t1) * 1e3,
                           sample_ms=(t2 - t_sample) * 1e3, d2h_ms=(t3 - t2) * 1e3)
 
-    def launch(self, meta: StepMeta) -> StepHandle:
-        handle = StepHandle(meta.step_id, time.perf_counter())
-        self._thread.submit(meta, handle)
-        return handle
-
-    def wait(self, handle: StepHandle) -> StepResult:
-        return handle.result()
-
-    def close(self) -> None:
-        if self._thread is not None:
-            self._thread.stop()
