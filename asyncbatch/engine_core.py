@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import gc
 import queue
-import sys
 import threading
 import time
 from collections import deque
@@ -37,6 +36,7 @@ from dataclasses import dataclass
 
 from asyncbatch.config import EngineConfig
 from asyncbatch.executors.base import Executor, StepHandle
+from asyncbatch.gil_tuning import hold_switch_interval, release_switch_interval
 from asyncbatch.host_slots import SlotPair
 from asyncbatch.output_processor import OutputBatch, OutputProcessor, RequestUpdate
 from asyncbatch.request import Request, RequestStatus
@@ -45,29 +45,6 @@ from asyncbatch.scheduler import Scheduler, StepPlan
 from asyncbatch.step_metadata import StepMeta, StepMetadataWriter
 from asyncbatch.timeline import StepRecord, Timeline
 from asyncbatch.timeline_marks import mark, step_begin, step_end
-
-_switch_lock = threading.Lock()
-_switch_holders: list[float] = []  # the interval each live engine asked for
-_switch_original: float | None = None
-
-
-def _hold_switch_interval(seconds: float) -> None:
-    """Shorten the interpreter's switch interval while any engine runs; restored when the last closes."""
-    global _switch_original
-    with _switch_lock:
-        if not _switch_holders:
-            _switch_original = sys.getswitchinterval()
-        _switch_holders.append(seconds)
-        sys.setswitchinterval(min(_switch_original, *_switch_holders))
-
-
-def _release_switch_interval(seconds: float) -> None:
-    with _switch_lock:
-        _switch_holders.remove(seconds)
-        if _switch_holders:
-            sys.setswitchinterval(min(_switch_original, *_switch_holders))
-        elif _switch_original is not None:
-            sys.setswitchinterval(_switch_original)
 
 
 @dataclass(slots=True)
@@ -105,7 +82,7 @@ class EngineCore:
         gc.callbacks.append(self._gc_callback)
         self._switch_interval_held = config.switch_interval_s is not None
         if self._switch_interval_held:
-            _hold_switch_interval(config.switch_interval_s)
+            hold_switch_interval(config.switch_interval_s)
         self._thread.start()
 
     # -- callers (any thread) ------------------------------------------------
@@ -140,7 +117,7 @@ class EngineCore:
             gc.callbacks.remove(self._gc_callback)
         if self._switch_interval_held:
             self._switch_interval_held = False
-            _release_switch_interval(self.config.switch_interval_s)
+            release_switch_interval(self.config.switch_interval_s)
         self._fail_handles(EngineDeadError("the engine was closed before the request finished"))
 
     @property
