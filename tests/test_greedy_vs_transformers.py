@@ -69,6 +69,7 @@ def test_tiny_models_greedy_match_transformers(make_llm, tmp_path, arch, kwargs)
     assert_idle_and_clean(llm)
     reference = AutoModelForCausalLM.from_pretrained(path, dtype="float32").eval()
     result = compare_greedy(reference, prompts, [o.token_ids for o in outs], max_tokens, EOS_ID)
+    print(f"{arch}: {result.summary()}")
     assert result.exact >= len(prompts) - 1, result.summary()
 
 
