@@ -12,6 +12,7 @@ place, so load time is the time to read the safetensors files.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -104,7 +105,10 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype, device: torch.d
     (the model casts the rows it gathers). Missing or unexpected weights raise a
     ``ValueError`` listing them.
     """
-    from accelerate import init_empty_weights
+    try:
+        from accelerate import init_empty_weights
+    except ImportError:  # built with real (random) parameters first: slower, same result
+        init_empty_weights = None
 
     if max_positions < 1:
         raise ValueError(f"max_positions must be >= 1, got {max_positions}")
@@ -113,7 +117,8 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype, device: torch.d
     device = torch.device(device)
     # Parameters go to meta (no random init); buffers stay real because the rotary tables are computed
     # in __init__. The context patches nn.Module globally, so no other thread should build modules meanwhile.
-    with init_empty_weights(include_buffers=False):
+    empty = init_empty_weights(include_buffers=False) if init_empty_weights else contextlib.nullcontext()
+    with empty:
         model = CausalLM(config, arch, max_positions)
     state = read_state_dict(path, dtype, device)
     expected = set(model.state_dict())
