@@ -124,17 +124,6 @@ class EngineCore:
     def error(self) -> BaseException | None:
         return self._error
 
-    def threads_alive(self) -> list[str]:
-        names = []
-        if self._thread.is_alive():
-            names.append(self._thread.name)
-        if self.output.alive:
-            names.append("asyncbatch-output")
-        thread = getattr(self.executor, "_thread", None)
-        if thread is not None and thread.alive:
-            names.append("asyncbatch-device")
-        return names
-
     # -- failure -------------------------------------------------------------
     def _fail(self, error: BaseException) -> None:
         with self._lock:

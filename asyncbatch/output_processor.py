@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from asyncbatch.outputs import StreamDelta
 from asyncbatch.request import Request
@@ -39,7 +39,6 @@ class OutputBatch:
     updates: list[RequestUpdate]
     record: StepRecord | None = None
     processed: threading.Event | None = None  # set once handled (the synchronous planner waits on it)
-    special_ids: frozenset[int] = field(default_factory=frozenset)
 
 
 _STOP = object()
@@ -53,7 +52,6 @@ class OutputProcessor:
         self._on_request_error = on_request_error
         self._hidden = hidden_token_ids  # EOS/stop ids: kept in token_ids, not detokenized
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.callback_errors = 0
         self._thread = threading.Thread(target=self._loop, name="asyncbatch-output", daemon=True)
         self._thread.start()
 

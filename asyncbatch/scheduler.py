@@ -48,10 +48,6 @@ class StepPlan:
     preempted: list[Request] = field(default_factory=list)
     drained: list[Request] = field(default_factory=list)
 
-    @property
-    def num_sampled(self) -> int:
-        return sum(1 for row in self.rows if row.samples)
-
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:

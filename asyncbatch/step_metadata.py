@@ -148,7 +148,8 @@ class StepMetadataWriter:
         slot.sample_token_slots[:r] = ss
         slot.sample_step[:r] = sample_steps
         slot.sample_seed[:r] = self._seed[ss]
-        slot.sample_top_k[:r] = self._top_k[ss]
+        top_k = self._top_k[ss]
+        slot.sample_top_k[:r] = top_k
         temps = self._temperature[ss]
         slot.sample_temperature[:r] = temps
         top_p, min_p = self._top_p[ss], self._min_p[ss]
@@ -168,7 +169,7 @@ class StepMetadataWriter:
             num_sampled=r,
             context_tokens=context_tokens,
             all_greedy=not bool(random_rows.any()),
-            any_filter=bool((random_rows & ((self._top_k[ss] > 0) | (top_p < 1) | (min_p > 0))).any()),
+            any_filter=bool((random_rows & ((top_k > 0) | (top_p < 1) | (min_p > 0))).any()),
             # Non-sampling prefill chunks of a penalised request must still feed its penalty state.
             any_penalty=bool(self._uses_penalty[ss].any()) or any(self._uses_penalty[p.token_slot]
                                                                   for p in prefill_meta),

@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from asyncbatch import LLM, SamplingParams
+from asyncbatch.timeline import steady_decode_window
 
 SMOLLM2_135M = {  # config.json of HuggingFaceTB/SmolLM2-135M(-Instruct), the fields the engine reads
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
@@ -109,17 +110,8 @@ def workload(n: int, vocab: int, prompt_range: tuple[int, int], output_range: tu
 
 def steady_window(records) -> list:
     """Steps after the last prefill step while the number of decode rows stays at its maximum."""
-    last_prefill = max((i for i, r in enumerate(records) if r.num_prefill), default=-1)
-    tail = records[last_prefill + 1:]
-    if not tail:
-        return []
-    top = max(r.num_decode for r in tail)
-    window = []
-    for r in tail:
-        if r.num_decode < top:
-            break
-        window.append(r)
-    return window
+    tail = steady_decode_window(records, 0)  # every step after the last prefill
+    return steady_decode_window(records, max((r.num_decode for r in tail), default=1))
 
 
 def busy_and_gaps(records) -> dict:
