@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     real = model is not None
     if not real:
         model = random_weights_model(partial, Path(tempfile.mkdtemp(prefix="smollm2-random-")))
-    head = (f"model: SmolLM2-135M from {source}" if real else
+    head = (f"model: {model.name} ({source})" if real else
             f"model: MISSING - SmolLM2-135M weights {source}. Used RANDOM weights with SmolLM2-135M's shape: "
             "timings are representative, tokens are meaningless")
     print(head, flush=True)

@@ -4,29 +4,43 @@
 #
 #   1. environment   (nvidia-smi, versions)                                   -> $OUT/env.txt
 #   2. CUDA tests    (Triton kernels, graphs vs eager, overlap vs sync,
-#                     no host sync on the launch path)            <= 180 s    -> $OUT/tests.log
-#   3. benchmark     (SmolLM2-135M bf16, 256 requests: overlap/sync x
-#                     graphs on/off)                               <= 240 s    -> $OUT/bench.log, report.{json,md}
-#   4. summary       (test counts, the benchmark table; printed last)          -> $OUT/summary.txt
+#                     no host sync on the launch path)            <= 165 s    -> $OUT/tests.log
+#   3. attention     (Triton decode/prefill vs torch, tile and
+#                     warp variants, SmolLM2 shape, bf16)         <=  45 s    -> $OUT/attention_bench.{json,md}
+#   4. benchmark     (SmolLM2-135M bf16, 256 requests: overlap/sync x
+#                     graphs on/off)                               <= 230 s    -> $OUT/bench.log, report.{json,md}
+#   5. summary       (test counts, the tables; printed last)                   -> $OUT/summary.txt
 #
-# Finishes in under 8 minutes: every stage runs under `timeout`. The model is looked for under
-# $ASYNCBATCH_CACHE, ./.cache/asyncbatch/SmolLM2*, ~/.cache/asyncbatch and the Hugging Face cache;
+# Finishes in under 8 minutes: every stage runs under `timeout` (30 + 165 + 45 + 230 s at most).
+# The model is looked for under $ASYNCBATCH_CACHE, ./.cache/asyncbatch/SmolLM2*, ~/.cache/asyncbatch and the Hugging Face cache;
 # without one the benchmark uses random weights of SmolLM2-135M's shape and its report says so first.
 # Outside the device tool, $OUT defaults to results/gpu_check. PYTHON picks the interpreter (python3).
+# GPU_CHECK_SMOKE=<tiny model dir> runs every stage on the CPU at toy sizes: tests/test_gpu_scripts.py uses it
+# so that this script's own plumbing is tested before a GPU session spends its minutes on it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/results/gpu_check}
 mkdir -p "$OUT"
-rm -f "$OUT/report.json" "$OUT/report.md"
+rm -f "$OUT"/report.{json,md} "$OUT"/attention_bench.{json,md}
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 unset TRITON_INTERPRET
+TESTS=(tests/test_triton_attention.py tests/test_cuda_path.py tests/test_cuda_graphs.py)
+ATTENTION_ARGS=()
+BENCH_ARGS=()
+if [[ -n "${GPU_CHECK_SMOKE:-}" ]]; then
+  TESTS=(tests/test_cuda_path.py)  # skips without CUDA: exercises the stage, not the tests
+  ATTENTION_ARGS=(--device cpu --dtype float32 --heads 4 --kv-heads 2 --head-dim 16 --block-size 4 --rows 2
+                  --context 12 --prefill-rows 1 --prefill-len 20 --calls 1 --repeats 1)
+  BENCH_ARGS=(--device cpu --dtype float32 --model "$GPU_CHECK_SMOKE" --num-requests 4 --max-num-seqs 4
+              --max-model-len 64 --prompt-range 4,8 --output-range 4,8 --repeats 1)
+fi
 
 {
   echo "date: $(date -u +%FT%TZ)  host: $(hostname)"
   nvidia-smi -L 2>&1 || echo "nvidia-smi: not available"
-  timeout 60 "$PY" - <<'EOF' 2>&1
+  timeout 30 "$PY" - <<'EOF' 2>&1
 import platform, torch
 print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
       "available", torch.cuda.is_available())
@@ -44,21 +58,26 @@ EOF
 cat "$OUT/env.txt"
 
 echo "== CUDA tests"
-timeout 180 "$PY" -m pytest -q -p no:cacheprovider -rs tests/test_triton_attention.py tests/test_cuda_path.py \
-  tests/test_cuda_graphs.py > "$OUT/tests.log" 2>&1
+timeout 165 "$PY" -m pytest -q -p no:cacheprovider -rs "${TESTS[@]}" > "$OUT/tests.log" 2>&1
 tests_rc=$?
 tail -n 25 "$OUT/tests.log"
 
+echo "== attention kernels"
+timeout 45 "$PY" scripts/attention_bench.py --out "$OUT" "${ATTENTION_ARGS[@]}" > "$OUT/attention.log" 2>&1
+attention_rc=$?
+tail -n 14 "$OUT/attention.log"
+
 echo "== benchmark"
-timeout 240 "$PY" scripts/gpu_bench.py --out "$OUT" "$@" > "$OUT/bench.log" 2>&1
+timeout 230 "$PY" scripts/gpu_bench.py --out "$OUT" "${BENCH_ARGS[@]}" "$@" > "$OUT/bench.log" 2>&1
 bench_rc=$?
 tail -n 5 "$OUT/bench.log"
 
 {
-  echo "== summary (tests rc=$tests_rc, benchmark rc=$bench_rc; 124 = timed out)"
+  echo "== summary (tests rc=$tests_rc, attention rc=$attention_rc, benchmark rc=$bench_rc; 124 = timed out)"
   grep -E "^(device|python)" "$OUT/env.txt"
   echo "tests: $(tail -n 1 "$OUT/tests.log")"
+  if [[ -f "$OUT/attention_bench.md" ]]; then cat "$OUT/attention_bench.md"; else echo "no attention table"; fi
   if [[ -f "$OUT/report.md" ]]; then cat "$OUT/report.md"; else echo "no benchmark report (see bench.log)"; fi
 } > "$OUT/summary.txt"
 cat "$OUT/summary.txt"
-[[ $tests_rc -eq 0 && $bench_rc -eq 0 ]]
+[[ $tests_rc -eq 0 && $attention_rc -eq 0 && $bench_rc -eq 0 ]]

@@ -30,6 +30,8 @@ CPU tensors the kernels need the interpreter; there every product runs in
 float32 because the interpreter computes bfloat16 arithmetic wrongly.
 """
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -144,6 +146,52 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, rows_ptr, out_ptr, scale,
                  out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
+@dataclass(frozen=True, slots=True)
+class KernelLaunch:
+    """What one kernel launch compiles: its constexpr arguments and warps per program."""
+
+    constexprs: dict[str, int | bool]
+    num_warps: int
+
+
+def decode_launch(group: int, head_dim: int, block_size: int) -> KernelLaunch:
+    """The decode kernel's tile for a model shape (``group`` query heads per KV head).
+
+    ``BLOCK_N`` is the largest power of two in [16, 64] whose tile
+    ``GROUP_PAD x BLOCK_N x DIM_PAD`` stays within ``_DECODE_TILE_ELEMENTS``;
+    a tile above that (large groups) gets 8 warps, so each thread still holds
+    at most 64 of its elements (ptxas for sm_90 keeps that in registers).
+    """
+    group_pad, dim_pad = triton.next_power_of_2(group), triton.next_power_of_2(head_dim)
+    fit = max(1, _DECODE_TILE_ELEMENTS // (group_pad * dim_pad))
+    block_n = max(16, min(64, 1 << (fit.bit_length() - 1)))
+    tile = group_pad * block_n * dim_pad
+    return KernelLaunch(dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
+                             BLOCK_SIZE=block_size, BLOCK_N=block_n),
+                        num_warps=4 if tile <= _DECODE_TILE_ELEMENTS else 8)
+
+
+def prefill_launch(group: int, head_dim: int, block_size: int, max_q_len: int, fp32_dot: bool) -> KernelLaunch:
+    """The prefill kernel's tiles and warps for a model shape and the step's longest chunk.
+
+    Chosen so that ptxas for sm_90 keeps the tile in registers (no stack
+    spills; ``scripts/kernel_resources.py`` shows the table): 16 query rows
+    for short chunks, else 64 (tensor-core dtypes) or 32 (``fp32_dot``: IEEE
+    float32 products on CUDA cores, and the CPU interpreter); 8 warps once the
+    tile outgrows 4 (64-row tiles, head_dim 128, every float32 tile).
+    """
+    dim_pad = max(16, triton.next_power_of_2(head_dim))
+    short = max_q_len <= 16
+    if fp32_dot:
+        block_m, block_n = (16, 32) if short else (32, 16)
+        num_warps = 8
+    else:
+        block_m, block_n = 16 if short else 64, 64 if dim_pad <= 64 else 32
+        num_warps = 4 if short and dim_pad <= 64 else 8
+    return KernelLaunch(dict(GROUP=group, HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=block_size,
+                             BLOCK_M=block_m, BLOCK_N=block_n, FP32_DOT=fp32_dot), num_warps=num_warps)
+
+
 def _check_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("q and the KV caches must be contiguous in head_dim")
@@ -152,11 +200,13 @@ def _check_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                     context_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
+                     launch: KernelLaunch | None = None) -> torch.Tensor:
     """q ``[B, heads, head_dim]`` → ``[B, heads, head_dim]``; block tables ``[B, any width]``.
 
     Row ``i`` attends over its first ``context_lens[i]`` cached positions.
     Launch only (no host sync), so it can be captured into a CUDA graph.
+    ``launch`` overrides ``decode_launch``'s choice (for tuning: ``scripts/attention_bench.py``).
     """
     _check_layout(q, k_cache, v_cache)
     b, h, d = q.shape
@@ -165,25 +215,25 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     out = torch.empty_like(q) if out is None else out
     if b == 0:
         return out
-    group_pad, dim_pad = triton.next_power_of_2(group), triton.next_power_of_2(d)
-    fit = max(1, _DECODE_TILE_ELEMENTS // (group_pad * dim_pad))
-    block_n = max(16, min(64, 1 << (fit.bit_length() - 1)))  # largest power of two that fits, in [16, 64]
+    launch = launch or decode_launch(group, d, k_cache.shape[1])
     _decode_kernel[(b, kvh)](
         q, k_cache, v_cache, block_tables, context_lens, out, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=d, DIM_PAD=dim_pad, BLOCK_SIZE=k_cache.shape[1], BLOCK_N=block_n,
+        num_warps=launch.num_warps, **launch.constexprs,
     )
     return out
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                      rows: torch.Tensor, max_q_len: int, scale: float, out: torch.Tensor) -> torch.Tensor:
+                      rows: torch.Tensor, max_q_len: int, scale: float, out: torch.Tensor,
+                      launch: KernelLaunch | None = None) -> torch.Tensor:
     """Attend every prefill row at once; writes the rows' tokens of ``out`` ``[T, heads, head_dim]``.
 
     ``rows`` ``[P, 3]`` int64 ``(token_start, q_len, ctx_len)``, ``block_tables``
     ``[P, >= ceil(ctx_len / block_size)]``; ``max_q_len`` bounds the grid.
-    Tokens of ``out`` outside the rows are left as they are.
+    Tokens of ``out`` outside the rows are left as they are. ``launch`` overrides
+    ``prefill_launch``'s choice.
     """
     _check_layout(q, k_cache, v_cache)
     num_rows = rows.shape[0]
@@ -191,16 +241,14 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         return out
     h, d = q.shape[1], q.shape[2]
     kvh = k_cache.shape[2]
-    fp32_dot = q.dtype == torch.float32 or not q.is_cuda
-    block_m = 16 if max_q_len <= 16 else 64
-    block_n = 32 if d > 64 or fp32_dot else 64
-    grid = (num_rows, triton.cdiv(max_q_len, block_m), h)
+    launch = launch or prefill_launch(h // kvh, d, k_cache.shape[1], max_q_len,
+                                      fp32_dot=q.dtype == torch.float32 or not q.is_cuda)
+    grid = (num_rows, triton.cdiv(max_q_len, launch.constexprs["BLOCK_M"]), h)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, rows, out, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=h // kvh, HEAD_DIM=d, DIM_PAD=max(16, triton.next_power_of_2(d)), BLOCK_SIZE=k_cache.shape[1],
-        BLOCK_M=block_m, BLOCK_N=block_n, FP32_DOT=fp32_dot,
+        num_warps=launch.num_warps, **launch.constexprs,
     )
     return out
 

@@ -1,0 +1,212 @@
+#!/usr/bin/env python
+"""Time the Triton paged-attention kernels against the torch reference, and their tile choices.
+
+For one model shape (default: SmolLM2-135M, 9 query heads over 3 KV heads,
+head_dim 64, KV block size 16) on random data with every row's blocks
+scattered through the cache:
+
+* decode: ``--rows`` rows of ``--context`` cached tokens each; the launch the
+  engine picks (``decode_launch``), variants of ``BLOCK_N`` x warps, and the
+  torch reference (gather + SDPA) the engine falls back to without Triton;
+  with the KV bytes each variant reads per microsecond (GB/s);
+* prefill: ``--prefill-rows`` chunks of ``--prefill-len`` new tokens after
+  as many cached ones; ``prefill_launch``'s choice and its warps flipped.
+
+Every variant's output is compared with the engine's launch (max |diff|), so a
+fast but wrong tile shows up as such. Times: median over ``--repeats`` batches
+of ``--calls`` back-to-back launches (CUDA events around each batch; the L2 is
+not flushed, the decode K/V of the default sizes exceed it anyway).
+``gpu_check.sh`` runs this on a GPU; ``--device cpu`` runs the kernels in
+Triton's interpreter, only to smoke-test the script.
+
+    python scripts/attention_bench.py --out results/attention
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1] == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first import of triton
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from asyncbatch.model import paged_attention as reference  # noqa: E402
+from asyncbatch.model import triton_attention as kernels  # noqa: E402
+
+
+@dataclass(slots=True)
+class Timing:
+    kernel: str
+    variant: str
+    ms: float
+    gb_per_s: float | None  # KV bytes read per second (decode only)
+    max_abs_diff: float  # against the engine's own launch
+
+
+def median_ms(fn: Callable[[], object], device: torch.device, calls: int, repeats: int) -> float:
+    """Median time of one call, from ``repeats`` batches of ``calls`` back-to-back calls."""
+    fn()  # compile / warm up
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / calls)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples.append((time.perf_counter() - t0) * 1e3 / calls)
+    return statistics.median(samples)
+
+
+def scattered_tables(rows: int, blocks_per_row: int, num_blocks: int, device: torch.device) -> torch.Tensor:
+    """Each row's blocks at random distinct places in the cache (block 0, the engine's dummy, unused)."""
+    perm = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(1))[:rows * blocks_per_row] + 1
+    return perm.view(rows, blocks_per_row).to(device)
+
+
+def decode_variants(group: int, head_dim: int, block_size: int) -> dict[str, kernels.KernelLaunch]:
+    chosen = kernels.decode_launch(group, head_dim, block_size)
+    variants = {f"engine (N{chosen.constexprs['BLOCK_N']}, {chosen.num_warps} warps)": chosen}
+    for block_n in (16, 32, 64):
+        for warps in (4, 8):
+            launch = kernels.KernelLaunch({**chosen.constexprs, "BLOCK_N": block_n}, warps)
+            if launch != chosen:
+                variants[f"N{block_n}, {warps} warps"] = launch
+    return variants
+
+
+def bench_decode(args, device: torch.device, dtype: torch.dtype) -> list[Timing]:
+    heads, kv_heads, d, bs = args.heads, args.kv_heads, args.head_dim, args.block_size
+    blocks_per_row = -(-args.context // bs)
+    num_blocks = args.rows * blocks_per_row + 1
+    g = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(num_blocks, bs, kv_heads, d, generator=g).to(device, dtype)
+    v_cache = torch.randn(num_blocks, bs, kv_heads, d, generator=g).to(device, dtype)
+    q = torch.randn(args.rows, heads, d, generator=g).to(device, dtype)
+    tables = scattered_tables(args.rows, blocks_per_row, num_blocks, device)
+    lens = torch.full((args.rows,), args.context, dtype=torch.int64, device=device)
+    scale = d ** -0.5
+    kv_bytes = 2 * args.rows * args.context * kv_heads * d * k_cache.element_size()
+    variants = decode_variants(heads // kv_heads, d, bs)
+    want = kernels.decode_attention(q, k_cache, v_cache, tables, lens, scale, launch=next(iter(variants.values())))
+    results = []
+    for name, launch in variants.items():
+        out = torch.empty_like(q)
+
+        def run(launch=launch, out=out):
+            return kernels.decode_attention(q, k_cache, v_cache, tables, lens, scale, out=out, launch=launch)
+
+        ms = median_ms(run, device, args.calls, args.repeats)
+        diff = (run().float() - want.float()).abs().max().item()
+        results.append(Timing("decode", name, ms, kv_bytes / ms / 1e6, diff))
+    ref = lambda: reference.decode_attention(q, k_cache, v_cache, tables, lens, scale)  # noqa: E731
+    ms = median_ms(ref, device, args.calls, args.repeats)
+    results.append(Timing("decode", "torch reference (gather + SDPA)", ms, kv_bytes / ms / 1e6,
+                          (ref().float() - want.float()).abs().max().item()))
+    return results
+
+
+def bench_prefill(args, device: torch.device, dtype: torch.dtype) -> list[Timing]:
+    heads, kv_heads, d, bs = args.heads, args.kv_heads, args.head_dim, args.block_size
+    q_len, ctx = args.prefill_len, 2 * args.prefill_len  # each chunk follows as many cached tokens
+    blocks_per_row = -(-ctx // bs)
+    num_blocks = args.prefill_rows * blocks_per_row + 1
+    g = torch.Generator().manual_seed(2)
+    k_cache = torch.randn(num_blocks, bs, kv_heads, d, generator=g).to(device, dtype)
+    v_cache = torch.randn(num_blocks, bs, kv_heads, d, generator=g).to(device, dtype)
+    q = torch.randn(args.prefill_rows * q_len, heads, d, generator=g).to(device, dtype)
+    tables = scattered_tables(args.prefill_rows, blocks_per_row, num_blocks, device)
+    rows = torch.tensor([(i * q_len, q_len, ctx) for i in range(args.prefill_rows)], dtype=torch.int64,
+                        device=device)
+    scale = d ** -0.5
+    fp32_dot = dtype == torch.float32 or device.type != "cuda"
+    chosen = kernels.prefill_launch(heads // kv_heads, d, bs, q_len, fp32_dot=fp32_dot)
+    flipped = kernels.KernelLaunch(chosen.constexprs, 12 - chosen.num_warps)  # 4 <-> 8
+    c = chosen.constexprs
+    variants = {f"engine (M{c['BLOCK_M']}xN{c['BLOCK_N']}, {chosen.num_warps} warps)": chosen,
+                f"M{c['BLOCK_M']}xN{c['BLOCK_N']}, {flipped.num_warps} warps": flipped}
+    want = None
+    results = []
+    for name, launch in variants.items():
+        out = torch.zeros_like(q)
+
+        def run(launch=launch, out=out):
+            return kernels.prefill_attention(q, k_cache, v_cache, tables, rows, q_len, scale, out, launch=launch)
+
+        ms = median_ms(run, device, args.calls, args.repeats)
+        got = run().float()
+        want = got if want is None else want
+        results.append(Timing("prefill", name, ms, None, (got - want).abs().max().item()))
+    return results
+
+
+def render(report: dict) -> str:
+    a = report["args"]
+    lines = [f"attention kernels on {report['device']}, torch {report['torch']}, triton {report['triton']}, "
+             f"{a['dtype']}, {a['heads']} heads / {a['kv_heads']} KV heads x {a['head_dim']}, block {a['block_size']}",
+             f"decode: {a['rows']} rows x {a['context']} cached tokens; prefill: {a['prefill_rows']} chunks x "
+             f"{a['prefill_len']} tokens after {a['prefill_len']} cached",
+             f"{'kernel':<8} {'variant':<34} {'us':>9} {'GB/s':>8} {'max|diff|':>10}"]
+    for t in report["timings"]:
+        gbs = f"{t['gb_per_s']:.0f}" if t["gb_per_s"] is not None else "-"
+        lines.append(f"{t['kernel']:<8} {t['variant']:<34} {t['ms'] * 1e3:>9.1f} {gbs:>8} {t['max_abs_diff']:>10.2e}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None, help="folder for attention_bench.{json,md}")
+    parser.add_argument("--device", default="cuda", help="cuda; cpu runs the interpreter (a smoke test only)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--heads", type=int, default=9)
+    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--prefill-rows", type=int, default=4)
+    parser.add_argument("--prefill-len", type=int, default=512)
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA device (use --device cpu to smoke-test)")
+    dtype = getattr(torch, args.dtype)
+    with torch.inference_mode():
+        timings = bench_decode(args, device, dtype) + bench_prefill(args, device, dtype)
+    import triton
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU interpreter ({platform.machine()})"
+    report = {"device": name, "torch": torch.__version__, "triton": triton.__version__, "args": vars(args),
+              "timings": [asdict(t) for t in timings]}
+    text = render(report)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "attention_bench.json").write_text(json.dumps(report, indent=2))
+        (out / "attention_bench.md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
