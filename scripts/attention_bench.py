@@ -42,8 +42,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from asyncbatch.model import paged_attention as reference  # noqa: E402
-from asyncbatch.model import triton_attention as kernels  # noqa: E402
+from asyncbatch.model import paged_attention as reference
+from asyncbatch.model import triton_attention as kernels
 
 
 @dataclass(slots=True)
@@ -117,7 +117,7 @@ def bench_decode(args, device: torch.device, dtype: torch.dtype) -> list[Timing]
         ms = median_ms(run, device, args.calls, args.repeats)
         diff = (run().float() - want.float()).abs().max().item()
         results.append(Timing("decode", name, ms, kv_bytes / ms / 1e6, diff))
-    ref = lambda: reference.decode_attention(q, k_cache, v_cache, tables, lens, scale)  # noqa: E731
+    ref = lambda: reference.decode_attention(q, k_cache, v_cache, tables, lens, scale)
     ms = median_ms(ref, device, args.calls, args.repeats)
     results.append(Timing("decode", "torch reference (gather + SDPA)", ms, kv_bytes / ms / 1e6,
                           (ref().float() - want.float()).abs().max().item()))
@@ -160,10 +160,11 @@ def bench_prefill(args, device: torch.device, dtype: torch.dtype) -> list[Timing
 
 def render(report: dict) -> str:
     a = report["args"]
-    lines = [f"attention kernels on {report['device']}, torch {report['torch']}, triton {report['triton']}, "
-             f"{a['dtype']}, {a['heads']} heads / {a['kv_heads']} KV heads x {a['head_dim']}, block {a['block_size']}",
-             f"decode: {a['rows']} rows x {a['context']} cached tokens; prefill: {a['prefill_rows']} chunks x "
-             f"{a['prefill_len']} tokens after {a['prefill_len']} cached",
+    lines = [(f"attention kernels on {report['device']}, torch {report['torch']}, triton {report['triton']}, "
+              f"{a['dtype']}, {a['heads']} heads / {a['kv_heads']} KV heads x {a['head_dim']}, "
+              f"block {a['block_size']}"),
+             (f"decode: {a['rows']} rows x {a['context']} cached tokens; prefill: {a['prefill_rows']} chunks x "
+              f"{a['prefill_len']} tokens after {a['prefill_len']} cached"),
              f"{'kernel':<8} {'variant':<34} {'us':>9} {'GB/s':>8} {'max|diff|':>10}"]
     for t in report["timings"]:
         gbs = f"{t['gb_per_s']:.0f}" if t["gb_per_s"] is not None else "-"

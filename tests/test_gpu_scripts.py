@@ -43,8 +43,8 @@ def _has_nvidia_backend() -> bool:
 def test_kernels_compile_for_hopper(shape, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "kernel_resources.py"), "--arch", "90",
-                           "--only", shape, "--out", str(tmp_path)], capture_output=True, text=True, env=env,
-                          timeout=600)
+                           "--only", shape, "--out", str(tmp_path)], check=False, capture_output=True, text=True,
+                          env=env, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     launches = json.loads((tmp_path / "kernel_resources.json").read_text())["launches"]
     # decode + short and long prefill, for bf16, fp16 and fp32
@@ -63,7 +63,7 @@ def tiny_path(tmp_path_factory) -> Path:
 def test_gpu_check_script_runs_every_stage(tiny_path, tmp_path):
     out = tmp_path / "out"
     env = {**os.environ, "GPU_CHECK_SMOKE": str(tiny_path), "OUT": str(out), "PYTHON": sys.executable}
-    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True,
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], check=False, capture_output=True, text=True,
                           env=env, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     summary = (out / "summary.txt").read_text()

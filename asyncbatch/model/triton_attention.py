@@ -166,9 +166,9 @@ def decode_launch(group: int, head_dim: int, block_size: int) -> KernelLaunch:
     fit = max(1, _DECODE_TILE_ELEMENTS // (group_pad * dim_pad))
     block_n = max(16, min(64, 1 << (fit.bit_length() - 1)))
     tile = group_pad * block_n * dim_pad
-    return KernelLaunch(dict(GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, DIM_PAD=dim_pad,
-                             BLOCK_SIZE=block_size, BLOCK_N=block_n),
-                        num_warps=4 if tile <= _DECODE_TILE_ELEMENTS else 8)
+    constexprs = {"GROUP": group, "GROUP_PAD": group_pad, "HEAD_DIM": head_dim, "DIM_PAD": dim_pad,
+                  "BLOCK_SIZE": block_size, "BLOCK_N": block_n}
+    return KernelLaunch(constexprs, num_warps=4 if tile <= _DECODE_TILE_ELEMENTS else 8)
 
 
 def prefill_launch(group: int, head_dim: int, block_size: int, max_q_len: int, fp32_dot: bool) -> KernelLaunch:
@@ -188,8 +188,9 @@ def prefill_launch(group: int, head_dim: int, block_size: int, max_q_len: int, f
     else:
         block_m, block_n = 16 if short else 64, 64 if dim_pad <= 64 else 32
         num_warps = 4 if short and dim_pad <= 64 else 8
-    return KernelLaunch(dict(GROUP=group, HEAD_DIM=head_dim, DIM_PAD=dim_pad, BLOCK_SIZE=block_size,
-                             BLOCK_M=block_m, BLOCK_N=block_n, FP32_DOT=fp32_dot), num_warps=num_warps)
+    constexprs = {"GROUP": group, "HEAD_DIM": head_dim, "DIM_PAD": dim_pad, "BLOCK_SIZE": block_size,
+                  "BLOCK_M": block_m, "BLOCK_N": block_n, "FP32_DOT": fp32_dot}
+    return KernelLaunch(constexprs, num_warps=num_warps)
 
 
 def _check_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
