@@ -11,12 +11,12 @@ on CPU for tests.
 
 from cuda_graphs.backends import CudaGraphBackend, EagerBackend
 from cuda_graphs.buckets import choose_bucket, default_batch_sizes, normalize_batch_sizes
-from cuda_graphs.protocol import BufferSpec, CapturableStep, GraphBackend
+from cuda_graphs.protocol import BufferSpec, CapturableStep, GraphBackend, OutputSpec
 from cuda_graphs.runner import CapturedGraph, GraphRunner, GraphStats
 from cuda_graphs.static_buffers import StaticBuffers, pad_host_rows
 
 __all__ = [
     "BufferSpec", "CapturableStep", "CapturedGraph", "CudaGraphBackend", "EagerBackend", "GraphBackend",
-    "GraphRunner", "GraphStats", "StaticBuffers", "choose_bucket", "default_batch_sizes", "normalize_batch_sizes",
-    "pad_host_rows",
+    "GraphRunner", "GraphStats", "OutputSpec", "StaticBuffers", "choose_bucket", "default_batch_sizes",
+    "normalize_batch_sizes", "pad_host_rows",
 ]

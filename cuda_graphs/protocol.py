@@ -31,6 +31,15 @@ class BufferSpec:
     host: str  # name of the host array the rows are copied from
 
 
+@dataclass(frozen=True, slots=True)
+class OutputSpec:
+    """One static output: ``[rows, *tail]`` of ``dtype``, rewritten by every replay of the set's graphs."""
+
+    name: str
+    tail: tuple[int, ...]
+    dtype: torch.dtype
+
+
 class CapturableStep(Protocol):
     """A step program a CUDA graph can capture.
 
@@ -43,6 +52,10 @@ class CapturableStep(Protocol):
     """
 
     def input_specs(self) -> Sequence[BufferSpec]: ...
+
+    def output_specs(self) -> Sequence[OutputSpec]:
+        """What ``run`` returns, by name: one ``[rows, *tail]`` tensor per spec."""
+        ...
 
     def run(self, inputs: Mapping[str, torch.Tensor], variant: Hashable) -> dict[str, torch.Tensor]:
         """Run the step on ``len(rows)`` rows, ``inputs`` being ``[rows, *tail]`` views."""

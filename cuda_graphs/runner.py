@@ -10,9 +10,15 @@ copy for step N+1 fills set B while the graph of step N still reads set A.
 
 Every graph allocates its intermediates from the one pool. That is safe
 because replays never overlap (they all run on the caller's one compute
-stream) and each graph's outputs stay referenced here, so no later capture
-reuses their memory. Graphs are captured largest bucket first, so smaller
-ones fit inside the memory the first one took.
+stream). Graphs are captured largest bucket first, so smaller ones fit inside
+the memory the first one took. What a graph computes in the pool is copied,
+as its last kernels, into its set's static outputs, which are outside the
+pool: the caller copies step N's outputs to the host on another stream while
+step N+1's graph (of the other set) already runs, and that graph's
+intermediates may reuse any pool memory, including where step N's graph
+left its results. Outputs of set ``s`` are rewritten only by the next replay
+of set ``s``, which the caller orders after that copy (as it orders the input
+refill).
 
 Bookkeeping invariant: ``(set, bucket, variant)`` has at most one graph, and
 its outputs are the tensors ``replay`` returns every time.
@@ -77,7 +83,8 @@ class GraphRunner:
             raise ValueError(f"num_sets must be >= 1, got {self.num_sets}")
         self.batch_sizes = sizes
         specs = self.step.input_specs()
-        self.sets = [StaticBuffers(specs, sizes[-1], self.device) for _ in range(self.num_sets)]
+        outputs = self.step.output_specs()
+        self.sets = [StaticBuffers(specs, sizes[-1], self.device, outputs) for _ in range(self.num_sets)]
         self._pool = self.backend.new_pool()
 
     @property
@@ -107,14 +114,19 @@ class GraphRunner:
             raise ValueError(f"{bucket} is not one of the batch sizes {self.batch_sizes}")
         buffers = self.sets[set_index]
         buffers.reset()
-        views = buffers.views(bucket)
+        views, outputs = buffers.views(bucket), buffers.output_views(bucket)
         step = self.step
 
         def run() -> dict[str, torch.Tensor]:
-            return step.run(views, variant)
+            produced = step.run(views, variant)
+            if produced.keys() != outputs.keys():
+                raise ValueError(f"the step returned {sorted(produced)}, its output_specs say {sorted(outputs)}")
+            for name, target in outputs.items():
+                target.copy_(produced[name])
+            return outputs
 
         before, start = self.backend.memory_reserved(), time.perf_counter()
-        graph, outputs = self.backend.capture(run, self._pool, self.warmup)
+        graph, outputs = self.backend.capture(run, self._pool, self.warmup)  # outputs: the set's static ones
         self.stats.capture_s += time.perf_counter() - start
         if lazy:  # approximate: may include blocks the warm-up left in the allocator's cache
             self.stats.pool_bytes += max(0, self.backend.memory_reserved() - before)

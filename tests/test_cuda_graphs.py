@@ -31,6 +31,7 @@ from cuda_graphs import (
     BufferSpec,
     EagerBackend,
     GraphRunner,
+    OutputSpec,
     StaticBuffers,
     choose_bucket,
     default_batch_sizes,
@@ -128,10 +129,28 @@ class ToyStep:
     def input_specs(self):
         return SPECS
 
+    def output_specs(self):
+        return (OutputSpec("out", (), torch.int64), OutputSpec("pad", (), torch.bool))
+
     def run(self, inputs, variant):
         self.runs += 1
         scale = {"double": 2, "triple": 3}[variant]
-        return {"out": inputs["ids"] * scale + inputs["table"].sum(dim=1), "pad": (inputs["ids"] == 99).sum()[None]}
+        return {"out": inputs["ids"] * scale + inputs["table"].sum(dim=1), "pad": inputs["ids"] == 99}
+
+
+class SharedScratchStep(ToyStep):
+    """Returns its results in one scratch tensor that every graph shares, as graphs capturing from one
+    memory pool may: what one replay left there, the next replay of any graph overwrites."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scratch = torch.zeros(8, dtype=torch.int64)
+
+    def run(self, inputs, variant):
+        result = super().run(inputs, variant)
+        rows = result["out"].shape[0]
+        self.scratch[:rows] = result["out"]
+        return {"out": self.scratch[:rows], "pad": result["pad"]}
 
 
 def test_graph_runner_bookkeeping():
@@ -154,14 +173,41 @@ def test_graph_runner_bookkeeping():
     assert host["host_ids"][3] == 99 and host["host_ids"][4] == 4  # row 3 padded, row 4 untouched
     first = runner.replay(1, 4, "double")
     expected = torch.tensor([0 * 2 + 6, 1 * 2 + 15, 2 * 2 + 24, 99 * 2 + 0])
-    assert torch.equal(first["out"], expected) and first["pad"].item() == 1
+    assert torch.equal(first["out"], expected) and first["pad"].tolist() == [False, False, False, True]
     host = host_arrays()
     runner.prepare(1, host, 4, 4)  # the next step refills every row of the bucket
     again = runner.replay(1, 4, "double")
     assert again["out"] is first["out"]  # static outputs: the same tensors every replay
-    assert again["pad"].item() == 0 and again["out"][3].item() == 3 * 2 + 33
+    assert not again["pad"].any() and again["out"][3].item() == 3 * 2 + 33
     with pytest.raises(ValueError):
         runner.prepare(0, host, 5, 4)
+
+
+def test_replay_outputs_survive_the_other_sets_replay():
+    """Step N's outputs are copied to the host while step N+1 (the other set) replays: that replay must not
+    touch them, even where the graphs' own results share memory."""
+    runner = GraphRunner(SharedScratchStep(), (2, 4), 2, torch.device("cpu"), EagerBackend(), warmup=0)
+    runner.capture_all(["double"])
+    runner.prepare(0, host_arrays(), 4, 4)
+    first = runner.replay(0, 4, "double")
+    want = first["out"].clone()
+    other = host_arrays()
+    other["host_ids"] += 100
+    runner.prepare(1, other, 2, 2)
+    second = runner.replay(1, 2, "double")
+    assert torch.equal(first["out"], want)
+    assert torch.equal(second["out"], want[:2] + 200)
+    assert first["out"].data_ptr() == runner.sets[0].outputs["out"].data_ptr()  # the set's own static outputs
+
+
+def test_graph_runner_checks_the_declared_outputs():
+    class Undeclared(ToyStep):
+        def run(self, inputs, variant):
+            return {**super().run(inputs, variant), "extra": inputs["ids"]}
+
+    runner = GraphRunner(Undeclared(), (2,), 1, torch.device("cpu"), EagerBackend())
+    with pytest.raises(ValueError, match="extra"):
+        runner.capture(0, 2, "double")
 
 
 def test_graph_runner_validates_sizes():

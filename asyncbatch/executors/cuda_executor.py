@@ -19,7 +19,9 @@ tensors and which runs the same model with the Triton prefill kernel.
 Stream-order invariants:
   * the H2D copy into static set ``s`` waits for ``set_free[s]``, the D2H event
     of the last step that replayed set ``s`` (its graph read the inputs before
-    that and its outputs were copied out by then);
+    that and its outputs were copied out by then); a graph's outputs are set
+    ``s``'s static outputs, outside the graphs' shared pool, so step N+1's
+    replay (the other set) cannot overwrite step N's while they are copied out;
   * the compute stream waits for the step's ``h2d_end``; the D2H stream waits
     for its ``end``;
   * an eager step's device tensors stay referenced in ``_in_flight`` until

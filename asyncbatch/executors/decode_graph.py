@@ -32,7 +32,7 @@ from asyncbatch.model.forward_batch import ForwardBatch
 from asyncbatch.model.llama import CausalLM
 from asyncbatch.sampler import SamplingTensors, sample
 from asyncbatch.step_metadata import StepMeta
-from cuda_graphs import BufferSpec
+from cuda_graphs import BufferSpec, OutputSpec
 
 
 class SamplingVariant(Enum):
@@ -77,6 +77,10 @@ class DecodeGraphStep:
             BufferSpec("seed", (), i64, 0, "sample_seed"),
             BufferSpec("step", (), i64, 0, "sample_step"),
         )
+
+    @staticmethod
+    def output_specs() -> Sequence[OutputSpec]:
+        return (OutputSpec("token_ids", (), torch.int64), OutputSpec("finite", (), torch.bool))
 
     @staticmethod
     def host_arrays(slot: HostSlot) -> dict[str, object]:
