@@ -14,8 +14,9 @@ scattered through the cache:
 
 Every variant's output is compared with the engine's launch (max |diff|), so a
 fast but wrong tile shows up as such. Times: median over ``--repeats`` batches
-of ``--calls`` back-to-back launches (CUDA events around each batch; the L2 is
-not flushed, the decode K/V of the default sizes exceed it anyway).
+of ``--calls`` back-to-back launches, each batch captured into a CUDA graph and
+timed with events around its replay, so host launch overhead is not counted
+(the L2 is not flushed; the decode K/V of the default sizes exceed it anyway).
 ``gpu_check.sh`` runs this on a GPU; ``--device cpu`` runs the kernels in
 Triton's interpreter, only to smoke-test the script.
 
@@ -53,27 +54,49 @@ class Timing:
     ms: float
     gb_per_s: float | None  # KV bytes read per second (decode only)
     max_abs_diff: float  # against the engine's own launch
+    timing: str  # how ``ms`` was measured (see median_ms)
 
 
-def median_ms(fn: Callable[[], object], device: torch.device, calls: int, repeats: int) -> float:
-    """Median time of one call, from ``repeats`` batches of ``calls`` back-to-back calls."""
+def median_ms(fn: Callable[[], object], device: torch.device, calls: int, repeats: int) -> tuple[float, str]:
+    """Median time of one call over ``repeats`` batches of ``calls`` back-to-back calls, and how it was taken.
+
+    On CUDA the batch is captured into a CUDA graph and its replays are timed, so
+    the figure is the kernels' time, not Python's launch overhead (a Triton launch
+    costs tens of microseconds on the host, as much as a small prefill on the GPU).
+    If capture fails, the calls are timed as launched, and the method says so.
+    """
     fn()  # compile / warm up
+
+    def launches() -> None:
+        for _ in range(calls):
+            fn()
+
+    batch: Callable[[], object] = launches
+    method = "host timer"
+    if device.type == "cuda":
+        method = "cuda graph replay"
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                launches()
+            batch = graph.replay
+        except RuntimeError as exc:
+            method = f"events around launches ({type(exc).__name__} in capture)"
+        batch()
     samples = []
     for _ in range(repeats):
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            for _ in range(calls):
-                fn()
+            batch()
             end.record()
             end.synchronize()
             samples.append(start.elapsed_time(end) / calls)
         else:
             t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
+            batch()
             samples.append((time.perf_counter() - t0) * 1e3 / calls)
-    return statistics.median(samples)
+    return statistics.median(samples), method
 
 
 def scattered_tables(rows: int, blocks_per_row: int, num_blocks: int, device: torch.device) -> torch.Tensor:
@@ -114,13 +137,16 @@ def bench_decode(args, device: torch.device, dtype: torch.dtype) -> list[Timing]
         def run(launch=launch, out=out):
             return kernels.decode_attention(q, k_cache, v_cache, tables, lens, scale, out=out, launch=launch)
 
-        ms = median_ms(run, device, args.calls, args.repeats)
+        ms, how = median_ms(run, device, args.calls, args.repeats)
         diff = (run().float() - want.float()).abs().max().item()
-        results.append(Timing("decode", name, ms, kv_bytes / ms / 1e6, diff))
-    ref = lambda: reference.decode_attention(q, k_cache, v_cache, tables, lens, scale)
-    ms = median_ms(ref, device, args.calls, args.repeats)
+        results.append(Timing("decode", name, ms, kv_bytes / ms / 1e6, diff, how))
+
+    def ref():
+        return reference.decode_attention(q, k_cache, v_cache, tables, lens, scale)
+
+    ms, how = median_ms(ref, device, args.calls, args.repeats)
     results.append(Timing("decode", "torch reference (gather + SDPA)", ms, kv_bytes / ms / 1e6,
-                          (ref().float() - want.float()).abs().max().item()))
+                          (ref().float() - want.float()).abs().max().item(), how))
     return results
 
 
@@ -151,10 +177,10 @@ def bench_prefill(args, device: torch.device, dtype: torch.dtype) -> list[Timing
         def run(launch=launch, out=out):
             return kernels.prefill_attention(q, k_cache, v_cache, tables, rows, q_len, scale, out, launch=launch)
 
-        ms = median_ms(run, device, args.calls, args.repeats)
+        ms, how = median_ms(run, device, args.calls, args.repeats)
         got = run().float()
         want = got if want is None else want
-        results.append(Timing("prefill", name, ms, None, (got - want).abs().max().item()))
+        results.append(Timing("prefill", name, ms, None, (got - want).abs().max().item(), how))
     return results
 
 
@@ -165,10 +191,11 @@ def render(report: dict) -> str:
               f"block {a['block_size']}"),
              (f"decode: {a['rows']} rows x {a['context']} cached tokens; prefill: {a['prefill_rows']} chunks x "
               f"{a['prefill_len']} tokens after {a['prefill_len']} cached"),
-             f"{'kernel':<8} {'variant':<34} {'us':>9} {'GB/s':>8} {'max|diff|':>10}"]
+             f"{'kernel':<8} {'variant':<34} {'us':>9} {'GB/s':>8} {'max|diff|':>10}  timing"]
     for t in report["timings"]:
         gbs = f"{t['gb_per_s']:.0f}" if t["gb_per_s"] is not None else "-"
-        lines.append(f"{t['kernel']:<8} {t['variant']:<34} {t['ms'] * 1e3:>9.1f} {gbs:>8} {t['max_abs_diff']:>10.2e}")
+        lines.append(f"{t['kernel']:<8} {t['variant']:<34} {t['ms'] * 1e3:>9.1f} {gbs:>8} "
+                     f"{t['max_abs_diff']:>10.2e}  {t['timing']}")
     return "\n".join(lines)
 
 

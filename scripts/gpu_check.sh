@@ -6,11 +6,12 @@
 #   2. CUDA tests    (Triton kernels, graphs vs eager, overlap vs sync,
 #                     no host sync on the launch path)            <= 165 s    -> $OUT/tests.log
 #   3. attention     (Triton decode/prefill vs torch, tile and
-#                     warp variants, SmolLM2 shape, bf16)         <=  45 s    -> $OUT/attention_bench.{json,md}
+#                     warp variants, SmolLM2 shape, bf16)         <=  45 s    -> $OUT/attention.log, attention_bench.json
 #   4. benchmark     (SmolLM2-135M bf16, 256 requests: overlap/sync x
-#                     graphs on/off)                               <= 230 s    -> $OUT/bench.log, report.{json,md}
+#                     graphs on/off)                               <= 230 s    -> $OUT/bench.log, report.json
 #   5. summary       (test counts, the tables; printed last)                   -> $OUT/summary.txt
 #
+# Seven files in $OUT: the device tool brings back at most 8 (the Markdown tables are in summary.txt).
 # Finishes in under 8 minutes: every stage runs under `timeout` (30 + 165 + 45 + 230 s at most).
 # The model is looked for under $ASYNCBATCH_CACHE, ./.cache/asyncbatch/SmolLM2*, ~/.cache/asyncbatch and the Hugging Face cache;
 # without one the benchmark uses random weights of SmolLM2-135M's shape and its report says so first.
@@ -21,11 +22,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/results/gpu_check}
 mkdir -p "$OUT"
-rm -f "$OUT"/report.{json,md} "$OUT"/attention_bench.{json,md}
+rm -f "$OUT"/report.json "$OUT"/attention_bench.json
+WORK=$(mktemp -d)  # the scripts' own output folder; only what is listed above is copied to $OUT
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-unset TRITON_INTERPRET
+export TRITON_INTERPRET=0  # compiled kernels, also where tests/conftest.py would choose the interpreter
 TESTS=(tests/test_triton_attention.py tests/test_cuda_path.py tests/test_cuda_graphs.py)
 ATTENTION_ARGS=()
 BENCH_ARGS=()
@@ -63,21 +65,23 @@ tests_rc=$?
 tail -n 25 "$OUT/tests.log"
 
 echo "== attention kernels"
-timeout 45 "$PY" scripts/attention_bench.py --out "$OUT" "${ATTENTION_ARGS[@]}" > "$OUT/attention.log" 2>&1
+timeout 45 "$PY" scripts/attention_bench.py --out "$WORK" "${ATTENTION_ARGS[@]}" > "$OUT/attention.log" 2>&1
 attention_rc=$?
+cp "$WORK/attention_bench.json" "$OUT/" 2>/dev/null
 tail -n 14 "$OUT/attention.log"
 
 echo "== benchmark"
-timeout 230 "$PY" scripts/gpu_bench.py --out "$OUT" "${BENCH_ARGS[@]}" "$@" > "$OUT/bench.log" 2>&1
+timeout 230 "$PY" scripts/gpu_bench.py --out "$WORK" "${BENCH_ARGS[@]}" "$@" > "$OUT/bench.log" 2>&1
 bench_rc=$?
+cp "$WORK/report.json" "$OUT/" 2>/dev/null
 tail -n 5 "$OUT/bench.log"
 
 {
   echo "== summary (tests rc=$tests_rc, attention rc=$attention_rc, benchmark rc=$bench_rc; 124 = timed out)"
   grep -E "^(device|python)" "$OUT/env.txt"
   echo "tests: $(tail -n 1 "$OUT/tests.log")"
-  if [[ -f "$OUT/attention_bench.md" ]]; then cat "$OUT/attention_bench.md"; else echo "no attention table"; fi
-  if [[ -f "$OUT/report.md" ]]; then cat "$OUT/report.md"; else echo "no benchmark report (see bench.log)"; fi
+  if [[ -f "$WORK/attention_bench.md" ]]; then cat "$WORK/attention_bench.md"; else echo "no attention table"; fi
+  if [[ -f "$WORK/report.md" ]]; then cat "$WORK/report.md"; else echo "no benchmark report (see bench.log)"; fi
 } > "$OUT/summary.txt"
 cat "$OUT/summary.txt"
 [[ $tests_rc -eq 0 && $attention_rc -eq 0 && $bench_rc -eq 0 ]]

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 
+import torch
+
 # Without a GPU, the Triton kernels' tests run in Triton's interpreter, which must be chosen before
-# anything imports triton (transformers does, through torch._dynamo). nvidia-smi stands in for a CUDA
-# check here because importing torch first is what must not happen.
-if shutil.which("nvidia-smi") is None:
+# anything imports triton (transformers does, through torch._dynamo; importing torch and asking it
+# about CUDA does not). A caller's explicit TRITON_INTERPRET wins (gpu_check.sh sets it to 0).
+if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest

@@ -10,6 +10,7 @@ executor path, and ``CudaExecutor`` itself with no-op streams and events.
 from __future__ import annotations
 
 import contextlib
+import time
 import types
 
 import numpy as np
@@ -334,17 +335,19 @@ class _NoStream:
 
 
 class _NoEvent:
+    """Completes when recorded, at the host time it was recorded (work runs in program order here)."""
+
     def __init__(self, *args, **kwargs) -> None:
-        self.recorded = False
+        self.time: float | None = None
 
     def record(self, stream=None) -> None:
-        self.recorded = True
+        self.time = time.perf_counter()
 
     def synchronize(self) -> None:
-        assert self.recorded, "waited on an event that was never recorded"
+        assert self.time is not None, "waited on an event that was never recorded"
 
     def elapsed_time(self, other) -> float:
-        return 0.0
+        return (other.time - self.time) * 1e3
 
 
 @pytest.fixture
@@ -397,10 +400,13 @@ def shim_workload():
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
-def test_cuda_executor_host_logic_matches_cpu_executor(tmp_path, cuda_host_shim, overlap):
+def test_cuda_executor_host_logic_matches_cpu_executor(tmp_path, cuda_host_shim, overlap, monkeypatch):
+    from asyncbatch.executors import cuda_executor
+
+    monkeypatch.setattr(cuda_executor, "REANCHOR_MS", 0.0)  # event times re-anchored after every step
     path = save_tiny_model(tmp_path / "llama", "LlamaForCausalLM")
     prompts, params = shim_workload()
-    runs, infos = {}, {}
+    runs, infos, records = {}, {}, {}
     for name, settings in (("cpu", {}), ("eager", {"enable_cuda_graphs": False}),
                            ("graphs", {"enable_cuda_graphs": True, "cuda_graph_batch_sizes": (1, 2, 4)})):
         cuda_host_shim.clear()
@@ -409,8 +415,12 @@ def test_cuda_executor_host_logic_matches_cpu_executor(tmp_path, cuda_host_shim,
                  overlap=overlap, debug_check_integrity=True) as llm:
             runs[name] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
             infos[name] = llm._core.executor.describe()
+            records[name] = llm.timeline.window()
             llm.check_integrity()
     assert runs["eager"] == runs["cpu"] and runs["graphs"] == runs["cpu"]
+    for name in ("eager", "graphs"):  # event times mapped back onto the host clock, re-anchored every step
+        for r in records[name]:  # here the "device" runs inside launch, after the fence
+            assert r.fence_end - 1e-4 <= r.device_start <= r.device_end <= r.launch_end + 1e-4, r
     assert infos["eager"]["cuda_graphs"] is False
     stats = infos["graphs"]["cuda_graph_stats"]
     assert stats["num_graphs"] == 2 * 3 * 2 + stats["lazy_captures"]  # sets x buckets x (greedy, sample)

@@ -56,6 +56,9 @@ from cuda_graphs import CudaGraphBackend, GraphRunner, normalize_batch_sizes
 logger = logging.getLogger(__name__)
 
 HOST_SLOTS = 2  # the engine's double buffer: one static input set per host slot
+# Event times are float32 milliseconds since a reference event: 1 s keeps them to ~0.06 us (after 33 s
+# their step would be ~4 us, as large as the idle gaps being measured), so the reference moves on.
+REANCHOR_MS = 1000.0
 DEFAULT_CAPTURE_VARIANTS = (SamplingVariant.GREEDY, SamplingVariant.SAMPLE)  # FILTERED is captured on first use
 
 
@@ -108,7 +111,8 @@ class CudaExecutor(TorchExecutor):
         self.graphs_off_reason = "disabled (enable_cuda_graphs=False)"
         if enable_cuda_graphs:
             self._build_graphs(max_num_seqs, cuda_graph_batch_sizes, capture_variants)
-        # Host clock of a reference event, so CUDA event times map onto the timeline's clock.
+        # Host clock of a reference event, so CUDA event times map onto the timeline's clock
+        # (``wait`` moves the reference forward every REANCHOR_MS).
         self._ref_event = torch.cuda.Event(enable_timing=True)
         self._ref_event.record()
         self._ref_event.synchronize()
@@ -200,13 +204,13 @@ class CudaExecutor(TorchExecutor):
         ev = _StepEvents()
         step = None
         with torch.cuda.stream(self.h2d_stream), mark("h2d", meta.step_id):
-            ev.h2d_start.record()
+            free = self._set_free[plan.set_index] if plan is not None else None
+            if free is not None:
+                self.h2d_stream.wait_event(free)
+            ev.h2d_start.record()  # after the wait, so h2d_ms is the copies alone
             if plan is None:
                 step = self._copy_in(meta)
             else:
-                free = self._set_free[plan.set_index]
-                if free is not None:
-                    self.h2d_stream.wait_event(free)
                 self.graphs.prepare(plan.set_index, DecodeGraphStep.host_arrays(meta.slot), plan.rows, plan.bucket)
             ev.h2d_end.record()
         meta.slot.fence.signal_with_cuda_event(ev.h2d_end)
@@ -242,9 +246,11 @@ class CudaExecutor(TorchExecutor):
         out = self._out_host[handle.step_id % 2][:r].numpy().copy()
         fin = self._finite_host[handle.step_id % 2][:r].numpy().copy()
         ref, base = self._ref_event, self._ref_host
+        start_ms, end_ms = ref.elapsed_time(ev.start), ref.elapsed_time(ev.end)
+        if end_ms > REANCHOR_MS:  # this step's end becomes the reference: it has completed
+            self._ref_event, self._ref_host = ev.end, base + end_ms / 1e3
         return StepResult(handle.step_id, out, fin,
-                          device_start=base + ref.elapsed_time(ev.start) / 1e3,
-                          device_end=base + ref.elapsed_time(ev.end) / 1e3,
+                          device_start=base + start_ms / 1e3, device_end=base + end_ms / 1e3,
                           h2d_ms=ev.h2d_start.elapsed_time(ev.h2d_end),
                           forward_ms=ev.start.elapsed_time(ev.sample),
                           sample_ms=ev.sample.elapsed_time(ev.end),
