@@ -16,6 +16,12 @@
 # The model is looked for under $ASYNCBATCH_CACHE, ./.cache/asyncbatch/SmolLM2*, ~/.cache/asyncbatch and the Hugging Face cache;
 # without one the benchmark uses random weights of SmolLM2-135M's shape and its report says so first.
 # Outside the device tool, $OUT defaults to results/gpu_check. PYTHON picks the interpreter (python3).
+# With the device tool (the real weights, 513 MiB, cannot travel; config and tokenizer, 3.4 MB, can):
+#   mkdir -p .cache/asyncbatch/SmolLM2-135M-Instruct
+#   cp ~/.cache/asyncbatch/SmolLM2-135M-Instruct*/{config.json,tokenizer.json,tokenizer_config.json} \
+#      .cache/asyncbatch/SmolLM2-135M-Instruct/
+#   run(command="bash scripts/gpu_check.sh", carry=[".cache/asyncbatch/SmolLM2-135M-Instruct"], timeout_s=540)
+# then commit $OUT's files under profiles/<gpu>-<date>/ with the hardware named, and give the machine back.
 # GPU_CHECK_SMOKE=<tiny model dir> runs every stage on the CPU at toy sizes: tests/test_gpu_scripts.py uses it
 # so that this script's own plumbing is tested before a GPU session spends its minutes on it.
 set -uo pipefail
