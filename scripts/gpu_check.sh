@@ -34,7 +34,8 @@ PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export TRITON_INTERPRET=0  # compiled kernels, also where tests/conftest.py would choose the interpreter
-TESTS=(tests/test_triton_attention.py tests/test_cuda_path.py tests/test_cuda_graphs.py)
+TESTS=(tests/test_triton_attention.py tests/test_cuda_path.py tests/test_cuda_graphs.py
+       tests/test_decode_graph.py)
 ATTENTION_ARGS=()
 BENCH_ARGS=()
 if [[ -n "${GPU_CHECK_SMOKE:-}" ]]; then

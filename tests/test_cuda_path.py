@@ -4,7 +4,7 @@ Skipped without CUDA; ``scripts/gpu_check.sh`` runs it on a lent GPU machine.
 Two levels:
 
 * the executor alone, driven with hand-written decode steps (as in
-  ``test_cuda_graphs``): graph replay against the eager path, token for token,
+  ``test_decode_graph``): graph replay against the eager path, token for token,
   and ``torch.cuda.set_sync_debug_mode("error")`` around every ``launch`` of a
   steady-state loop;
 * the whole engine (``LLM(device="cuda")``) on a tiny model with greedy,
@@ -24,7 +24,7 @@ import torch
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run scripts/gpu_check.sh)")]
 
-from test_cuda_graphs import MAX_BLOCKS, MAX_SEQS, prefilled_state, write_decode_rows
+from test_decode_graph import MAX_BLOCKS, MAX_SEQS, prefilled_state, write_decode_rows
 from tiny_models import save_tiny_model
 
 from asyncbatch import SamplingParams
