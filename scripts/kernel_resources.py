@@ -5,10 +5,11 @@ No GPU is needed: Triton's NVIDIA backend lowers each kernel to PTX and
 assembles a cubin for ``--arch`` (default 90, Hopper: H100/H200) with the
 ptxas it ships. For every model shape below and every dtype, the script
 compiles exactly the launches ``decode_launch`` / ``prefill_launch`` choose
-(the same constexprs and warps the engine would launch with) and reads the
-cubin's registers, stack frame (where spilled registers go) and shared memory with
-the ``cuobjdump`` Triton ships. A kernel that fails to compile for the GPU
-fails here, which the CPU interpreter (``TRITON_INTERPRET=1``) cannot show.
+(the same constexprs and warps the engine would launch with), reads the
+cubin's registers and stack frame (where spilled registers go) with the
+``cuobjdump`` Triton ships, and takes the shared memory from Triton's metadata.
+A kernel that fails to compile for the GPU fails here, which the CPU
+interpreter (``TRITON_INTERPRET=1``) cannot show.
 
     python scripts/kernel_resources.py --out profiles/triton-kernels-sm90
 
