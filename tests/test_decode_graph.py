@@ -166,9 +166,9 @@ class _NoEvent:
 def cuda_host_shim(monkeypatch):
     """Build ``CudaExecutor`` on the CPU: streams and events are no-ops, memory is not pinned, graphs run
     through ``EagerBackend`` and attention through the torch reference. Its planning, padding, graph
-    choice, lazy capture, copies and bookkeeping then run for real, in program order (so this says nothing
-    about stream ordering, which ``test_cuda_path`` checks on a GPU). Returns the executor's settings:
-    empty means the plain CPU executor."""
+    choice, lazy capture, copies and bookkeeping then run for real, in program order (so this alone says
+    nothing about stream ordering: ``test_stream_order`` checks that with a happens-before checker, and
+    ``test_cuda_path`` on a GPU). Returns the executor's settings: empty means the plain CPU executor."""
     from asyncbatch.executors import cuda_executor, torch_executor
     from asyncbatch.model import paged_attention
 
