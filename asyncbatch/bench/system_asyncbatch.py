@@ -12,7 +12,7 @@ import time
 
 from asyncbatch.bench.memory import MemorySampler, module_mib, tensor_mib
 from asyncbatch.bench.records import RequestRecord, RunResult
-from asyncbatch.bench.system_base import BenchSettings, BenchSystem, ThreadErrors, replay
+from asyncbatch.bench.system_base import BenchSettings, BenchSystem, ThreadErrors, timed_replay
 from asyncbatch.llm import LLM
 from asyncbatch.sampling_params import SamplingParams
 from asyncbatch.workloads import WorkItem
@@ -96,13 +96,13 @@ class AsyncBatchSystem(BenchSystem):
             thread.start()
             threads.append(thread)
 
-        with MemorySampler() as mem:
-            self.llm.reset_stats()
-            cpu0 = time.process_time()
-            start = replay(offsets, submit)
+        def join_all() -> None:
             for thread in threads:
                 thread.join()
-            end, cpu_s = time.perf_counter(), time.process_time() - cpu0
+
+        with MemorySampler() as mem:
+            self.llm.reset_stats()
+            start, end, cpu_s = timed_replay(offsets, submit, join_all)
         errors.raise_first()
         stats = self._stats()
         return RunResult(self.name, [r for r in records if r is not None], start, end, stats["computed_tokens"],

@@ -74,6 +74,15 @@ def replay(offsets: list[float], submit: Callable[[int], None], start: float | N
     return start
 
 
+def timed_replay(offsets: list[float], submit: Callable[[int], None],
+                 join: Callable[[], None]) -> tuple[float, float, float]:
+    """``replay`` the arrivals, then ``join()`` the workers: (start, end, CPU seconds this process spent)."""
+    cpu0 = time.process_time()
+    start = replay(offsets, submit)
+    join()
+    return start, time.perf_counter(), time.process_time() - cpu0
+
+
 class ThreadErrors:
     """Collects exceptions raised in worker threads so the caller can re-raise the first one."""
 

@@ -27,7 +27,7 @@ from transformers.generation.continuous_batching.utils import WorkloadHints
 from asyncbatch.bench.hf_common import effective_eos, generation_config, load_hf_model
 from asyncbatch.bench.memory import MemorySampler
 from asyncbatch.bench.records import RequestRecord, RunResult
-from asyncbatch.bench.system_base import BenchSettings, BenchSystem, replay
+from asyncbatch.bench.system_base import BenchSettings, BenchSystem, ThreadErrors, timed_replay
 from asyncbatch.engine_builder import kv_bytes_per_token
 from asyncbatch.workloads import WorkItem
 
@@ -117,7 +117,7 @@ class HFContinuousSystem(BenchSystem):
         eos = effective_eos(self.settings, self.hf)
         records = {f"r{i}": RequestRecord(len(it.prompt_token_ids), 0, 0.0, None, None, [])
                    for i, it in enumerate(items)}
-        errors: list[BaseException] = []
+        errors = ThreadErrors()
         with MemorySampler() as mem, torch.inference_mode(), self._manager(items) as manager:
             self._remember_config(manager)
 
@@ -125,7 +125,7 @@ class HFContinuousSystem(BenchSystem):
                 try:
                     self._collect(manager, records, len(items), streaming=True)
                 except BaseException as exc:  # noqa: BLE001 - re-raised below
-                    errors.append(exc)
+                    errors.add(exc)
 
             def submit(i: int) -> None:
                 rid = f"r{i}"
@@ -135,11 +135,7 @@ class HFContinuousSystem(BenchSystem):
 
             consumer = threading.Thread(target=consume, name="bench-hf-consumer", daemon=True)
             consumer.start()
-            cpu0 = time.process_time()
-            start = replay(offsets, submit)
-            consumer.join()
-            end, cpu_s = time.perf_counter(), time.process_time() - cpu0
-        if errors:
-            raise errors[0]
+            start, end, cpu_s = timed_replay(offsets, submit, consumer.join)
+        errors.raise_first()
         ordered = [records[f"r{i}"] for i in range(len(items))]
         return RunResult(self.name, ordered, start, end, None, None, mem.result(self.load_mib, self._kv_mib()), cpu_s=cpu_s)

@@ -24,7 +24,7 @@ from transformers.generation.streamers import BaseStreamer
 from asyncbatch.bench.hf_common import cut_at_eos, generation_config, load_hf_model
 from asyncbatch.bench.memory import MemorySampler
 from asyncbatch.bench.records import RequestRecord, RunResult
-from asyncbatch.bench.system_base import BenchSettings, BenchSystem, replay
+from asyncbatch.bench.system_base import BenchSettings, BenchSystem, ThreadErrors, timed_replay
 from asyncbatch.workloads import WorkItem
 
 
@@ -101,7 +101,7 @@ class HFStaticSystem(BenchSystem):
         records = [RequestRecord(len(it.prompt_token_ids), 0, 0.0, None, None, []) for it in items]
         arrived: queue.SimpleQueue[int] = queue.SimpleQueue()
         computed = [0]
-        errors: list[BaseException] = []
+        errors = ThreadErrors()
 
         def serve() -> None:
             try:
@@ -117,7 +117,7 @@ class HFStaticSystem(BenchSystem):
                         computed[0] += self._generate([items[i] for i in batch], [records[i] for i in batch])
                         done += len(batch)
             except BaseException as exc:  # noqa: BLE001 - re-raised below
-                errors.append(exc)
+                errors.add(exc)
 
         def submit(i: int) -> None:
             records[i].arrival = time.perf_counter()
@@ -126,10 +126,6 @@ class HFStaticSystem(BenchSystem):
         with MemorySampler() as mem:
             server = threading.Thread(target=serve, name="bench-static-server", daemon=True)
             server.start()
-            cpu0 = time.process_time()
-            start = replay(offsets, submit)
-            server.join()
-            end, cpu_s = time.perf_counter(), time.process_time() - cpu0
-        if errors:
-            raise errors[0]
+            start, end, cpu_s = timed_replay(offsets, submit, server.join)
+        errors.raise_first()
         return RunResult(self.name, records, start, end, computed[0], None, mem.result(self.load_mib), cpu_s=cpu_s)
