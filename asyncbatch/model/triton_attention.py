@@ -44,6 +44,20 @@ _DECODE_TILE_ELEMENTS = 8192
 
 
 @triton.jit
+def _tile_slots(table_row_ptr, pos, valid, BLOCK_SIZE: tl.constexpr):
+    """(block, offset within it) of each context position ``pos`` of a row, through its block table."""
+    block = tl.load(table_row_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    return block, pos % BLOCK_SIZE
+
+
+@triton.jit
+def _load_tile(cache_ptr, block, within, kvh, stride_b, stride_s, stride_h, d, mask):
+    """``[BLOCK_N, DIM_PAD]`` of one KV head's cache entries at (block, within); 0 where masked."""
+    return tl.load(cache_ptr + (block * stride_b + within * stride_s + kvh * stride_h)[:, None] + d[None, :],
+                   mask=mask, other=0.0)
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale,
                    stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                    stride_bt, stride_ot, stride_oh,
@@ -65,11 +79,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale,
     for start in range(0, ctx, BLOCK_N):
         pos = start + n
         valid = pos < ctx
-        block = tl.load(tables_ptr + row * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        within = pos % BLOCK_SIZE
+        block, within = _tile_slots(tables_ptr + row * stride_bt, pos, valid, BLOCK_SIZE)
         kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(k_ptr + (block * stride_kb + within * stride_ks + kvh * stride_kh)[:, None] + d[None, :],
-                    mask=kv_mask, other=0.0).to(tl.float32)  # [BLOCK_N, DIM_PAD]
+        k = _load_tile(k_ptr, block, within, kvh, stride_kb, stride_ks, stride_kh, d, kv_mask).to(tl.float32)
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_PAD, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         # The first tile always holds position 0, so m_new is finite from the first iteration on.
@@ -77,8 +89,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale,
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + (block * stride_vb + within * stride_vs + kvh * stride_vh)[:, None] + d[None, :],
-                    mask=kv_mask, other=0.0).to(tl.float32)
+        v = _load_tile(v_ptr, block, within, kvh, stride_vb, stride_vs, stride_vh, d, kv_mask).to(tl.float32)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m_i = m_new
     out = acc / tl.maximum(l_i, 1e-30)[:, None]  # context 0: acc is 0, so the row is 0
@@ -117,13 +128,10 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, rows_ptr, out_ptr, scale,
         for start in range(0, kv_end, BLOCK_N):
             pos = start + n
             valid = pos < kv_end
-            block = tl.load(tables_ptr + r * stride_bt + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-            within = pos % BLOCK_SIZE
+            block, within = _tile_slots(tables_ptr + r * stride_bt, pos, valid, BLOCK_SIZE)
             kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
-            k = tl.load(k_ptr + (block * stride_kb + within * stride_ks + kvh * stride_kh)[:, None] + d[None, :],
-                        mask=kv_mask, other=0.0)  # [BLOCK_N, DIM_PAD]
-            v = tl.load(v_ptr + (block * stride_vb + within * stride_vs + kvh * stride_vh)[:, None] + d[None, :],
-                        mask=kv_mask, other=0.0)
+            k = _load_tile(k_ptr, block, within, kvh, stride_kb, stride_ks, stride_kh, d, kv_mask)
+            v = _load_tile(v_ptr, block, within, kvh, stride_vb, stride_vs, stride_vh, d, kv_mask)
             if FP32_DOT:
                 s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
             else:
