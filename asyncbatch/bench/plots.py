@@ -29,6 +29,14 @@ def _subtitle(doc: dict) -> str:
             f"x{w['num_requests']}, {s['repeats']} repeat{'s' if s['repeats'] != 1 else ''}")
 
 
+def _save(fig, path: Path, title: str) -> Path:
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def throughput_bars(doc: dict, path: Path, rate: object = None) -> Path:
     """Median output tokens per second and per CPU-second for each system at ``rate`` (None: offline),
     whiskers at min and max over repeats."""
@@ -56,11 +64,7 @@ def throughput_bars(doc: dict, path: Path, rate: object = None) -> Path:
         ax.margins(y=0.12)
         ax.grid(axis="y", alpha=0.3)
     where = "offline" if rate is None else f"at {rate} req/s"
-    fig.suptitle(f"Throughput ({where}) - {_subtitle(doc)}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path, f"Throughput ({where}) - {_subtitle(doc)}")
 
 
 def latency_cdfs(doc: dict, path: Path, rate: object = None) -> Path:
@@ -81,11 +85,7 @@ def latency_cdfs(doc: dict, path: Path, rate: object = None) -> Path:
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8, loc="lower right")
     where = "offline" if rate is None else f"{rate} req/s"
-    fig.suptitle(f"Latency CDFs ({where}) - {_subtitle(doc)}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path, f"Latency CDFs ({where}) - {_subtitle(doc)}")
 
 
 def throughput_vs_rate(doc: dict, path: Path) -> Path:
@@ -122,8 +122,4 @@ def throughput_vs_rate(doc: dict, path: Path) -> Path:
     ax2.set_ylabel("TTFT p50 (ms, median of repeats)")
     ax2.set_yscale("log")
     ax1.legend(fontsize=8)
-    fig.suptitle(f"Throughput and TTFT versus request rate - {_subtitle(doc)}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path, f"Throughput and TTFT versus request rate - {_subtitle(doc)}")
