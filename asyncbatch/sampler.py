@@ -186,9 +186,11 @@ def _keep_threshold_cpu(
     k = torch.where((top_k <= 0) | (top_k > vocab_size), vocab_size, top_k)  # [n]
     in_top_k = torch.arange(cand, device=logits.device) < k[:, None]  # [n, cand]
     scaled = values / temp[:, None]
-    within = torch.logsumexp(scaled.masked_fill(~in_top_k, -math.inf), dim=-1)
-    whole = torch.logsumexp(logits / temp[:, None], dim=-1)
-    log_norm = torch.where(k <= cand, within, whole)  # [n]
+    log_norm = torch.logsumexp(scaled.masked_fill(~in_top_k, -math.inf), dim=-1)  # [n]
+    wide = k > cand  # the top-k set reaches past the candidates: normalise over the whole row instead
+    if bool(wide.any()):
+        rows = wide.nonzero().squeeze(1)
+        log_norm[rows] = torch.logsumexp(logits[rows] / temp[rows, None], dim=-1)
     probs = (scaled - log_norm[:, None]).exp_().masked_fill_(~in_top_k, 0.0)
     mass_before = torch.nn.functional.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))
     in_top_p = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
