@@ -30,7 +30,10 @@ CPU tensors the kernels need the interpreter; there every product runs in
 float32 because the interpreter computes bfloat16 arithmetic wrongly.
 """
 
+import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 import triton
@@ -156,12 +159,13 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, rows_ptr, out_ptr, scale,
 
 @dataclass(frozen=True, slots=True)
 class KernelLaunch:
-    """What one kernel launch compiles: its constexpr arguments and warps per program."""
+    """What one kernel launch compiles: its constexpr arguments and warps per program (read-only: cached)."""
 
-    constexprs: dict[str, int | bool]
+    constexprs: Mapping[str, int | bool]
     num_warps: int
 
 
+@functools.cache  # called by every layer of every eager step: choose once per shape
 def decode_launch(group: int, head_dim: int, block_size: int) -> KernelLaunch:
     """The decode kernel's tile for a model shape (``group`` query heads per KV head).
 
@@ -176,11 +180,17 @@ def decode_launch(group: int, head_dim: int, block_size: int) -> KernelLaunch:
     tile = group_pad * block_n * dim_pad
     constexprs = {"GROUP": group, "GROUP_PAD": group_pad, "HEAD_DIM": head_dim, "DIM_PAD": dim_pad,
                   "BLOCK_SIZE": block_size, "BLOCK_N": block_n}
-    return KernelLaunch(constexprs, num_warps=4 if tile <= _DECODE_TILE_ELEMENTS else 8)
+    return KernelLaunch(MappingProxyType(constexprs), num_warps=4 if tile <= _DECODE_TILE_ELEMENTS else 8)
 
 
 def prefill_launch(group: int, head_dim: int, block_size: int, max_q_len: int, fp32_dot: bool) -> KernelLaunch:
-    """The prefill kernel's tiles and warps for a model shape and the step's longest chunk.
+    """The prefill kernel's tiles and warps for a model shape and the step's longest chunk."""
+    return _prefill_launch(group, head_dim, block_size, max_q_len <= 16, fp32_dot)
+
+
+@functools.cache  # called by every layer of every eager step; depends on the chunk length only through `short`
+def _prefill_launch(group: int, head_dim: int, block_size: int, short: bool, fp32_dot: bool) -> KernelLaunch:
+    """See ``prefill_launch``.
 
     Chosen so that ptxas for sm_90 keeps the tile in registers (no stack
     spills; ``scripts/kernel_resources.py`` shows the table): 16 query rows
@@ -189,7 +199,6 @@ def prefill_launch(group: int, head_dim: int, block_size: int, max_q_len: int, f
     tile outgrows 4 (64-row tiles, head_dim 128, every float32 tile).
     """
     dim_pad = max(16, triton.next_power_of_2(head_dim))
-    short = max_q_len <= 16
     if fp32_dot:
         block_m, block_n = (16, 32) if short else (32, 16)
         num_warps = 8
@@ -198,7 +207,7 @@ def prefill_launch(group: int, head_dim: int, block_size: int, max_q_len: int, f
         num_warps = 4 if short and dim_pad <= 64 else 8
     constexprs = {"GROUP": group, "HEAD_DIM": head_dim, "DIM_PAD": dim_pad, "BLOCK_SIZE": block_size,
                   "BLOCK_M": block_m, "BLOCK_N": block_n, "FP32_DOT": fp32_dot}
-    return KernelLaunch(constexprs, num_warps=num_warps)
+    return KernelLaunch(MappingProxyType(constexprs), num_warps=num_warps)
 
 
 def _check_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
