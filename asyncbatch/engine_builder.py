@@ -127,10 +127,7 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
             reserved = profile_step_memory(model, config.max_num_seqs, config.max_num_batched_tokens,
                                            config.block_size, graphs=config.enable_cuda_graphs).reserve_bytes
         num_blocks = choose_num_blocks(config, device, kv_bytes_per_token(hf_config, dtype), max_len, reserved)
-        kv_shape = (num_blocks, config.block_size, model.num_kv_heads, model.head_dim)
-        kv_caches = [(torch.zeros(kv_shape, dtype=dtype, device=torch_device),
-                      torch.zeros(kv_shape, dtype=dtype, device=torch_device))
-                     for _ in range(hf_config.num_hidden_layers)]
+        kv_caches = model.new_kv_caches(num_blocks, config.block_size)
         if device == "cuda":
             from asyncbatch.executors.cuda_executor import CudaExecutor
 

@@ -42,10 +42,7 @@ def profile_step_memory(model: CausalLM, max_num_seqs: int, max_num_batched_toke
                         graphs: bool) -> StepMemory:
     """Run one worst-case eager step on a scratch cache and measure its peak (CUDA only)."""
     device = model.output_weight.device
-    dtype = model.output_weight.dtype
-    shape = (2, block_size, model.num_kv_heads, model.head_dim)
-    scratch = [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-               for _ in model.model.layers]
+    scratch = model.new_kv_caches(2, block_size)
     t = max_num_batched_tokens
     r = min(max_num_seqs, t)
     i64 = {"dtype": torch.int64, "device": device}

@@ -122,6 +122,13 @@ class CausalLM(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
 
+    def new_kv_caches(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Zeroed key and value caches for every layer, ``[num_blocks, block_size, kv_heads, head_dim]`` each
+        (``paged_attention``'s layout), in the weights' dtype and on their device."""
+        weight = self.output_weight
+        shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
+        return [(weight.new_zeros(shape), weight.new_zeros(shape)) for _ in self.model.layers]
+
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Returns logits ``[R, vocab]`` in float32 for ``batch.logits_indices``."""
         x = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
