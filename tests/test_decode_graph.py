@@ -116,7 +116,7 @@ def test_decode_graph_step_matches_eager_path(tiny_model, temps, top_k, variant)
                 want, want_finite, _ = eager._compute(meta, eager._copy_in(meta))
                 bucket = runner.bucket_for(n)
                 runner.capture(slot.index, bucket, chosen, lazy=True)  # on first use: resets the set to padding
-                runner.prepare(slot.index, DecodeGraphStep.host_arrays(slot), n, bucket)
+                runner.prepare(slot.index, step.host_arrays(slot), n, bucket)
                 out = runner.replay(slot.index, bucket, chosen)
             assert out["token_ids"][:n].tolist() == want.tolist(), step_index
             assert out["finite"][:n].all() and want_finite.all()

@@ -128,6 +128,7 @@ class CudaExecutor(TorchExecutor):
         batch_sizes = normalize_batch_sizes(sizes, max_num_seqs)
         step = DecodeGraphStep(self.model, self.kv_caches, self.token_buffer, batch_sizes[-1],
                                self.max_blocks_per_seq)
+        self._decode_step = step
         self.graphs = GraphRunner(step, batch_sizes, HOST_SLOTS, self.device, CudaGraphBackend(self.device))
         self.graphs_off_reason = ""
         with torch.inference_mode():
@@ -211,7 +212,7 @@ class CudaExecutor(TorchExecutor):
             if plan is None:
                 step = self._copy_in(meta)
             else:
-                self.graphs.prepare(plan.set_index, DecodeGraphStep.host_arrays(meta.slot), plan.rows, plan.bucket)
+                self.graphs.prepare(plan.set_index, self._decode_step.host_arrays(meta.slot), plan.rows, plan.bucket)
             ev.h2d_end.record()
         meta.slot.fence.signal_with_cuda_event(ev.h2d_end)
         with torch.cuda.stream(self.compute_stream), torch.inference_mode():

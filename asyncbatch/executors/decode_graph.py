@@ -61,6 +61,7 @@ class DecodeGraphStep:
         self.block_size = kv_caches[0][0].shape[1]
         self.max_blocks_per_seq = max_blocks_per_seq
         self._row_ids = torch.arange(max_rows, dtype=torch.int64, device=token_buffer.device)  # logits rows
+        self._host_names = tuple(spec.host for spec in self.input_specs())
 
     def input_specs(self) -> Sequence[BufferSpec]:
         i64, f32 = torch.int64, torch.float32
@@ -82,12 +83,9 @@ class DecodeGraphStep:
     def output_specs() -> Sequence[OutputSpec]:
         return (OutputSpec("token_ids", (), torch.int64), OutputSpec("finite", (), torch.bool))
 
-    @staticmethod
-    def host_arrays(slot: HostSlot) -> dict[str, object]:
-        """The host slot's arrays by name, as ``BufferSpec.host`` names them."""
-        return {name: getattr(slot, name) for name in (
-            "decode_token_slots", "positions", "slot_mapping", "decode_block_tables", "decode_context_lens",
-            "sample_temperature", "sample_top_k", "sample_top_p", "sample_min_p", "sample_seed", "sample_step")}
+    def host_arrays(self, slot: HostSlot) -> dict[str, object]:
+        """The host slot's arrays that ``input_specs`` copy from, by their ``BufferSpec.host`` names."""
+        return {name: getattr(slot, name) for name in self._host_names}
 
     def run(self, inputs: Mapping[str, torch.Tensor], variant: SamplingVariant) -> dict[str, torch.Tensor]:
         slots = inputs["token_slots"]  # [rows]
