@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from asyncbatch import LLM, SamplingParams
-from asyncbatch.timeline import steady_decode_window
+from asyncbatch.timeline import steady_decode_window, summarize
 
 SMOLLM2_135M = {  # config.json of HuggingFaceTB/SmolLM2-135M(-Instruct), the fields the engine reads
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
@@ -114,19 +114,6 @@ def steady_window(records) -> list:
     return steady_decode_window(records, max((r.num_decode for r in tail), default=1))
 
 
-def busy_and_gaps(records) -> dict:
-    if len(records) < 2:
-        return {"steps": len(records)}
-    starts = np.array([r.device_start for r in records])
-    ends = np.array([r.device_end for r in records])
-    span = ends[-1] - starts[0]
-    gaps = np.maximum(starts[1:] - ends[:-1], 0.0) * 1e3
-    return {"steps": len(records), "device_busy_fraction": float((ends - starts).sum() / span),
-            "idle_gap_ms_mean": float(gaps.mean()), "idle_gap_ms_p99": float(np.percentile(gaps, 99)),
-            "device_ms_per_step": float((ends - starts).mean() * 1e3),
-            "planner_ms_per_step": float(np.mean([r.planner_ms for r in records]))}
-
-
 def run_engine(model: Path, graphs: bool, overlap: bool, prompts, params, args) -> dict:
     cuda = args.device == "cuda"
     if cuda:
@@ -148,7 +135,7 @@ def run_engine(model: Path, graphs: bool, overlap: bool, prompts, params, args) 
             records = llm.timeline.window()
             produced = sum(len(o.token_ids) for o in outs)
             runs.append({"wall_s": wall, "output_tokens": produced, "tok_per_s": produced / wall,
-                         "whole": busy_and_gaps(records), "steady": busy_and_gaps(steady_window(records))})
+                         "whole": summarize(records), "steady": summarize(steady_window(records))})
             tokens = tokens or [o.token_ids for o in outs]
         best = max(runs, key=lambda r: r["tok_per_s"])
         return {"graphs": graphs, "overlap": overlap, "build_s": build_s, "executor": info, "best": best,
