@@ -173,10 +173,9 @@ def _torch_origin(torch_trace: dict) -> float:
     return torch_trace.get("baseTimeNanoseconds", 0) * 1e-9 - wall_minus_perf
 
 
-def _write(path: str | Path, events: list[dict], other: dict, torch_trace: str | Path | None) -> dict:
+def _write(path: str | Path, events: list[dict], other: dict, merged: dict | None) -> dict:
     trace: dict = {"displayTimeUnit": "ms", "otherData": other}
-    if torch_trace is not None:
-        merged = json.loads(Path(torch_trace).read_text())
+    if merged is not None:
         events = merged.get("traceEvents", []) + events
         trace.update({k: v for k, v in merged.items() if k != "traceEvents"})
         trace["otherData"] = {**merged.get("otherData", {}), **other}
@@ -202,9 +201,8 @@ def export_trace(source, path: str | Path, torch_trace: str | Path | None = None
 def export_traces(sources: Mapping[str, object], path: str | Path, torch_trace: str | Path | None = None,
                   lifetimes: Mapping[str, Iterable[tuple[float, float]]] | None = None) -> dict:
     """Several runs in one trace, one process each, each starting at 0 (side by side), unless merged with torch."""
-    origin = None
-    if torch_trace is not None:
-        origin = _torch_origin(json.loads(Path(torch_trace).read_text()))
+    merged = json.loads(Path(torch_trace).read_text()) if torch_trace is not None else None  # read once
+    origin = _torch_origin(merged) if merged is not None else None
     events: list[dict] = []
     other: dict = {"generator": "asyncbatch.trace_export", "clock": "perf_counter", "runs": {}}
     for i, (name, source) in enumerate(sources.items()):
@@ -213,7 +211,7 @@ def export_traces(sources: Mapping[str, object], path: str | Path, torch_trace: 
         other["runs"][name] = {"label": run.label, "backend": run.backend, "mode": run.mode,
                                "simulated": run.simulated, "steps": len(run.records),
                                "gap_report": run.report.to_dict()}
-    return _write(path, events, other, torch_trace)
+    return _write(path, events, other, merged)
 
 
 def _slices(trace: dict, track: str, prefix: str, pid: int | None) -> dict[int, tuple[float, float]]:
