@@ -9,20 +9,23 @@ import time
 from asyncbatch.sampling_params import SamplingParams
 
 
-def _engine_args(parser: argparse.ArgumentParser) -> None:
+def _engine_args(parser: argparse.ArgumentParser, run_options: bool = True) -> None:
+    """The engine's options; ``run_options`` adds --no-overlap and --trace (the demo runs both modes itself)."""
     parser.add_argument("--model", default=None, help="HF directory, .gguf file, or alias (default: smollm2-135m)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "sim"])
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-overlap", action="store_true", help="synchronous mode (the ablation)")
-    parser.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the run to this path")
+    if run_options:
+        parser.add_argument("--no-overlap", action="store_true", help="synchronous mode (the ablation)")
+        parser.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the run to this path")
 
 
-def _engine_kwargs(args: argparse.Namespace) -> dict:
+def engine_kwargs(args: argparse.Namespace, overlap: bool) -> dict:
+    """``LLM`` keyword arguments from ``_engine_args``' options."""
     return {"device": args.device, "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
-            "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed, "overlap": not args.no_overlap}
+            "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed, "overlap": overlap}
 
 
 def _sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -46,7 +49,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from asyncbatch.llm import LLM
 
     t0 = time.perf_counter()
-    with LLM(args.model, **_engine_kwargs(args)) as llm:
+    with LLM(args.model, **engine_kwargs(args, overlap=not args.no_overlap)) as llm:
         load_s = time.perf_counter() - t0
         params = _params(args)
         if args.chat is not None:
@@ -94,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     _sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
     demo = sub.add_parser("demo", help="short generation + short overlap/synchronous throughput table")
-    _engine_args(demo)
+    _engine_args(demo, run_options=False)
     demo.add_argument("--num-requests", type=int, default=32)
     demo.set_defaults(func=cmd_demo)
     try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from asyncbatch.cli import engine_kwargs
 from asyncbatch.llm import LLM
 from asyncbatch.sampling_params import SamplingParams
 from asyncbatch.workloads import uniform_requests
@@ -29,13 +30,11 @@ def _throughput(llm: LLM, items, label: str) -> dict:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    kwargs = {"device": args.device, "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
-              "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed}
     message = "Write one sentence about why GPUs should never wait for CPUs."
     rows = []
     for overlap in (True, False):
         t0 = time.perf_counter()
-        with LLM(args.model, overlap=overlap, **kwargs) as llm:
+        with LLM(args.model, **engine_kwargs(args, overlap)) as llm:
             load_s = time.perf_counter() - t0
             if overlap:
                 out = llm.chat([{"role": "user", "content": message}], SamplingParams(max_tokens=48, temperature=0.0),

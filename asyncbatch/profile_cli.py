@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from asyncbatch.cli import engine_kwargs
 from asyncbatch.gap_report import CAUSES, GapReport, gap_report, lifetimes_of
 from asyncbatch.sampling_params import SamplingParams
 from asyncbatch.sim_config import SimConfig
@@ -101,9 +102,7 @@ def _range(text: str) -> tuple[int, int]:
 
 
 def _engine_kwargs(args: argparse.Namespace, overlap: bool) -> dict:
-    kwargs = {"device": args.device, "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
-              "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed, "overlap": overlap,
-              "num_threads": args.num_threads}
+    kwargs = {**engine_kwargs(args, overlap), "num_threads": args.num_threads}
     if args.device == "sim":
         kwargs["sim"] = SimConfig(step_fixed_ms=args.sim_step_ms, per_token_us=args.sim_per_token_us,
                                   per_context_token_ns=args.sim_per_context_ns)
