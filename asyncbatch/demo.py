@@ -16,7 +16,10 @@ from asyncbatch.workloads import uniform_requests
 
 
 def _throughput(llm: LLM, items, label: str) -> dict:
-    params = [SamplingParams(max_tokens=it.max_tokens, temperature=0.0, ignore_eos=True) for it in items]
+    # Explicit seeds: a request's default seed follows its arrival order, and the overlap engine served the
+    # chat request first (the simulated device's pseudo-tokens depend on the seed; greedy tokens do not).
+    params = [SamplingParams(max_tokens=it.max_tokens, temperature=0.0, ignore_eos=True, seed=i)
+              for i, it in enumerate(items)]
     llm.reset_stats()
     start = time.perf_counter()
     outs = llm.generate([it.prompt_token_ids for it in items], params, use_tqdm=False)
