@@ -149,17 +149,29 @@ def _keep_threshold(
     """``[R]`` smallest logit each row keeps after top-k, then top-p, then min-p."""
     vocab_size = logits.shape[1]
     sorted_logits = logits.sort(dim=-1, descending=True).values  # [R, V]
-    k = torch.where((top_k <= 0) | (top_k > vocab_size), vocab_size, top_k)  # [R]
+    k = _effective_top_k(top_k, vocab_size)
     in_top_k = torch.arange(vocab_size, device=logits.device) < k[:, None]  # [R, V]
     probs = (sorted_logits / temp[:, None]).masked_fill_(~in_top_k, -math.inf).softmax(dim=-1)
+    top_k_top_p, _ = _kept_prefix(sorted_logits, probs, in_top_k, top_p)
+    return torch.maximum(top_k_top_p, _min_p_threshold(temp, min_p, row_max))
+
+
+def _effective_top_k(top_k: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[R]`` top-k with "off" (<= 0) and oversized values as the whole vocabulary."""
+    return torch.where((top_k <= 0) | (top_k > vocab_size), vocab_size, top_k)
+
+
+def _kept_prefix(sorted_values: torch.Tensor, probs: torch.Tensor, in_top_k: torch.Tensor,
+                 top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Over values sorted descending ``[R, C]`` and their probabilities: the smallest value top-k then top-p
+    keep, and how many are kept (``[R]`` each)."""
     # Exclusive prefix sum built from the inclusive one so it is exactly monotone and
     # the kept positions form a prefix that a count describes.
-    mass_before = torch.nn.functional.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))  # [R, V]
+    mass_before = torch.nn.functional.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))  # [R, C]
     # top_p == 1 keeps everything even if rounding lets the prefix mass reach 1 early.
     in_top_p = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
     count = (in_top_k & in_top_p).sum(dim=-1).clamp_(min=1)  # [R]; NaN rows may count 0
-    top_k_top_p = sorted_logits.gather(1, (count - 1)[:, None]).squeeze(1)  # [R]
-    return torch.maximum(top_k_top_p, _min_p_threshold(temp, min_p, row_max))
+    return sorted_values.gather(1, (count - 1)[:, None]).squeeze(1), count
 
 
 # On CPU a full sort of a 49k vocabulary costs ~2 ms a row; the kept set of top-k/top-p is
@@ -183,7 +195,7 @@ def _keep_threshold_cpu(
     if cand == vocab_size:
         return _keep_threshold(logits, temp, top_k, top_p, min_p, row_max)
     values = logits.topk(cand, dim=-1).values  # [n, cand], descending
-    k = torch.where((top_k <= 0) | (top_k > vocab_size), vocab_size, top_k)  # [n]
+    k = _effective_top_k(top_k, vocab_size)
     in_top_k = torch.arange(cand, device=logits.device) < k[:, None]  # [n, cand]
     scaled = values / temp[:, None]
     log_norm = torch.logsumexp(scaled.masked_fill(~in_top_k, -math.inf), dim=-1)  # [n]
@@ -192,10 +204,7 @@ def _keep_threshold_cpu(
         rows = wide.nonzero().squeeze(1)
         log_norm[rows] = torch.logsumexp(logits[rows] / temp[rows, None], dim=-1)
     probs = (scaled - log_norm[:, None]).exp_().masked_fill_(~in_top_k, 0.0)
-    mass_before = torch.nn.functional.pad(probs.cumsum(dim=-1)[:, :-1], (1, 0))
-    in_top_p = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
-    count = (in_top_k & in_top_p).sum(dim=-1).clamp_(min=1)  # [n]
-    threshold = values.gather(1, (count - 1)[:, None]).squeeze(1)
+    threshold, count = _kept_prefix(values, probs, in_top_k, top_p)
     unrestricted = (k >= vocab_size) & (top_p >= 1.0)
     threshold = torch.where(unrestricted, torch.full_like(threshold, -math.inf), threshold)
     beyond = (count == cand) & ~unrestricted  # the kept set may extend past the candidates
