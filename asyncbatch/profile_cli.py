@@ -133,15 +133,6 @@ def _generate(llm, items: list[WorkItem], rate: float, seed: int) -> list:
     return outputs
 
 
-def _settle(llm, timeout_s: float = 5.0) -> None:
-    """Wait until every launched step was applied and output-processed (a last overlap step may still run)."""
-    deadline = time.perf_counter() + timeout_s
-    while time.perf_counter() < deadline:
-        if all(r.apply_end > 0 and r.output_end > 0 for r in list(llm.timeline.records)):
-            return
-        time.sleep(0.005)
-
-
 def _run_mode(args: argparse.Namespace, overlap: bool, out_dir: Path | None) -> ModeRun:
     from asyncbatch.llm import LLM
 
@@ -153,7 +144,7 @@ def _run_mode(args: argparse.Namespace, overlap: bool, out_dir: Path | None) -> 
         warmup = uniform_requests(args.warmup_requests, _range(args.prompt_len), (8, 8), vocab, seed=args.seed + 1)
         with count_ranges() as counter:  # counts the ranges per step (NVTX on only for the warmup)
             _generate(llm, warmup, 0.0, args.seed + 1)
-            _settle(llm)
+            llm.timeline.wait_settled(5.0)
         warm_steps = max(len(llm.timeline.window()), 1)
         enable_nvtx(args.nvtx or nvtx_was_on)
         llm.reset_stats()
@@ -162,7 +153,7 @@ def _run_mode(args: argparse.Namespace, overlap: bool, out_dir: Path | None) -> 
         with profiler if profiler is not None else contextlib.nullcontext():
             outputs = _generate(llm, items, args.request_rate, args.seed)
         wall = time.perf_counter() - start
-        _settle(llm)
+        llm.timeline.wait_settled(5.0)
         enable_nvtx(nvtx_was_on)
         lifetimes = lifetimes_of(outputs)
         run = ModeRun("overlap" if overlap else "sync", llm.device, llm.simulated, wall, outputs, llm.stats(),

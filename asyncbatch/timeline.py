@@ -10,6 +10,7 @@ and onto which CUDA event times are mapped.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -69,6 +70,19 @@ class Timeline:
 
     def stats(self) -> dict:
         return summarize(self.window())
+
+    def wait_settled(self, timeout_s: float) -> bool:
+        """Wait until every launched step was applied and output-processed (a last overlap step may still
+        run after ``generate`` returned); False if that took longer than ``timeout_s``."""
+        deadline = time.perf_counter() + timeout_s
+        while True:
+            with self._lock:
+                records = list(self.records)
+            if all(r.apply_end > 0 and r.output_end > 0 for r in records):
+                return True
+            if time.perf_counter() >= deadline:
+                return False
+            time.sleep(0.002)
 
 
 def steady_decode_window(records: list[StepRecord], min_decode: int) -> list[StepRecord]:

@@ -44,16 +44,8 @@ def run(make_llm, overlap: bool, sim: SimConfig = FAST_SIM, n: int = 8, max_toke
     llm = make_llm(device="sim", overlap=overlap, sim=sim)
     prompts, params = workload(n, max_tokens)
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    settle(llm)
+    assert llm.timeline.wait_settled(10.0), "steps never completed"
     return llm, outputs
-
-
-def settle(llm, timeout_s: float = 10.0) -> None:
-    """Wait until every launched step was applied and output-processed."""
-    deadline = time.perf_counter() + timeout_s
-    while not all(r.apply_end > 0 and r.output_end > 0 for r in list(llm.timeline.records)):
-        assert time.perf_counter() < deadline, "steps never completed"
-        time.sleep(0.002)
 
 
 def overlaps(a: tuple[float, float], b: tuple[float, float]) -> bool:
@@ -115,7 +107,7 @@ def test_export_trace_merges_a_torch_profiler_trace(make_llm, tmp_path):
     with (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof,
           torch.profiler.record_function("probe_generate")):
         llm.generate(prompts, params, use_tqdm=False)
-    settle(llm)
+    assert llm.timeline.wait_settled(10.0), "steps never completed"
     torch_path = tmp_path / "torch.json"
     prof.export_chrome_trace(str(torch_path))
     trace = export_trace(llm, tmp_path / "merged.json", torch_trace=torch_path)
