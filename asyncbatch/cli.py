@@ -100,11 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     _engine_args(demo, run_options=False)
     demo.add_argument("--num-requests", type=int, default=32)
     demo.set_defaults(func=cmd_demo)
-    try:
-        from asyncbatch.profile_cli import add_profile_command
-    except ImportError:
-        pass
-    else:
-        add_profile_command(sub, _engine_args)
+    from asyncbatch.profile_cli import add_profile_command  # imported here: it imports this module
+
+    add_profile_command(sub, _engine_args)
     args = parser.parse_args(argv)
     return args.func(args)

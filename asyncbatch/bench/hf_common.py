@@ -8,7 +8,6 @@ asyncbatch resolves for the device, so every system multiplies the same numbers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
@@ -24,7 +23,6 @@ from asyncbatch.model.loader import load_tokenizer, max_model_len, resolve_dtype
 @dataclass(slots=True)
 class HFModel:
     model: PreTrainedModel
-    path: Path
     device: torch.device
     dtype: torch.dtype
     eos_token_id: int | None
@@ -61,7 +59,7 @@ def load_hf_model(settings: BenchSettings) -> HFModel:
     if pad is None:
         pad = eos if eos is not None else 0
     capacity = kv_capacity_tokens(settings, model, dtype, device_name)
-    return HFModel(model, path, device, dtype, eos, int(pad), load_mib, capacity)
+    return HFModel(model, device, dtype, eos, int(pad), load_mib, capacity)
 
 
 def generation_config(settings: BenchSettings, hf: HFModel, max_new_tokens: int | None = None) -> GenerationConfig:

@@ -32,10 +32,6 @@ class AsyncBatchSystem(BenchSystem):
         model, caches = getattr(executor, "model", None), getattr(executor, "kv_caches", [])
         self.load_mib = (0.0 if model is None else module_mib(model)) + tensor_mib(t for kv in caches for t in kv)
 
-    @property
-    def model_path(self) -> str:
-        return str(self.llm.model_path)
-
     def _params(self, item: WorkItem) -> SamplingParams:
         return SamplingParams(max_tokens=item.max_tokens, temperature=self.settings.temperature,
                               top_k=-1, top_p=1.0, ignore_eos=self.settings.ignore_eos)

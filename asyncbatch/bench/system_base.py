@@ -59,13 +59,14 @@ class BenchSystem(ABC):
         pass
 
 
-def replay(offsets: list[float], submit: Callable[[int], None], start: float | None = None) -> float:
-    """Call ``submit(i)`` at ``start + offsets[i]`` (perf_counter seconds), in order; returns ``start``.
+def replay(offsets: list[float], submit: Callable[[int], None]) -> float:
+    """Call ``submit(i)`` at ``start + offsets[i]`` (perf_counter seconds, ``start`` = now), in order;
+    returns ``start``.
 
     Sleeps until each arrival instead of spinning, so the dispatcher costs the
     systems under test no CPU; lateness is the OS wake-up delay, identical for all.
     """
-    start = time.perf_counter() if start is None else start
+    start = time.perf_counter()
     for i, offset in enumerate(offsets):
         delay = start + offset - time.perf_counter()
         if delay > 0:
