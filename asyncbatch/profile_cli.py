@@ -16,7 +16,6 @@ import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import threading
 import time
@@ -28,6 +27,7 @@ import numpy as np
 
 from asyncbatch.cli import engine_kwargs
 from asyncbatch.gap_report import CAUSES, GapReport, gap_report, lifetimes_of
+from asyncbatch.host_info import cpu_name, git_commit
 from asyncbatch.sampling_params import SamplingParams
 from asyncbatch.sim_config import SimConfig
 from asyncbatch.timeline_marks import (
@@ -183,15 +183,7 @@ def environment(backend: str, sim: SimConfig | None) -> dict:
     """Hardware, commit and versions, for the report's header."""
     import torch
 
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    host = f"{cpu}, {os.cpu_count()} logical cores"
+    host = f"{cpu_name()}, {os.cpu_count()} logical cores"
     if backend == "cuda":
         hardware = f"{torch.cuda.get_device_name(0)} (host: {host})"
     elif backend == "sim" and sim is not None:
@@ -199,15 +191,7 @@ def environment(backend: str, sim: SimConfig | None) -> dict:
                     f"{sim.per_context_token_ns:g} ns/context token per step) on {host}")
     else:
         hardware = host
-    root = Path(__file__).resolve().parents[1]
-    try:
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, check=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain"], capture_output=True, text=True,
-                               check=False, timeout=10).stdout.strip()
-        commit += " + uncommitted changes" if dirty else ""
-    except (OSError, subprocess.SubprocessError):
-        commit = "uncommitted working tree"
+    commit = git_commit(mark_dirty=True) or "uncommitted working tree"
     return {"hardware": hardware, "commit": commit, "command": "python -m asyncbatch " + shlex.join(sys.argv[1:]),
             "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
+import os
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 from asyncbatch import LLM, SamplingParams, SimConfig
+from asyncbatch.host_info import cpu_name, git_commit
 from asyncbatch.timeline import steady_decode_window, summarize
 
 
@@ -122,9 +122,7 @@ def main() -> int:
     print(f"{'run':>5} {'dev ms':>6} {'busy% o':>7} {'busy% s':>7} {'tok/s o':>10} {'tok/s s':>10} {'ratio':>6} "
           f"{'ideal':>6} {'plan ms':>7} {'host ms':>7}")
     rows = sim_sweep(args.steps_ms, args.running, args.decode_steps)
-    report = {"machine": platform.processor() or platform.machine(), "cpu_count": __import__("os").cpu_count(),
-              "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, check=False,
-                                       text=True).stdout.strip(), "sim": rows}
+    report = {"machine": cpu_name(), "cpu_count": os.cpu_count(), "commit": git_commit() or "", "sim": rows}
     if not args.skip_cpu:
         cpu = cpu_tiny(args.cpu_repeats)
         report["cpu_tiny"] = cpu

@@ -7,7 +7,6 @@ import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,33 +17,17 @@ from asyncbatch.bench.metrics import median_of, spread
 from asyncbatch.bench.runner import SystemData, rate_key
 from asyncbatch.bench.schema import SCHEMA_ID, validate
 from asyncbatch.bench.systems import GENERATE_BATCH, OVERLAP, STATIC, SYNC
-
-_REPO = Path(__file__).resolve().parents[2]
+from asyncbatch.host_info import cpu_name, git_commit
 
 
 def machine_info(device: str) -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    info = {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    info = {"cpu": cpu_name(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "platform": platform.platform(), "device": device,
             "switch_interval_s": sys.getswitchinterval()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
-
-
-def git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=_REPO, capture_output=True, text=True,
-                             timeout=10, check=True)
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 def comparisons(results: list[SystemData], rates: list[float | None]) -> list[dict]:
