@@ -27,7 +27,7 @@ its outputs are the tensors ``replay`` returns every time.
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -136,7 +136,7 @@ class GraphRunner:
         self._graphs[key] = captured
         return captured
 
-    def capture_all(self, variants: Iterable[Hashable], batch_sizes: Sequence[int] | None = None) -> None:
+    def capture_all(self, variants: Iterable[Hashable]) -> None:
         """Capture every set × bucket × variant, largest bucket first.
 
         The pool's size is measured around the whole batch with the allocator's
@@ -146,7 +146,7 @@ class GraphRunner:
         variants = list(variants)
         self.backend.release_cached()
         before = self.backend.memory_reserved()
-        for bucket in sorted(batch_sizes or self.batch_sizes, reverse=True):
+        for bucket in reversed(self.batch_sizes):  # sorted ascending at construction
             for set_index in range(self.num_sets):
                 for variant in variants:
                     self.capture(set_index, bucket, variant)
