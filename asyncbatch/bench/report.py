@@ -88,6 +88,28 @@ def _fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _cells(system: dict, point: dict) -> dict[str, str]:
+    """A system's figures at one rate, formatted once for both tables (medians over repeats)."""
+    s = point["summary"]
+    out = s["output_throughput"]
+    busy = median_of(s, "engine", "device_busy_fraction")
+    return {
+        "system": system["name"],
+        "rate": "offline" if point["request_rate"] is None else str(point["request_rate"]),
+        "out": f"{out['median']:.1f}", "out_range": f"({out['min']:.1f}-{out['max']:.1f})",
+        "req_s": _fmt(median_of(s, "request_throughput"), 2),
+        "total": _fmt(median_of(s, "total_token_throughput")),
+        "ttft50": _fmt(median_of(s, "ttft_ms", "p50"), 0), "ttft99": _fmt(median_of(s, "ttft_ms", "p99"), 0),
+        "tpot50": _fmt(median_of(s, "tpot_ms", "p50")), "tpot99": _fmt(median_of(s, "tpot_ms", "p99")),
+        "itl50": _fmt(median_of(s, "itl_ms", "p50")), "e2e50": _fmt(median_of(s, "e2e_ms", "p50"), 0),
+        "busy": _fmt(None if busy is None else 100 * busy),
+        "plan": _fmt(median_of(s, "engine", "planner_ms_per_step"), 2),
+        "mem": _fmt(median_of(s, "peak_memory_mib"), 0),
+        "per_cpu": _fmt(median_of(s, "output_tokens_per_cpu_s")),
+        "others": _fmt(_pct(median_of(s, "contention")), 0),
+    }
+
+
 def table(doc: dict) -> str:
     """One row per system and request rate: medians over repeats, output tok/s with its min-max."""
     head = (f"{'system':<28} {'rate':>6} {'req/s':>7} {'out tok/s (min-max)':>24} {'total tok/s':>11} "
@@ -96,21 +118,12 @@ def table(doc: dict) -> str:
     lines = [head, "-" * len(head)]
     for system in doc["systems"]:
         for point in system["points"]:
-            s = point["summary"]
-            out = s["output_throughput"]
-            busy = median_of(s, "engine", "device_busy_fraction")
-            rate = "offline" if point["request_rate"] is None else str(point["request_rate"])
-            tput = f"{out['median']:.1f} ({out['min']:.1f}-{out['max']:.1f})"
+            c = _cells(system, point)
+            tput = f"{c['out']} {c['out_range']}"
             lines.append(
-                f"{system['name']:<28} {rate:>6} {_fmt(median_of(s, 'request_throughput'), 2):>7} {tput:>24} "
-                f"{_fmt(median_of(s, 'total_token_throughput')):>11} "
-                f"{_fmt(median_of(s, 'ttft_ms', 'p50'), 0):>9} {_fmt(median_of(s, 'ttft_ms', 'p99'), 0):>9} "
-                f"{_fmt(median_of(s, 'tpot_ms', 'p50')):>9} {_fmt(median_of(s, 'tpot_ms', 'p99')):>9} "
-                f"{_fmt(median_of(s, 'itl_ms', 'p50')):>8} {_fmt(median_of(s, 'e2e_ms', 'p50'), 0):>9} "
-                f"{_fmt(None if busy is None else 100 * busy):>6} "
-                f"{_fmt(median_of(s, 'engine', 'planner_ms_per_step'), 2):>7} "
-                f"{_fmt(median_of(s, 'peak_memory_mib'), 0):>8} "
-                f"{_fmt(median_of(s, 'output_tokens_per_cpu_s')):>9} {_fmt(_pct(median_of(s, 'contention')), 0):>7}")
+                f"{c['system']:<28} {c['rate']:>6} {c['req_s']:>7} {tput:>24} {c['total']:>11} "
+                f"{c['ttft50']:>9} {c['ttft99']:>9} {c['tpot50']:>9} {c['tpot99']:>9} {c['itl50']:>8} "
+                f"{c['e2e50']:>9} {c['busy']:>6} {c['plan']:>7} {c['mem']:>8} {c['per_cpu']:>9} {c['others']:>7}")
     for c in doc["comparisons"]:
         rate = "offline" if c["request_rate"] is None else f"rate {c['request_rate']}"
         lines.append(f"{c['numerator']} / {c['denominator']} ({rate}): {c['output_throughput_ratio']:.2f}x "
@@ -125,26 +138,15 @@ def table(doc: dict) -> str:
 
 def markdown_table(doc: dict) -> str:
     """The headline numbers as a Markdown table (medians over repeats; min-max for throughput)."""
-    def f(v: float | None, digits: int = 1) -> str:
-        return "-" if v is None else f"{v:.{digits}f}"
-
     header = ("| system | rate (req/s) | output tok/s (min-max) | total tok/s | req/s | TTFT p50 / p99 (ms) | "
               "TPOT p50 / p99 (ms) | device busy % | planner ms/step | peak MiB | output tok/CPU-s | "
               "CPU taken by others |")
     rows = [header, "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for system in doc["systems"]:
-        for p in system["points"]:
-            s = p["summary"]
-            o = s["output_throughput"]
-            busy = median_of(s, "engine", "device_busy_fraction")
-            rate = "offline" if p["request_rate"] is None else p["request_rate"]
+        for point in system["points"]:
+            c = _cells(system, point)
             rows.append(
-                f"| {system['name']} | {rate} | **{o['median']:.1f}** ({o['min']:.1f}-{o['max']:.1f}) | "
-                f"{f(median_of(s, 'total_token_throughput'))} | {f(median_of(s, 'request_throughput'), 2)} | "
-                f"{f(median_of(s, 'ttft_ms', 'p50'), 0)} / {f(median_of(s, 'ttft_ms', 'p99'), 0)} | "
-                f"{f(median_of(s, 'tpot_ms', 'p50'))} / {f(median_of(s, 'tpot_ms', 'p99'))} | "
-                f"{f(None if busy is None else 100 * busy)} | "
-                f"{f(median_of(s, 'engine', 'planner_ms_per_step'), 2)} | "
-                f"{f(median_of(s, 'peak_memory_mib'), 0)} | {f(median_of(s, 'output_tokens_per_cpu_s'))} | "
-                f"{f(_pct(median_of(s, 'contention')), 0)}% |")
+                f"| {c['system']} | {c['rate']} | **{c['out']}** {c['out_range']} | {c['total']} | {c['req_s']} | "
+                f"{c['ttft50']} / {c['ttft99']} | {c['tpot50']} / {c['tpot99']} | {c['busy']} | {c['plan']} | "
+                f"{c['mem']} | {c['per_cpu']} | {c['others']}% |")
     return "\n".join(rows)
