@@ -70,6 +70,8 @@ class HostSlot:
     decode_block_tables: np.ndarray  # [S, B] int64
     decode_context_lens: np.ndarray  # [S] int64
     prefill_block_tables: np.ndarray  # [S, B] int64
+    prefill_row_spans: np.ndarray  # [S, 3] int64: token_start, q_len, ctx_len of each prefill row
+    first_chunk_token_slots: np.ndarray  # [S] int64: token slots whose request (re)starts its prefill
     logits_indices: np.ndarray  # [S] int64
     sample_token_slots: np.ndarray  # [S] int64, where sampled tokens are written
     sample_seed: np.ndarray  # [S] int64
@@ -97,6 +99,8 @@ class HostSlot:
             decode_block_tables=_host_array((max_rows, max_blocks), i64, pinned),
             decode_context_lens=_host_array((max_rows,), i64, pinned),
             prefill_block_tables=_host_array((max_rows, max_blocks), i64, pinned),
+            prefill_row_spans=_host_array((max_rows, 3), i64, pinned),
+            first_chunk_token_slots=_host_array((max_rows,), i64, pinned),
             logits_indices=_host_array((max_rows,), i64, pinned),
             sample_token_slots=_host_array((max_rows,), i64, pinned),
             sample_seed=_host_array((max_rows,), i64, pinned),

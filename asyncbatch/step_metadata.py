@@ -133,7 +133,9 @@ class StepMetadataWriter:
             nb = -(-end // bs)
             slot.prefill_block_tables[row_index, :nb] = self.block_table[ts, :nb]
             prefill_meta.append(PrefillRowMeta(t, n, end, ts, nb))
+            slot.prefill_row_spans[row_index] = (t, n, end)
             if start == 0:
+                slot.first_chunk_token_slots[len(first_chunks)] = ts
                 first_chunks.append(ts)
             context_tokens += end
             if row.samples:

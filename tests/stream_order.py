@@ -202,7 +202,7 @@ class StreamOrderChecker:
         for slot in core.slots.slots:
             for name, array in _slot_arrays(slot):
                 self.watch(f"slot{slot.index}.{name}", array, on_host=True)
-        for name in ("_out_host", "_finite_host", "_prefill_rows_host", "_first_chunk_host"):
+        for name in ("_out_host", "_finite_host"):
             for i, buffer in enumerate(getattr(executor, name)):
                 self.watch(f"{name}[{i}]", buffer, on_host=True)
         self.watch("token_buffer", executor.token_buffer, on_host=False)

@@ -26,10 +26,9 @@ Stream-order invariants:
     for its ``end``;
   * an eager step's device tensors stay referenced in ``_in_flight`` until
     ``wait`` has seen its D2H event;
-  * the executor's own pinned buffers (prefill rows, first-chunk slots) are
-    indexed by host slot, so the slot's fence protects them too; the pinned
-    output buffers alternate by step, which holds because at most two steps
-    are in flight (step N+2 is launched only after ``wait(N)``).
+  * every host-to-device copy reads the step's host slot, behind its fence;
+    the pinned output buffers alternate by step, which holds because at most
+    two steps are in flight (step N+2 is launched only after ``wait(N)``).
 """
 
 from __future__ import annotations
@@ -103,8 +102,6 @@ class CudaExecutor(TorchExecutor):
         self.d2h_stream = torch.cuda.Stream(self.device)
         self._out_host = [self._pinned(max_num_seqs) for _ in range(2)]
         self._finite_host = [self._pinned(max_num_seqs, dtype=torch.bool) for _ in range(2)]
-        self._prefill_rows_host = [self._pinned(max_num_seqs, 3) for _ in range(HOST_SLOTS)]
-        self._first_chunk_host = [self._pinned(max_num_seqs) for _ in range(HOST_SLOTS)]
         self._in_flight: dict[int, tuple] = {}  # eager steps' tensors, alive until their D2H event fired
         self._set_free: list[torch.cuda.Event | None] = [None] * HOST_SLOTS
         self.graphs: GraphRunner | None = None
@@ -156,20 +153,11 @@ class CudaExecutor(TorchExecutor):
         # reference gathers every column, so it gets the narrow (strided, staged) copy.
         return table[:rows] if self._triton is not None else super()._table_rows(table, rows, width)
 
-    def _first_chunk_slots(self, meta: StepMeta) -> torch.Tensor:
-        host = self._first_chunk_host[meta.slot.index]
-        k = len(meta.first_chunk_slots)
-        host[:k] = torch.as_tensor(meta.first_chunk_slots, dtype=torch.int64)
-        return host[:k].to(self.device, non_blocking=True)
-
     def _make_batch(self, meta: StepMeta, prefill_tables: torch.Tensor, **fields: object) -> ForwardBatch:
         if self._triton is None:
             return ForwardBatch(**fields)
         rows = meta.prefill_rows
-        host = self._prefill_rows_host[meta.slot.index]
-        host[:len(rows)] = torch.as_tensor([(p.token_start, p.q_len, p.ctx_len) for p in rows],
-                                           dtype=torch.int64).view(-1, 3)
-        prefill_meta = host[:len(rows)].to(self.device, non_blocking=True)
+        prefill_meta = self._upload(meta.slot.prefill_row_spans[:len(rows)])
         return PagedForwardBatch(**fields, prefill_meta=prefill_meta, prefill_tables=prefill_tables,
                                  max_prefill_len=max((p.q_len for p in rows), default=0))
 

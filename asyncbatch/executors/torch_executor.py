@@ -86,9 +86,6 @@ class TorchExecutor(ThreadedExecutor):
         """The part of a ``[S, max_blocks]`` block table the step needs."""
         return table[:rows, :max(width, 1)]
 
-    def _first_chunk_slots(self, meta: StepMeta) -> torch.Tensor:
-        return torch.tensor(meta.first_chunk_slots, dtype=torch.int64, device=self.device)
-
     def _make_batch(self, meta: StepMeta, prefill_tables: torch.Tensor, **fields: object) -> ForwardBatch:
         return ForwardBatch(**fields)
 
@@ -114,7 +111,7 @@ class TorchExecutor(ThreadedExecutor):
             penalty = PenaltyInputs(presence=up(s.sample_presence[:r]), frequency=up(s.sample_frequency[:r]),
                                     repetition=up(s.sample_repetition[:r]), token_is_output=up(s.token_is_output[:t]),
                                     token_row_slot=up(s.token_row_slot[:t]),
-                                    first_chunk_slots=self._first_chunk_slots(meta))
+                                    first_chunk_slots=up(s.first_chunk_token_slots[:len(meta.first_chunk_slots)]))
         rows = [PrefillRow(p.token_start, p.q_len, p.ctx_len, prefill_tables[i, :p.block_count])
                 for i, p in enumerate(meta.prefill_rows)]
         batch = self._make_batch(meta, prefill_tables, input_ids=input_ids, positions=positions,
