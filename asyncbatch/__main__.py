@@ -1,4 +1,4 @@
-from asyncbatch.cli import main
+from asyncbatch.cli.main import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

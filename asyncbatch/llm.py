@@ -15,15 +15,15 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from asyncbatch.config import EngineConfig
-from asyncbatch.detokenizer import IncrementalDetokenizer
-from asyncbatch.engine_builder import build_engine
+from asyncbatch.engine.builder import build_engine
+from asyncbatch.engine.request import Request
+from asyncbatch.frontend.detokenizer import IncrementalDetokenizer
+from asyncbatch.frontend.prompt_validation import check_fits, prompt_token_ids
+from asyncbatch.frontend.request_handle import RequestHandle
+from asyncbatch.frontend.stop_strings import StopStringMatcher
 from asyncbatch.outputs import RequestMetrics, RequestOutput, StreamDelta
-from asyncbatch.prompt_validation import check_fits, prompt_token_ids
-from asyncbatch.request import Request
-from asyncbatch.request_handle import RequestHandle
+from asyncbatch.profiling.marks import mark
 from asyncbatch.sampling_params import MAX_SEED, SamplingParams
-from asyncbatch.stop_strings import StopStringMatcher
-from asyncbatch.timeline_marks import mark
 
 Prompt = str | list[int]
 
@@ -155,7 +155,7 @@ class LLM:
 
     # -- measurement ----------------------------------------------------------
     def stats(self) -> dict:
-        """Timeline summary of the current window (see ``asyncbatch.timeline.summarize``)."""
+        """Timeline summary of the current window (see ``asyncbatch.profiling.timeline.summarize``)."""
         stats = self._core.timeline.stats()
         stats.update(mode="overlap" if self.config.overlap else "sync", backend=self.device,
                      simulated=self.simulated, preemptions=self._core.scheduler.num_preemptions)
@@ -165,8 +165,8 @@ class LLM:
         self._core.timeline.reset()
 
     def export_trace(self, path, torch_trace=None) -> dict:
-        """Write the current timeline window as Chrome/Perfetto trace JSON (see ``asyncbatch.trace_export``)."""
-        from asyncbatch.trace_export import export_trace
+        """Write the current timeline window as Chrome/Perfetto trace JSON (see ``asyncbatch.profiling.trace_export``)."""
+        from asyncbatch.profiling.trace_export import export_trace
 
         return export_trace(self, path, torch_trace=torch_trace)
 
@@ -175,7 +175,7 @@ class LLM:
         return self._core.timeline
 
     def check_integrity(self) -> None:
-        """Raise ``IntegrityError`` if KV block or token-slot accounting is inconsistent (call when idle)."""
+        """Raise ``IntegrityError`` if KV block or token-row accounting is inconsistent (call when idle)."""
         self._core.scheduler.check_integrity()
 
     @property

@@ -2,7 +2,7 @@
 
 The engine hands over a ``CapturableStep`` (its decode step as a function of
 static per-row inputs described by ``BufferSpec``s); ``GraphRunner`` owns one
-set of static buffers per host slot, pads each step up to its bucket with
+set of static buffers per staging buffer, pads each step up to its bucket with
 harmless rows, refills the buffers with one copy per input, and replays the
 graph of ``(set, bucket, variant)``, all graphs sharing one memory pool.
 Nothing here imports the engine; ``EagerBackend`` runs the same bookkeeping

@@ -1,12 +1,12 @@
 """Graphs per (input set, bucket, variant) over one shared memory pool.
 
-One ``StaticBuffers`` *set* per host slot of the engine's double buffer: the
+One ``StaticBuffers`` *set* per staging buffer of the engine's double buffer: the
 copy for step N+1 fills set B while the graph of step N still reads set A.
 
-    host slot A ──H2D──► set A ─┬─ graph(A, bucket 8,  greedy)
+    staging buffer A ──H2D──► set A ─┬─ graph(A, bucket 8,  greedy)
                                 ├─ graph(A, bucket 8,  sample)
                                 └─ graph(A, bucket 16, greedy) ...
-    host slot B ──H2D──► set B ─── graph(B, ...)        all graphs: one memory pool
+    staging buffer B ──H2D──► set B ─── graph(B, ...)        all graphs: one memory pool
 
 Every graph allocates its intermediates from the one pool. That is safe
 because replays never overlap (they all run on the caller's one compute

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from asyncbatch import LLM, SamplingParams
-from asyncbatch.timeline import steady_decode_window, summarize
+from asyncbatch.profiling.timeline import steady_decode_window, summarize
 
 SMOLLM2_135M = {  # config.json of HuggingFaceTB/SmolLM2-135M(-Instruct), the fields the engine reads
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,

@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 
 from asyncbatch import LLM, SamplingParams, SimConfig
-from asyncbatch.host_info import cpu_name, git_commit
-from asyncbatch.timeline import steady_decode_window, summarize
+from asyncbatch.profiling.host_info import cpu_name, git_commit
+from asyncbatch.profiling.timeline import steady_decode_window, summarize
 
 
 def decode_window_stats(llm: LLM, min_decode: int) -> dict:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from asyncbatch.timeline import steady_decode_window, summarize
+from asyncbatch.profiling.timeline import steady_decode_window, summarize
 
 
 def assert_idle_and_clean(llm) -> None:

@@ -7,9 +7,9 @@ replaces ``torch.cuda.Stream``/``Event``/``stream``/``synchronize`` with
 versions that keep a vector clock per timeline (the planner thread, each
 stream), and logs every access to the buffers two timelines share:
 
-    host timeline   writer.write(slot) ● pad rows ● ........ wait(N): read pinned out ●
+    host timeline   writer.write(staging) ● pad rows ● ........ wait(N): read pinned out ●
                           │ (issue)                                  ▲ event.synchronize
-    H2D stream            └► read slot / write static inputs ●h2d_end│
+    H2D stream            └► read staging / write static inputs ●h2d_end│
     compute stream                  (wait ●) read static inputs, write static outputs ●end
     D2H stream                                     (wait ●) read outputs, write pinned out ●d2h
 
@@ -199,9 +199,9 @@ class StreamOrderChecker:
         """Register the engine's shared buffers and log the host's and the graphs' accesses to them."""
         checker = self
         executor = core.executor
-        for slot in core.slots.slots:
-            for name, array in _slot_arrays(slot):
-                self.watch(f"slot{slot.index}.{name}", array, on_host=True)
+        for staging in core.staging.buffers:
+            for name, array in _staging_arrays(staging):
+                self.watch(f"staging{staging.index}.{name}", array, on_host=True)
         for name in ("_out_host", "_finite_host"):
             for i, buffer in enumerate(getattr(executor, name)):
                 self.watch(f"{name}[{i}]", buffer, on_host=True)
@@ -213,10 +213,10 @@ class StreamOrderChecker:
 
         write, wait = core.writer.write, executor.wait
 
-        def logged_write(plan, slot):
-            for _, array in _slot_arrays(slot):
-                checker.access(array, True, checker.host_timeline(), f"metadata writer, slot {slot.index}")
-            return write(plan, slot)
+        def logged_write(plan, staging):
+            for _, array in _staging_arrays(staging):
+                checker.access(array, True, checker.host_timeline(), f"metadata writer, staging {staging.index}")
+            return write(plan, staging)
 
         def logged_wait(handle):
             result = wait(handle)
@@ -297,6 +297,6 @@ def _span(buffer: torch.Tensor | np.ndarray) -> tuple[int, int]:
     return lo, lo + max(extent * buffer.element_size(), 1)
 
 
-def _slot_arrays(slot) -> list[tuple[str, np.ndarray]]:
-    return [(name, getattr(slot, name)) for name in slot.__dataclass_fields__
-            if isinstance(getattr(slot, name), np.ndarray)]
+def _staging_arrays(staging) -> list[tuple[str, np.ndarray]]:
+    return [(name, getattr(staging, name)) for name in staging.__dataclass_fields__
+            if isinstance(getattr(staging, name), np.ndarray)]

@@ -21,7 +21,7 @@ from asyncbatch.bench.metrics import run_metrics, spread
 from asyncbatch.bench.records import RequestRecord, RunResult
 from asyncbatch.bench.schema import RESULTS_SCHEMA, validation_errors
 from asyncbatch.bench.systems import SYSTEM_NAMES, parse_systems
-from asyncbatch.workloads import (
+from asyncbatch.bench.workloads import (
     SHAREGPT,
     build_workload,
     describe,

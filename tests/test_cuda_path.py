@@ -28,7 +28,7 @@ from test_decode_graph import MAX_BLOCKS, MAX_SEQS, prefilled_state, write_decod
 from tiny_models import save_tiny_model
 
 from asyncbatch import SamplingParams
-from asyncbatch.host_slots import HostSlot
+from asyncbatch.engine.host_staging import StagingBuffer
 from asyncbatch.model.loader import load_model
 
 CUDA = torch.device("cuda")
@@ -53,15 +53,15 @@ def run_decode_steps(model, graphs: bool, temps, top_k, sync_debug: bool = False
                             cuda_graph_batch_sizes=GRAPH_SIZES, capture_variants=tuple(SamplingVariant))
     executor.token_buffer.copy_(token_buffer)
     torch.cuda.synchronize()  # that copy ran on the default stream; the executor's streams do not wait for it
-    slots = [HostSlot.allocate(i, 16, MAX_SEQS, MAX_BLOCKS, pinned=True) for i in range(2)]
+    buffers = [StagingBuffer.allocate(i, 16, MAX_SEQS, MAX_BLOCKS, pinned=True) for i in range(2)]
     sizes = [5, 4, 4, 3, 5, 2, 1, 1, 4]
     tokens, pending = [], []
     try:
         for step, n in enumerate(sizes):
-            slot = slots[step % 2]
-            slot.fence.wait()
-            slot.fence.arm()
-            meta = write_decode_rows(slot, tables, n, step, temps, top_k)
+            staging = buffers[step % 2]
+            staging.fence.wait()
+            staging.fence.arm()
+            meta = write_decode_rows(staging, tables, n, step, temps, top_k)
             if sync_debug:
                 torch.cuda.set_sync_debug_mode("error")
             try:

@@ -18,13 +18,13 @@ import torch
 from tiny_models import save_tiny_model
 
 from asyncbatch import LLM, SamplingParams
-from asyncbatch.block_manager import DUMMY_BLOCK
+from asyncbatch.engine.block_manager import DUMMY_BLOCK
+from asyncbatch.engine.host_staging import StagingBuffer
+from asyncbatch.engine.step_metadata import StepMeta
 from asyncbatch.executors.decode_graph import DecodeGraphStep, SamplingVariant
 from asyncbatch.executors.torch_executor import TorchExecutor
-from asyncbatch.host_slots import HostSlot
 from asyncbatch.model.forward_batch import ForwardBatch, PrefillRow
 from asyncbatch.model.loader import load_model
-from asyncbatch.step_metadata import StepMeta
 from cuda_graphs import (
     EagerBackend,
     GraphRunner,
@@ -33,7 +33,7 @@ from cuda_graphs import (
 # -- the engine's decode step ---------------------------------------------------------------------------
 BLOCK_SIZE, NUM_BLOCKS, MAX_SEQS, MAX_BLOCKS = 4, 48, 8, 8
 PROMPT_LENS = (5, 9, 2, 7, 4)
-REQUEST_SLOTS = (0, 2, 5, 6, 3)  # token-buffer rows: not contiguous, not in row order
+REQUEST_ROWS = (0, 2, 5, 6, 3)  # token-buffer rows: not contiguous, not in row order
 
 
 @pytest.fixture(scope="module")
@@ -67,28 +67,28 @@ def prefilled_state(model):
     with torch.inference_mode():
         first = model(batch, caches).argmax(dim=-1)
     token_buffer = torch.zeros(MAX_SEQS + 1, **i64)
-    token_buffer[list(REQUEST_SLOTS)] = first
+    token_buffer[list(REQUEST_ROWS)] = first
     return caches, token_buffer, tables
 
 
-def write_decode_rows(slot: HostSlot, tables: np.ndarray, n: int, step: int, temps: list[float], top_k: int) -> StepMeta:
+def write_decode_rows(staging: StagingBuffer, tables: np.ndarray, n: int, step: int, temps: list[float], top_k: int) -> StepMeta:
     """What the planner writes for a decode-only step of the first ``n`` requests."""
     pos = np.array([PROMPT_LENS[i] + step for i in range(n)])
-    slot.decode_token_slots[:n] = REQUEST_SLOTS[:n]
-    slot.positions[:n] = pos
-    slot.slot_mapping[:n] = tables[np.arange(n), pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
-    slot.decode_block_tables[:n] = tables[:n]
-    slot.decode_context_lens[:n] = pos + 1
-    slot.logits_indices[:n] = np.arange(n)
-    slot.sample_token_slots[:n] = REQUEST_SLOTS[:n]
-    slot.sample_temperature[:n] = temps[:n]
-    slot.sample_top_k[:n] = top_k
-    slot.sample_top_p[:n], slot.sample_min_p[:n] = 1.0, 0.0
-    slot.sample_seed[:n] = np.arange(n) * 7 + 1
-    slot.sample_step[:n] = step
+    staging.decode_token_rows[:n] = REQUEST_ROWS[:n]
+    staging.positions[:n] = pos
+    staging.slot_mapping[:n] = tables[np.arange(n), pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+    staging.decode_block_tables[:n] = tables[:n]
+    staging.decode_context_lens[:n] = pos + 1
+    staging.logits_indices[:n] = np.arange(n)
+    staging.sample_token_rows[:n] = REQUEST_ROWS[:n]
+    staging.sample_temperature[:n] = temps[:n]
+    staging.sample_top_k[:n] = top_k
+    staging.sample_top_p[:n], staging.sample_min_p[:n] = 1.0, 0.0
+    staging.sample_seed[:n] = np.arange(n) * 7 + 1
+    staging.sample_step[:n] = step
     width = int((pos // BLOCK_SIZE + 1).max())
     greedy = all(t == 0 for t in temps[:n])
-    return StepMeta(step, slot, n, n, width, [], n, int(pos.sum()) + n, greedy, top_k > 0 and not greedy,
+    return StepMeta(step, staging, n, n, width, [], n, int(pos.sum()) + n, greedy, top_k > 0 and not greedy,
                     False, [])
 
 
@@ -105,23 +105,23 @@ def test_decode_graph_step_matches_eager_path(tiny_model, temps, top_k, variant)
     graph_tokens = token_buffer.clone()
     step = DecodeGraphStep(tiny_model, graph_caches, graph_tokens, max_rows=MAX_SEQS, max_blocks_per_seq=MAX_BLOCKS)
     runner = GraphRunner(step, (1, 2, 4, 8), 2, torch.device("cpu"), EagerBackend(), warmup=0)
-    slots = [HostSlot.allocate(i, 16, MAX_SEQS, MAX_BLOCKS, pinned=False) for i in range(2)]
+    buffers = [StagingBuffer.allocate(i, 16, MAX_SEQS, MAX_BLOCKS, pinned=False) for i in range(2)]
     try:
         for step_index, n in enumerate([5, 5, 3, 4, 1]):  # the batch shrinks and grows within buckets
-            slot = slots[step_index % 2]
-            meta = write_decode_rows(slot, tables, n, step_index, temps, top_k)
+            staging = buffers[step_index % 2]
+            meta = write_decode_rows(staging, tables, n, step_index, temps, top_k)
             chosen = SamplingVariant.for_step(meta)
             assert chosen is (variant if any(temps[:n]) else SamplingVariant.GREEDY)
             with torch.inference_mode():
                 want, want_finite, _ = eager._compute(meta, eager._copy_in(meta))
                 bucket = runner.bucket_for(n)
-                runner.capture(slot.index, bucket, chosen, lazy=True)  # on first use: resets the set to padding
-                runner.prepare(slot.index, step.host_arrays(slot), n, bucket)
-                out = runner.replay(slot.index, bucket, chosen)
+                runner.capture(staging.index, bucket, chosen, lazy=True)  # on first use: resets the set to padding
+                runner.prepare(staging.index, step.host_arrays(staging), n, bucket)
+                out = runner.replay(staging.index, bucket, chosen)
             assert out["token_ids"][:n].tolist() == want.tolist(), step_index
             assert out["finite"][:n].all() and want_finite.all()
-            assert np.all(slot.decode_block_tables[n:bucket] == DUMMY_BLOCK)
-            assert np.all(slot.decode_token_slots[n:bucket] == step.dummy_token_row)
+            assert np.all(staging.decode_block_tables[n:bucket] == DUMMY_BLOCK)
+            assert np.all(staging.decode_token_rows[n:bucket] == step.dummy_token_row)
     finally:
         eager.close()
     real_rows = list(range(MAX_SEQS))

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from asyncbatch.detokenizer import IncrementalDetokenizer, rust_backend
+from asyncbatch.frontend.detokenizer import IncrementalDetokenizer, rust_backend
 
 CORPUS = [
     "Hello world, this is a test of the tokenizer.",

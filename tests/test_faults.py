@@ -88,7 +88,7 @@ def test_sampler_fault_reaches_every_caller(make_llm, tiny_dir, overlap, monkeyp
 def test_planner_bug_reaches_callers(make_llm, tiny_dir, monkeypatch):
     llm = make_llm(str(tiny_dir), device="cpu")
 
-    def broken(plan, slot):
+    def broken(plan, staging):
         raise RuntimeError("injected planner fault")
 
     monkeypatch.setattr(llm._core.writer, "write", broken)

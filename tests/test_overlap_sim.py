@@ -1,6 +1,6 @@
 """Overlap versus synchronous mode on the simulated device.
 
-The ``sim`` device runs the real planner, slots and token feedback with
+The ``sim`` device runs the real planner, staging buffers and token feedback with
 modelled step times and pseudo-tokens that depend on the fed-back token, so
 every scheduling mistake of the overlap (a wrong input token, an extra token
 emitted, a double free) shows up as a difference against synchronous mode.
@@ -150,7 +150,7 @@ def test_abort_at_each_moment(make_llm):
                     output_len_max=1000)
     llm = make_llm(device="sim", sim=sim, max_num_seqs=4, max_num_batched_tokens=32, debug_check_integrity=True)
     params = SamplingParams(max_tokens=200, temperature=0.0)
-    # Queued: four long requests fill the slots, the fifth waits.
+    # Queued: four long requests fill the token rows, the fifth waits.
     fillers = [llm.stream([300 + i] * 4, params) for i in range(4)]
     first = [next(f) for f in fillers]
     assert all(d.token_ids for d in first)

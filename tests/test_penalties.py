@@ -9,38 +9,38 @@ import numpy as np
 import pytest
 import torch
 
-from asyncbatch.penalties import PenaltyState
+from asyncbatch.sampling.penalties import PenaltyState
 
-NUM_SLOTS, VOCAB = 6, 11
+NUM_ROWS, VOCAB = 6, 11
 
 
 class ReferenceState:
     """The penalty state spelled out with sets and counters."""
 
     def __init__(self) -> None:
-        self.seen: dict[int, set[int]] = {s: set() for s in range(NUM_SLOTS)}
-        self.outputs: dict[int, Counter[int]] = {s: Counter() for s in range(NUM_SLOTS)}
+        self.seen: dict[int, set[int]] = {s: set() for s in range(NUM_ROWS)}
+        self.outputs: dict[int, Counter[int]] = {s: Counter() for s in range(NUM_ROWS)}
 
-    def reset(self, slots: list[int]) -> None:
-        for s in slots:
+    def reset(self, rows: list[int]) -> None:
+        for s in rows:
             self.seen[s] = set()
             self.outputs[s] = Counter()
 
-    def add(self, slot: int, token: int, is_output: bool) -> None:
-        self.seen[slot].add(token)
+    def add(self, row: int, token: int, is_output: bool) -> None:
+        self.seen[row].add(token)
         if is_output:
-            self.outputs[slot][token] += 1
+            self.outputs[row][token] += 1
 
-    def apply(self, logits: np.ndarray, slots: list[int], presence, frequency, repetition) -> np.ndarray:
+    def apply(self, logits: np.ndarray, rows: list[int], presence, frequency, repetition) -> np.ndarray:
         out = logits.astype(np.float64).copy()
-        for r, slot in enumerate(slots):
+        for r, row in enumerate(rows):
             for token in range(VOCAB):
-                if token in self.seen[slot]:
+                if token in self.seen[row]:
                     if out[r, token] > 0:
                         out[r, token] /= repetition[r]
                     else:
                         out[r, token] *= repetition[r]
-                count = self.outputs[slot][token]
+                count = self.outputs[row][token]
                 out[r, token] -= frequency[r] * count + presence[r] * (count > 0)
         return out
 
@@ -52,30 +52,30 @@ def _ints(values: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("seed", range(8))
 def test_matches_reference_under_random_updates(seed: int):
     rng = random.Random(seed)
-    state, ref = PenaltyState(NUM_SLOTS, VOCAB, torch.device("cpu")), ReferenceState()
+    state, ref = PenaltyState(NUM_ROWS, VOCAB, torch.device("cpu")), ReferenceState()
     for _ in range(12):
         op = rng.choice(["reset", "context", "record", "record_valid"])
         if op == "reset":
-            slots = rng.sample(range(NUM_SLOTS), rng.randint(1, 3))
-            state.reset_rows(_ints(slots + slots[:1]))  # a duplicate slot is harmless
-            ref.reset(slots)
+            rows = rng.sample(range(NUM_ROWS), rng.randint(1, 3))
+            state.reset_rows(_ints(rows + rows[:1]))  # a duplicate row is harmless
+            ref.reset(rows)
         elif op == "context":
             n = rng.randint(1, 20)
-            # few distinct tokens, so (slot, token) pairs repeat within the chunk
-            slots, tokens = [rng.randrange(NUM_SLOTS) for _ in range(n)], [rng.randrange(4) for _ in range(n)]
+            # few distinct tokens, so (row, token) pairs repeat within the chunk
+            rows, tokens = [rng.randrange(NUM_ROWS) for _ in range(n)], [rng.randrange(4) for _ in range(n)]
             is_output = [rng.random() < 0.5 for _ in range(n)]
-            state.add_context(_ints(slots), _ints(tokens), torch.tensor(is_output))
-            for s, t, o in zip(slots, tokens, is_output):
+            state.add_context(_ints(rows), _ints(tokens), torch.tensor(is_output))
+            for s, t, o in zip(rows, tokens, is_output):
                 ref.add(s, t, o)
         else:
             n = rng.randint(1, 8)
-            slots, tokens = [rng.randrange(NUM_SLOTS) for _ in range(n)], [rng.randrange(VOCAB) for _ in range(n)]
+            rows, tokens = [rng.randrange(NUM_ROWS) for _ in range(n)], [rng.randrange(VOCAB) for _ in range(n)]
             valid = [rng.random() < 0.7 for _ in range(n)] if op == "record_valid" else [True] * n
-            state.record(_ints(slots), _ints(tokens), torch.tensor(valid) if op == "record_valid" else None)
-            for s, t, v in zip(slots, tokens, valid):
+            state.record(_ints(rows), _ints(tokens), torch.tensor(valid) if op == "record_valid" else None)
+            for s, t, v in zip(rows, tokens, valid):
                 if v:
                     ref.add(s, t, True)
-    rows = [rng.randrange(NUM_SLOTS) for _ in range(9)]
+    rows = [rng.randrange(NUM_ROWS) for _ in range(9)]
     logits = np.float32(np.random.default_rng(seed).normal(0, 3, size=(9, VOCAB)))
     logits[:, 0] = 0.0  # zero is multiplied, like a negative logit, and stays zero
     presence = [rng.uniform(-2, 2) for _ in rows]
@@ -86,7 +86,7 @@ def test_matches_reference_under_random_updates(seed: int):
     )
     expected = ref.apply(logits, rows, presence, frequency, repetition)
     np.testing.assert_allclose(got.numpy(), expected, rtol=1e-5, atol=1e-5)
-    for s in range(NUM_SLOTS):
+    for s in range(NUM_ROWS):
         assert set(torch.nonzero(state.seen[s]).flatten().tolist()) == ref.seen[s]
         assert {t: int(state.counts[s, t]) for t in ref.outputs[s]} == dict(ref.outputs[s])
         assert int(state.counts[s].sum()) == sum(ref.outputs[s].values())
@@ -101,7 +101,7 @@ def test_recompute_via_add_context_equals_incremental_record():
         incremental.record(_ints([2]), _ints([token]))
 
     recomputed = PenaltyState(4, 9, torch.device("cpu"))
-    recomputed.record(_ints([2]), _ints([8]))  # stale state from the slot's previous owner
+    recomputed.record(_ints([2]), _ints([8]))  # stale state from the row's previous owner
     recomputed.reset_rows(_ints([2]))
     tokens = prompt + outputs
     is_output = torch.tensor([False] * len(prompt) + [True] * len(outputs))

@@ -15,11 +15,18 @@ import types
 
 import pytest
 
-from asyncbatch import SamplingParams, SimConfig, timeline_marks
-from asyncbatch.gap_report import CAUSES, attribute_gaps, gap_report, lifetimes_of
-from asyncbatch.timeline import StepRecord, summarize
-from asyncbatch.timeline_marks import count_ranges, enable_nvtx, mark, measure_mark_overhead, nvtx_enabled
-from asyncbatch.trace_export import device_slices, export_trace, export_traces, planner_slices, run_pids
+from asyncbatch import SamplingParams, SimConfig
+from asyncbatch.profiling import marks as timeline_marks
+from asyncbatch.profiling.gap_report import CAUSES, attribute_gaps, gap_report, lifetimes_of
+from asyncbatch.profiling.marks import count_ranges, enable_nvtx, mark, measure_mark_overhead, nvtx_enabled
+from asyncbatch.profiling.timeline import StepRecord, summarize
+from asyncbatch.profiling.trace_export import (
+    device_slices,
+    export_trace,
+    export_traces,
+    planner_slices,
+    run_pids,
+)
 
 # Steps long enough that "the planner plans N+1 while the device runs N" survives a busy machine.
 SLOW_SIM = SimConfig(step_fixed_ms=20.0, per_token_us=0.0, per_context_token_ns=0.0)
@@ -160,7 +167,7 @@ def test_attribution_follows_the_documented_priority():
     assert c["queue_empty"] == pytest.approx(0.4)  # 12.8-13.2, inside output processing, ranks first
     assert c["output"] == pytest.approx(1.1)  # 12.5-14 less the empty queue
     assert c["wakeup"] == pytest.approx(1.5)  # 12-12.5 and 14-15: hand-offs before planning
-    assert c["slot_fence"] == pytest.approx(0.5)  # 15.5-16
+    assert c["staging_fence"] == pytest.approx(0.5)  # 15.5-16
     assert c["gc"] == pytest.approx(1.0)  # 1 ms of GC over 2.5 ms of planning
     assert c["planning"] == pytest.approx(1.5)
     assert c["launch"] == pytest.approx(2.0)  # 18-20: launched, not started
@@ -168,7 +175,7 @@ def test_attribution_follows_the_documented_priority():
     assert report.gaps[0].dominant == "launch"
     causes = [p[2] for p in report.gaps[0].pieces]
     assert causes == ["result", "apply", "wakeup", "output", "queue_empty", "output", "wakeup", "planning",
-                      "slot_fence", "planning", "launch"]
+                      "staging_fence", "planning", "launch"]
     # On cuda the H2D copy precedes device_start, so it can be idle time; it outranks planning and latency.
     after.h2d_ms = 1.0
     cuda = attribute_gaps([before, after], h2d_before_start=True).causes_ms
@@ -230,7 +237,7 @@ def test_ranges_come_from_the_calls_that_feed_the_timeline(make_llm, monkeypatch
     llm, _ = run(make_llm, True)
     enable_nvtx(False)
     assert all(not stack for stack in domain._stacks.values()), "every pushed range was popped"
-    fields = {"wait_slot_fence": ("fence_start", "fence_end"), "prepare_metadata": ("fence_end", "plan_end"),
+    fields = {"wait_staging_fence": ("fence_start", "fence_end"), "prepare_metadata": ("fence_end", "plan_end"),
               "launch": ("plan_end", "launch_end"), "wait_step": ("wait_start", "wait_end"),
               "apply": ("wait_end", "apply_end"), "output": ("output_start", "output_end")}
     by_key = {}
@@ -284,7 +291,7 @@ def test_mark_overhead_is_measured():
 
 # -- the profile command ----------------------------------------------------------------------
 def test_profile_command_writes_report_trace_and_plot(tmp_path, capsys):
-    from asyncbatch.cli import main
+    from asyncbatch.cli.main import main
 
     out = tmp_path / "prof"
     code = main(["profile", "--num-requests", "6", "--prompt-len", "8-24", "--output-len", "4-10",

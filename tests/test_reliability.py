@@ -16,7 +16,7 @@ from engine_checks import assert_idle_and_clean
 from tiny_models import save_tiny_model
 
 from asyncbatch import SamplingParams, SimConfig
-from asyncbatch.request import Request
+from asyncbatch.engine.request import Request
 
 INSTANT = SimConfig(step_fixed_ms=0.02, per_token_us=0.0, per_context_token_ns=0.0, output_len_min=2,
                     output_len_max=24)
@@ -45,8 +45,8 @@ def test_overload_2000_requests_fifo_and_bounded(make_llm, overlap):
     assert len(outs) == 2000 and all(o.finish_reason in ("stop", "length") for o in outs)
     assert admitted == sorted(admitted) and len(admitted) >= 2000
     assert peak["running"] <= 64 and peak["waiting"] > 1000
-    # Waiting requests hold plain Python data only: no tensors, no blocks, no token slot.
-    assert not any(r.block_ids or r.token_slot is not None for r in scheduler.waiting)
+    # Waiting requests hold plain Python data only: no tensors, no blocks, no token row.
+    assert not any(r.block_ids or r.token_row is not None for r in scheduler.waiting)
     assert "torch" not in {type(v).__module__.split(".")[0] for v in vars(Request).values()}
     assert_idle_and_clean(llm)
 

@@ -13,8 +13,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncbatch import sampler
-from asyncbatch.sampler import (
+from asyncbatch.sampling import sampler
+from asyncbatch.sampling.sampler import (
     SampleResult,
     SamplingTensors,
     neg_gumbel_from_words_,

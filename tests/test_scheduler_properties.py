@@ -13,10 +13,10 @@ from collections import deque
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncbatch.block_manager import BlockManager
-from asyncbatch.request import Request, RequestStatus
+from asyncbatch.engine.block_manager import BlockManager
+from asyncbatch.engine.request import Request, RequestStatus
+from asyncbatch.engine.scheduler import Scheduler
 from asyncbatch.sampling_params import SamplingParams
-from asyncbatch.scheduler import Scheduler
 
 request_spec = st.tuples(
     st.integers(0, 30),  # arrival step

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncbatch.stop_strings import StopFeed, StopStringMatcher
+from asyncbatch.frontend.stop_strings import StopFeed, StopStringMatcher
 
 
 def reference(text: str, stops: list[str], include: bool) -> tuple[str, str | None]:

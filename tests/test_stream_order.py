@@ -2,12 +2,12 @@
 
 The whole engine runs on the CPU shim of ``test_decode_graph`` with the
 happens-before checker in place of streams and events: every access to a
-buffer that two timelines share (host slots, pinned result buffers, the
+buffer that two timelines share (staging buffers, pinned result buffers, the
 graphs' static inputs and outputs) must be ordered by the events, waits and
 synchronizations the executor issues, as a GPU would honour them. Two
-negative controls take one ordering away each and must be caught. (The slot
+negative controls take one ordering away each and must be caught. (The staging
 fence cannot serve as one: at pipeline depth two, ``wait(N)`` already orders
-the host's rewrite of step N's slot after its copies; the fence is what keeps
+the host's rewrite of step N's staging after its copies; the fence is what keeps
 that true if the depth grows.)
 """
 
@@ -54,13 +54,13 @@ def describe(races) -> str:
 def test_every_shared_access_is_ordered(tiny_path, cuda_host_shim, monkeypatch, overlap, graphs):  # noqa: F811
     checker = checked_run(tiny_path, cuda_host_shim, monkeypatch, overlap, graphs)
     kinds = {re.sub(r"\d+", "N", a.what) for a in checker.accesses}
-    assert {"copy_ destination", "metadata writer, slot N", "wait(N) reads _out_host",
+    assert {"copy_ destination", "metadata writer, staging N", "wait(N) reads _out_host",
             "upload (.to non_blocking)"} <= kinds  # prefill steps upload in both modes
     if graphs:
         assert "replay set N bucket N" in kinds and "pad host rows" in kinds, kinds
     timelines = {a.timeline for a in checker.accesses}
     assert sum(t.startswith("stream:") for t in timelines) == (3 if graphs else 2)  # H2D, D2H (+ replays)
-    assert len(checker.conflicts()) > 200  # host vs H2D on the slots, D2H vs host on the results, ...
+    assert len(checker.conflicts()) > 200  # host vs H2D on the staging buffers, D2H vs host on the results, ...
     races = checker.races()
     assert not races, describe(races)
 

@@ -11,5 +11,5 @@ One concept per module:
 - ``runner``: repeats, progress bar, correctness check; ``script``: the scripts' common body;
 - ``report``: the JSON document and tables; ``schema``: its schema and validator; ``plots``: PNGs.
 
-Workloads live in ``asyncbatch.workloads``.
+Workloads live in ``asyncbatch.bench.workloads``.
 """

@@ -17,7 +17,7 @@ from asyncbatch.bench.metrics import median_of, spread
 from asyncbatch.bench.runner import SystemData, rate_key
 from asyncbatch.bench.schema import SCHEMA_ID, validate
 from asyncbatch.bench.systems import GENERATE_BATCH, OVERLAP, STATIC, SYNC
-from asyncbatch.host_info import cpu_name, git_commit
+from asyncbatch.profiling.host_info import cpu_name, git_commit
 
 
 def machine_info(device: str) -> dict:

@@ -26,7 +26,7 @@ from asyncbatch.bench.metrics import run_metrics, summarize_runs
 from asyncbatch.bench.records import RunResult
 from asyncbatch.bench.system_base import BenchSettings, BenchSystem
 from asyncbatch.bench.systems import OVERLAP, build_system, parse_systems
-from asyncbatch.workloads import WORKLOADS, WorkItem
+from asyncbatch.bench.workloads import WORKLOADS, WorkItem
 
 CDF_POINTS = 101  # quantiles stored per metric: enough for a smooth CDF, small JSON at any scale
 

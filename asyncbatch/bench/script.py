@@ -23,8 +23,8 @@ from asyncbatch.bench.runner import (
     settings_from_args,
     warmup_items,
 )
+from asyncbatch.bench.workloads import build_workload, describe, sharegpt_params
 from asyncbatch.model.loader import load_config, resolve_model_path
-from asyncbatch.workloads import build_workload, describe, sharegpt_params
 
 
 def _log(message: str) -> None:

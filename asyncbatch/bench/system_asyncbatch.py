@@ -13,9 +13,9 @@ import time
 from asyncbatch.bench.memory import MemorySampler, module_mib, tensor_mib
 from asyncbatch.bench.records import RequestRecord, RunResult
 from asyncbatch.bench.system_base import BenchSettings, BenchSystem, ThreadErrors, timed_replay
+from asyncbatch.bench.workloads import WorkItem
 from asyncbatch.llm import LLM
 from asyncbatch.sampling_params import SamplingParams
-from asyncbatch.workloads import WorkItem
 
 
 class AsyncBatchSystem(BenchSystem):

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from asyncbatch.bench.records import RunResult
-from asyncbatch.workloads import WorkItem
+from asyncbatch.bench.workloads import WorkItem
 
 
 @dataclass(slots=True)

@@ -28,8 +28,8 @@ from asyncbatch.bench.hf_common import effective_eos, generation_config, load_hf
 from asyncbatch.bench.memory import MemorySampler
 from asyncbatch.bench.records import RequestRecord, RunResult
 from asyncbatch.bench.system_base import BenchSettings, BenchSystem, ThreadErrors, timed_replay
-from asyncbatch.engine_builder import kv_bytes_per_token
-from asyncbatch.workloads import WorkItem
+from asyncbatch.bench.workloads import WorkItem
+from asyncbatch.engine.builder import kv_bytes_per_token
 
 _PAGE_SIZE = 256  # transformers' default page (block) size
 _POLL_S = 0.05  # result-queue poll; a result wakes the consumer at once, the timeout only bounds liveness checks

@@ -25,7 +25,7 @@ from asyncbatch.bench.hf_common import cut_at_eos, generation_config, load_hf_mo
 from asyncbatch.bench.memory import MemorySampler
 from asyncbatch.bench.records import RequestRecord, RunResult
 from asyncbatch.bench.system_base import BenchSettings, BenchSystem, ThreadErrors, timed_replay
-from asyncbatch.workloads import WorkItem
+from asyncbatch.bench.workloads import WorkItem
 
 
 class _StepClock(BaseStreamer):

@@ -1,15 +1,15 @@
 """The executor interface shared by every device backend.
 
-``launch`` takes a written host slot and returns at once with a handle; the
+``launch`` takes a written staging buffer and returns at once with a handle; the
 step runs on the device (a CUDA stream, or the device thread of the ``cpu`` and
 ``sim`` backends). ``wait`` blocks until the step's sampled tokens are on the
 host. Steps execute in launch order, which is what makes block reuse and the
 device token buffer safe: step N+1 reads the tokens step N wrote.
 
 Contract per step:
-  * the slot's fence fires once the slot's contents have been copied out;
+  * the staging's fence fires once the staging's contents have been copied out;
   * decode rows take their input id from the device token buffer at their
-    token slot; every sampled row writes its token there;
+    token row; every sampled row writes its token there;
   * the handle's result carries device start/end clock readings
     (``time.perf_counter`` seconds) for the timeline.
 """
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from asyncbatch.step_metadata import StepMeta
+from asyncbatch.engine.step_metadata import StepMeta
 
 
 @dataclass(slots=True)

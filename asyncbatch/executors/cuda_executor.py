@@ -1,12 +1,12 @@
-"""The ``cuda`` backend: three streams, pinned slots, and captured graphs for decode steps.
+"""The ``cuda`` backend: three streams, pinned staging buffers, and captured graphs for decode steps.
 
 The planner thread launches each step itself; nothing here waits for the
 device except ``wait`` (the caller's later wait for step N's tokens). The one
-wait on the launch path is the planner's slot fence, which fires on the
+wait on the launch path is the planner's staging fence, which fires on the
 ``h2d_end`` event recorded below.
 
     planner     [launch N: pad + copies, replay, D2H]        [launch N+1 ...]      [wait N: d2h event]
-    H2D stream     [slot A → static set A]●h2d_end                [slot B → set B]●
+    H2D stream     [staging A → static set A]●h2d_end                [staging B → set B]●
     compute                   (wait ●)[start● graph(A, bucket, variant) end●]  (wait ●)[ step N+1 ...
     D2H stream                                          (wait end●)[ids N]●d2h → set A free again
 
@@ -26,7 +26,7 @@ Stream-order invariants:
     for its ``end``;
   * an eager step's device tensors stay referenced in ``_in_flight`` until
     ``wait`` has seen its D2H event;
-  * every host-to-device copy reads the step's host slot, behind its fence;
+  * every host-to-device copy reads the step's staging buffer, behind its fence;
     the pinned output buffers alternate by step, which holds because at most
     two steps are in flight (step N+2 is launched only after ``wait(N)``).
 """
@@ -42,19 +42,19 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from asyncbatch.engine.step_metadata import StepMeta
 from asyncbatch.executors.base import StepHandle, StepResult
 from asyncbatch.executors.decode_graph import DecodeGraphStep, SamplingVariant
 from asyncbatch.executors.torch_executor import TorchExecutor
-from asyncbatch.model.forward_batch import ForwardBatch
+from asyncbatch.model.forward_batch import ForwardBatch, PagedForwardBatch
 from asyncbatch.model.llama import CausalLM
-from asyncbatch.model.paged_attention import PagedForwardBatch, triton_kernels
-from asyncbatch.step_metadata import StepMeta
-from asyncbatch.timeline_marks import mark
+from asyncbatch.model.paged_attention import triton_kernels
+from asyncbatch.profiling.marks import mark
 from cuda_graphs import CudaGraphBackend, GraphRunner, normalize_batch_sizes
 
 logger = logging.getLogger(__name__)
 
-HOST_SLOTS = 2  # the engine's double buffer: one static input set per host slot
+HOST_SLOTS = 2  # the engine's double buffer: one static input set per staging buffer
 # Event times are float32 milliseconds since a reference event: 1 s keeps them to ~0.06 us (after 33 s
 # their step would be ~4 us, as large as the idle gaps being measured), so the reference moves on.
 REANCHOR_MS = 1000.0
@@ -83,9 +83,9 @@ class CudaExecutor(TorchExecutor):
 
     ``enable_cuda_graphs`` captures ``capture_variants`` for every bucket of
     ``cuda_graph_batch_sizes`` (default ``cuda_graphs.default_batch_sizes``) and
-    both host slots at construction, after the KV cache exists; other variants
+    both staging buffers at construction, after the KV cache exists; other variants
     are captured on first use. ``max_blocks_per_seq`` must equal the width of
-    the host slots' block tables (default: derived from the model's positions).
+    the staging buffers' block tables (default: derived from the model's positions).
     """
 
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_num_seqs: int,
@@ -157,7 +157,7 @@ class CudaExecutor(TorchExecutor):
         if self._triton is None:
             return ForwardBatch(**fields)
         rows = meta.prefill_rows
-        prefill_meta = self._upload(meta.slot.prefill_row_spans[:len(rows)])
+        prefill_meta = self._upload(meta.staging.prefill_row_spans[:len(rows)])
         return PagedForwardBatch(**fields, prefill_meta=prefill_meta, prefill_tables=prefill_tables,
                                  max_prefill_len=max((p.q_len for p in rows), default=0))
 
@@ -169,10 +169,10 @@ class CudaExecutor(TorchExecutor):
         bucket = self.graphs.bucket_for(nd)
         if bucket is None:
             return None
-        if meta.slot.index >= HOST_SLOTS or meta.slot.decode_block_tables.shape[1] != self.max_blocks_per_seq:
-            raise ValueError(f"host slot {meta.slot.index} with {meta.slot.decode_block_tables.shape[1]} blocks "
+        if meta.staging.index >= HOST_SLOTS or meta.staging.decode_block_tables.shape[1] != self.max_blocks_per_seq:
+            raise ValueError(f"staging buffer {meta.staging.index} with {meta.staging.decode_block_tables.shape[1]} blocks "
                              f"per row does not match the graphs' {HOST_SLOTS} sets of {self.max_blocks_per_seq}")
-        return GraphPlan(meta.slot.index, nd, bucket, SamplingVariant.for_step(meta))
+        return GraphPlan(meta.staging.index, nd, bucket, SamplingVariant.for_step(meta))
 
     def _capture_missing(self, plan: GraphPlan) -> None:
         """Capture a graph on first use, ordered after every earlier use of its input set."""
@@ -200,9 +200,9 @@ class CudaExecutor(TorchExecutor):
             if plan is None:
                 step = self._copy_in(meta)
             else:
-                self.graphs.prepare(plan.set_index, self._decode_step.host_arrays(meta.slot), plan.rows, plan.bucket)
+                self.graphs.prepare(plan.set_index, self._decode_step.host_arrays(meta.staging), plan.rows, plan.bucket)
             ev.h2d_end.record()
-        meta.slot.fence.signal_with_cuda_event(ev.h2d_end)
+        meta.staging.fence.signal_with_cuda_event(ev.h2d_end)
         with torch.cuda.stream(self.compute_stream), torch.inference_mode():
             self.compute_stream.wait_event(ev.h2d_end)
             ev.start.record()

@@ -23,7 +23,7 @@ import torch
 
 from asyncbatch.model.forward_batch import ForwardBatch, PrefillRow
 from asyncbatch.model.llama import CausalLM
-from asyncbatch.sampler import SamplingTensors, sample
+from asyncbatch.sampling.sampler import SamplingTensors, sample
 
 MARGIN_BYTES = 512 << 20
 

@@ -1,19 +1,19 @@
 """The decode step as a ``cuda_graphs.CapturableStep``: what a captured graph runs.
 
 A decode-only step is a function of per-row inputs that the planner already
-writes into the host slot (token slot, position, KV slot, block table row,
+writes into the staging buffer (token row, position, KV slot, block table row,
 context length, sampling parameters); everything else it touches has a fixed
 address (weights, KV cache, the device token buffer). So one graph per padded
 batch size serves every step of that size:
 
-    input_ids = token_buffer[decode_token_slots]        # last step's tokens, never via the host
+    input_ids = token_buffer[decode_token_rows]        # last step's tokens, never via the host
     logits    = model(input_ids, positions, KV through block_tables/context_lens)
     tokens    = sample(logits, per-row parameters)       # greedy, sample or filtered variant
-    token_buffer[decode_token_slots] = tokens
+    token_buffer[decode_token_rows] = tokens
 
 Padding rows (``rows .. bucket``) are made harmless by their pad values, not
 by masks sprinkled through the model: they read and write the dummy token row
-(``dummy_token_row``, one past the last request slot), write their key/value
+(``dummy_token_row``, one past the last token row), write their key/value
 to the first slot of the dummy KV block (``DUMMY_BLOCK``, never allocated to a
 request), attend over that one slot (context length 1) and sample greedily.
 Real rows never read the dummy block or the dummy token row.
@@ -26,12 +26,12 @@ from enum import Enum
 
 import torch
 
-from asyncbatch.block_manager import DUMMY_BLOCK
-from asyncbatch.host_slots import HostSlot
+from asyncbatch.engine.block_manager import DUMMY_BLOCK
+from asyncbatch.engine.host_staging import StagingBuffer
+from asyncbatch.engine.step_metadata import StepMeta
 from asyncbatch.model.forward_batch import ForwardBatch
 from asyncbatch.model.llama import CausalLM
-from asyncbatch.sampler import SamplingTensors, sample
-from asyncbatch.step_metadata import StepMeta
+from asyncbatch.sampling.sampler import SamplingTensors, sample
 from cuda_graphs import BufferSpec, OutputSpec
 
 
@@ -66,7 +66,7 @@ class DecodeGraphStep:
     def input_specs(self) -> Sequence[BufferSpec]:
         i64, f32 = torch.int64, torch.float32
         return (
-            BufferSpec("token_slots", (), i64, self.dummy_token_row, "decode_token_slots"),
+            BufferSpec("token_rows", (), i64, self.dummy_token_row, "decode_token_rows"),
             BufferSpec("positions", (), i64, 0, "positions"),
             BufferSpec("slot_mapping", (), i64, DUMMY_BLOCK * self.block_size, "slot_mapping"),
             BufferSpec("block_tables", (self.max_blocks_per_seq,), i64, DUMMY_BLOCK, "decode_block_tables"),
@@ -83,15 +83,15 @@ class DecodeGraphStep:
     def output_specs() -> Sequence[OutputSpec]:
         return (OutputSpec("token_ids", (), torch.int64), OutputSpec("finite", (), torch.bool))
 
-    def host_arrays(self, slot: HostSlot) -> dict[str, object]:
-        """The host slot's arrays that ``input_specs`` copy from, by their ``BufferSpec.host`` names."""
-        return {name: getattr(slot, name) for name in self._host_names}
+    def host_arrays(self, staging: StagingBuffer) -> dict[str, object]:
+        """The staging buffer's arrays that ``input_specs`` copy from, by their ``BufferSpec.host`` names."""
+        return {name: getattr(staging, name) for name in self._host_names}
 
     def run(self, inputs: Mapping[str, torch.Tensor], variant: SamplingVariant) -> dict[str, torch.Tensor]:
-        slots = inputs["token_slots"]  # [rows]
-        rows = slots.shape[0]
+        token_rows = inputs["token_rows"]  # [rows]
+        rows = token_rows.shape[0]
         batch = ForwardBatch(
-            input_ids=self.token_buffer[slots], positions=inputs["positions"], slot_mapping=inputs["slot_mapping"],
+            input_ids=self.token_buffer[token_rows], positions=inputs["positions"], slot_mapping=inputs["slot_mapping"],
             num_decode=rows, decode_block_tables=inputs["block_tables"], decode_context_lens=inputs["context_lens"],
             prefill_rows=[], logits_indices=self._row_ids[:rows])
         logits = self.model(batch, self.kv_caches)  # [rows, vocab] float32
@@ -99,5 +99,5 @@ class DecodeGraphStep:
                                    min_p=inputs["min_p"], seed=inputs["seed"], step=inputs["step"])
         result = sample(logits, sampling, all_greedy=variant is SamplingVariant.GREEDY,
                         any_top_k_top_p_min_p=variant is SamplingVariant.FILTERED)
-        self.token_buffer[slots] = result.token_ids
+        self.token_buffer[token_rows] = result.token_ids
         return {"token_ids": result.token_ids, "finite": result.finite}

@@ -1,7 +1,7 @@
 """A thread that plays the device for the ``cpu`` and ``sim`` backends.
 
     planner thread         device thread
-    launch(N) ──queue──►   copy slot → fence.signal() → run step N → handle.set_result
+    launch(N) ──queue──►   copy staging → fence.signal() → run step N → handle.set_result
     launch(N+1) ─queue─►   (waits in queue.get until step N is done)
     wait(N) ◄──────────────────────────────────────────────┘
 
@@ -17,8 +17,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from asyncbatch.engine.step_metadata import StepMeta
 from asyncbatch.executors.base import Executor, StepHandle, StepResult
-from asyncbatch.step_metadata import StepMeta
 
 _STOP = object()
 
@@ -42,7 +42,7 @@ class DeviceThread:
             try:
                 handle.set_result(self._run_step(meta, handle))
             except BaseException as exc:  # noqa: BLE001 - delivered to the waiting planner
-                meta.slot.fence.signal()
+                meta.staging.fence.signal()
                 handle.set_error(exc)
 
     def stop(self) -> None:

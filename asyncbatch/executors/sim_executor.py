@@ -1,6 +1,6 @@
 """The simulated device: real plans and metadata, modelled time, pseudo-tokens.
 
-The device thread copies the slot (as an H2D copy would), then models a GPU
+The device thread copies the staging (as an H2D copy would), then models a GPU
 queue: step N starts when it is launched or when step N-1 ends, whichever is
 later, and ends ``SimConfig.step_seconds(...)`` after that. The thread sleeps
 until the modelled end with the GIL released. Modelling the queue (instead of
@@ -19,11 +19,11 @@ import time
 
 import numpy as np
 
+from asyncbatch.config import SimConfig
+from asyncbatch.engine.step_metadata import StepMeta
 from asyncbatch.executors.base import StepHandle, StepResult
 from asyncbatch.executors.device_thread import DeviceThread, ThreadedExecutor
-from asyncbatch.sim_config import SimConfig
-from asyncbatch.step_metadata import StepMeta
-from asyncbatch.timeline_marks import mark
+from asyncbatch.profiling.marks import mark
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -68,13 +68,13 @@ class SimExecutor(ThreadedExecutor):
         return np.minimum(lo + extra, hi)
 
     def _run(self, meta: StepMeta, handle: StepHandle) -> StepResult:
-        s, t, nd, r = meta.slot, meta.num_tokens, meta.num_decode, meta.num_sampled
+        s, t, nd, r = meta.staging, meta.num_tokens, meta.num_decode, meta.num_sampled
         t0 = time.perf_counter()
         with mark("h2d", meta.step_id):
             input_ids = s.input_ids[:t].copy()
-            decode_slots = s.decode_token_slots[:nd].copy()
+            decode_rows = s.decode_token_rows[:nd].copy()
             logits_idx = s.logits_indices[:r].copy()
-            sample_slots = s.sample_token_slots[:r].copy()
+            sample_rows = s.sample_token_rows[:r].copy()
             seeds = s.sample_seed[:r].copy()
             steps = s.sample_step[:r].copy()
             s.slot_mapping[:t].sum()  # touch the metadata a real copy would move
@@ -86,7 +86,7 @@ class SimExecutor(ThreadedExecutor):
         self._device_free_at = end
         if self.forward_hook is not None:
             self.forward_hook(meta)
-        input_ids[:nd] = self.token_buffer[decode_slots]
+        input_ids[:nd] = self.token_buffer[decode_rows]
         fed = input_ids[logits_idx]
         span = self.vocab_size - self.first_token_id
         h = mix64(seeds.astype(np.uint64) * np.uint64(1_000_003) ^ mix64(steps.astype(np.uint64))
@@ -96,7 +96,7 @@ class SimExecutor(ThreadedExecutor):
             tokens = np.where(tokens == self.eos_token_id, tokens + 1 if self.eos_token_id + 1 < self.vocab_size
                               else self.first_token_id, tokens)
             tokens = np.where(steps + 1 >= self.output_length(seeds), self.eos_token_id, tokens)
-        self.token_buffer[sample_slots] = tokens
+        self.token_buffer[sample_rows] = tokens
         delay = end - time.perf_counter()
         if delay > 0:
             with mark("forward", meta.step_id, " sim"):

@@ -4,9 +4,9 @@ On ``cpu`` each step runs inside a ``DeviceThread``; torch releases the GIL
 inside its kernels, so the planner plans the next step meanwhile:
 
     planner        [launch N]─queue─►            [plan N+1][launch N+1]─queue─►   [wait N]
-    device thread            [copy slot → fence][forward N | sample N]      [copy N+1 → fence] ...
+    device thread            [copy staging → fence][forward N | sample N]      [copy N+1 → fence] ...
 
-``_copy_in`` (host slot → device tensors) and ``_compute`` (forward, penalties,
+``_copy_in`` (staging buffer → device tensors) and ``_compute`` (forward, penalties,
 sampling, token buffer update) are shared with ``CudaExecutor``, which
 overrides only the hooks marked below and launches onto CUDA streams from the
 planner thread instead of using a device thread.
@@ -20,14 +20,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from asyncbatch.engine.step_metadata import StepMeta
 from asyncbatch.executors.base import StepHandle, StepResult
 from asyncbatch.executors.device_thread import DeviceThread, ThreadedExecutor
 from asyncbatch.model.forward_batch import ForwardBatch, PrefillRow
 from asyncbatch.model.llama import CausalLM
-from asyncbatch.penalties import PenaltyState
-from asyncbatch.sampler import SamplingTensors, sample
-from asyncbatch.step_metadata import StepMeta
-from asyncbatch.timeline_marks import mark
+from asyncbatch.profiling.marks import mark
+from asyncbatch.sampling.penalties import PenaltyState
+from asyncbatch.sampling.sampler import SamplingTensors, sample
 
 
 @dataclass(slots=True)
@@ -36,8 +36,8 @@ class PenaltyInputs:
     frequency: torch.Tensor  # [R] float32
     repetition: torch.Tensor  # [R] float32
     token_is_output: torch.Tensor  # [T] bool
-    token_row_slot: torch.Tensor  # [T] int64
-    first_chunk_slots: torch.Tensor  # [K] int64, slots whose request (re)starts its prefill
+    token_owner_row: torch.Tensor  # [T] int64
+    first_chunk_rows: torch.Tensor  # [K] int64, token rows whose request (re)starts its prefill
 
 
 @dataclass(slots=True)
@@ -46,8 +46,8 @@ class DeviceStep:
 
     batch: ForwardBatch
     sampling: SamplingTensors
-    decode_slots: torch.Tensor  # [num_decode] int64, token-buffer rows the decode inputs come from
-    sample_slots: torch.Tensor  # [R] int64, token-buffer rows the sampled tokens go to
+    decode_rows: torch.Tensor  # [num_decode] int64, token-buffer rows the decode inputs come from
+    sample_rows: torch.Tensor  # [R] int64, token-buffer rows the sampled tokens go to
     penalty: PenaltyInputs | None
 
 
@@ -64,7 +64,7 @@ class TorchExecutor(ThreadedExecutor):
         self.is_cuda = device.type == "cuda"
         self.name = device.type
         vocab = model.config.vocab_size
-        # One row per request slot, plus a last dummy row that padding rows of CUDA graphs read and
+        # One row per token row, plus a last dummy row that padding rows of CUDA graphs read and
         # write (``DecodeGraphStep.dummy_token_row``).
         self.token_buffer = torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=device)  # [max_num_seqs + 1]
         self.penalties = PenaltyState(max_num_seqs, vocab, device)
@@ -90,12 +90,12 @@ class TorchExecutor(ThreadedExecutor):
         return ForwardBatch(**fields)
 
     def _copy_in(self, meta: StepMeta) -> DeviceStep:
-        s, t, nd, r = meta.slot, meta.num_tokens, meta.num_decode, meta.num_sampled
+        s, t, nd, r = meta.staging, meta.num_tokens, meta.num_decode, meta.num_sampled
         up = self._upload
         input_ids = up(s.input_ids[:t])
         positions = up(s.positions[:t])
         slot_mapping = up(s.slot_mapping[:t])
-        decode_slots = up(s.decode_token_slots[:nd])
+        decode_rows = up(s.decode_token_rows[:nd])
         decode_tables = up(self._table_rows(s.decode_block_tables, nd, meta.decode_max_blocks))
         decode_lens = up(s.decode_context_lens[:nd])
         npre = len(meta.prefill_rows)
@@ -105,19 +105,19 @@ class TorchExecutor(ThreadedExecutor):
             temperature=up(s.sample_temperature[:r]), top_k=up(s.sample_top_k[:r]), top_p=up(s.sample_top_p[:r]),
             min_p=up(s.sample_min_p[:r]), seed=up(s.sample_seed[:r]), step=up(s.sample_step[:r]))
         logits_indices = up(s.logits_indices[:r])
-        sample_slots = up(s.sample_token_slots[:r])
+        sample_rows = up(s.sample_token_rows[:r])
         penalty = None
         if meta.any_penalty:
             penalty = PenaltyInputs(presence=up(s.sample_presence[:r]), frequency=up(s.sample_frequency[:r]),
                                     repetition=up(s.sample_repetition[:r]), token_is_output=up(s.token_is_output[:t]),
-                                    token_row_slot=up(s.token_row_slot[:t]),
-                                    first_chunk_slots=up(s.first_chunk_token_slots[:len(meta.first_chunk_slots)]))
+                                    token_owner_row=up(s.token_owner_row[:t]),
+                                    first_chunk_rows=up(s.first_chunk_token_rows[:len(meta.first_chunk_rows)]))
         rows = [PrefillRow(p.token_start, p.q_len, p.ctx_len, prefill_tables[i, :p.block_count])
                 for i, p in enumerate(meta.prefill_rows)]
         batch = self._make_batch(meta, prefill_tables, input_ids=input_ids, positions=positions,
                                  slot_mapping=slot_mapping, num_decode=nd, decode_block_tables=decode_tables,
                                  decode_context_lens=decode_lens, prefill_rows=rows, logits_indices=logits_indices)
-        return DeviceStep(batch, sampling, decode_slots, sample_slots, penalty)
+        return DeviceStep(batch, sampling, decode_rows, sample_rows, penalty)
 
     # -- the step ------------------------------------------------------------
     def _compute(self, meta: StepMeta, step: DeviceStep, sample_event: torch.cuda.Event | None = None
@@ -125,7 +125,7 @@ class TorchExecutor(ThreadedExecutor):
         batch, nd = step.batch, meta.num_decode
         if nd:
             # The token sampled last step feeds this one without visiting the host.
-            batch.input_ids[:nd] = self.token_buffer[step.decode_slots]
+            batch.input_ids[:nd] = self.token_buffer[step.decode_rows]
         with mark("forward", meta.step_id, " eager"):
             if self.forward_hook is not None:
                 self.forward_hook(meta)
@@ -137,20 +137,20 @@ class TorchExecutor(ThreadedExecutor):
             penalty = step.penalty
             if penalty is not None:
                 self._update_penalty_context(meta, batch, penalty)
-                logits = self.penalties.apply(logits, step.sample_slots, penalty.presence, penalty.frequency,
+                logits = self.penalties.apply(logits, step.sample_rows, penalty.presence, penalty.frequency,
                                               penalty.repetition)
             result = sample(logits, step.sampling, all_greedy=meta.all_greedy, any_top_k_top_p_min_p=meta.any_filter)
             if penalty is not None:
-                self.penalties.record(step.sample_slots, result.token_ids)
-            self.token_buffer[step.sample_slots] = result.token_ids
+                self.penalties.record(step.sample_rows, result.token_ids)
+            self.token_buffer[step.sample_rows] = result.token_ids
         return result.token_ids, result.finite, t_sample
 
     def _update_penalty_context(self, meta: StepMeta, batch: ForwardBatch, penalty: PenaltyInputs) -> None:
-        if meta.first_chunk_slots:
-            self.penalties.reset_rows(penalty.first_chunk_slots)
+        if meta.first_chunk_rows:
+            self.penalties.reset_rows(penalty.first_chunk_rows)
         nd = meta.num_decode
         if meta.num_tokens > nd:
-            self.penalties.add_context(penalty.token_row_slot[nd:], batch.input_ids[nd:],
+            self.penalties.add_context(penalty.token_owner_row[nd:], batch.input_ids[nd:],
                                        penalty.token_is_output[nd:])
 
     def _run_threaded(self, meta: StepMeta, handle: StepHandle) -> StepResult:
@@ -158,7 +158,7 @@ class TorchExecutor(ThreadedExecutor):
         t0 = time.perf_counter()
         with mark("h2d", meta.step_id):
             step = self._copy_in(meta)
-        meta.slot.fence.signal()
+        meta.staging.fence.signal()
         t1 = time.perf_counter()
         with torch.inference_mode():
             tokens, finite, t_sample = self._compute(meta, step)

@@ -34,3 +34,18 @@ class ForwardBatch:
     decode_context_lens: torch.Tensor  # [num_decode] int64
     prefill_rows: list[PrefillRow]
     logits_indices: torch.Tensor  # [R] int64, tokens whose logits are sampled
+
+
+@dataclass(slots=True)
+class PagedForwardBatch(ForwardBatch):
+    """A ``ForwardBatch`` that also carries the prefill rows as device tensors.
+
+    The CUDA executor uploads these from pinned memory with the rest of the
+    step, so the Triton prefill kernel needs no host round trip; given a plain
+    ``ForwardBatch`` it builds them from ``prefill_rows`` (a blocking copy).
+    The torch reference ignores them.
+    """
+
+    prefill_meta: torch.Tensor | None = None  # [P, 3] int64: token_start, q_len, ctx_len
+    prefill_tables: torch.Tensor | None = None  # [P, >= max blocks of any row] int64
+    max_prefill_len: int = 0  # largest q_len among the prefill rows

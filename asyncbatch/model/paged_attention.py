@@ -17,7 +17,6 @@ on the first CUDA call only, so CPU runs never import it.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -29,21 +28,6 @@ ATTENTION_BACKENDS = ("auto", "triton", "torch")
 _backend = os.environ.get("ASYNCBATCH_ATTENTION", "auto")
 _triton: ModuleType | None = None
 _triton_missing = False
-
-
-@dataclass(slots=True)
-class PagedForwardBatch(ForwardBatch):
-    """A ``ForwardBatch`` that also carries the prefill rows as device tensors.
-
-    The CUDA executor uploads these from pinned memory with the rest of the
-    step, so the Triton prefill kernel needs no host round trip; given a plain
-    ``ForwardBatch`` it builds them from ``prefill_rows`` (a blocking copy).
-    The torch reference ignores them.
-    """
-
-    prefill_meta: torch.Tensor | None = None  # [P, 3] int64: token_start, q_len, ctx_len
-    prefill_tables: torch.Tensor | None = None  # [P, >= max blocks of any row] int64
-    max_prefill_len: int = 0  # largest q_len among the prefill rows
 
 
 def set_attention_backend(name: str) -> None:

@@ -39,8 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from asyncbatch.model.forward_batch import ForwardBatch
-from asyncbatch.model.paged_attention import PagedForwardBatch
+from asyncbatch.model.forward_batch import ForwardBatch, PagedForwardBatch
 
 # Registers per program stay bounded: a decode tile holds GROUP_PAD * BLOCK_N * DIM_PAD floats.
 _DECODE_TILE_ELEMENTS = 8192

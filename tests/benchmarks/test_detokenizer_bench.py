@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncbatch.detokenizer import IncrementalDetokenizer
+from asyncbatch.frontend.detokenizer import IncrementalDetokenizer
 
 TEXT = ("The planner runs one step ahead of the device, so the CPU builds batch N+1 while the GPU executes "
         "batch N. Café, naïve, 日本語 and emoji 🎉 keep multi-byte characters in the mix. ") * 8

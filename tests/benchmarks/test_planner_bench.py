@@ -2,7 +2,7 @@
 
 The planner step is what the planner thread does between two launches in the
 decode phase: ``Scheduler.schedule``, ``StepMetadataWriter.write`` into a host
-slot, ``release_drained``, and applying the step's sampled tokens (what
+staging, ``release_drained``, and applying the step's sampled tokens (what
 ``EngineCore._apply`` does to the requests). No device is involved, so this is
 the CPU cost overlap mode must hide behind each device step.
 """
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import pytest
 
-from asyncbatch.block_manager import BlockManager
-from asyncbatch.host_slots import SlotPair
-from asyncbatch.request import Request
+from asyncbatch.engine.block_manager import BlockManager
+from asyncbatch.engine.host_staging import StagingPair
+from asyncbatch.engine.request import Request
+from asyncbatch.engine.scheduler import Scheduler, StepPlan
+from asyncbatch.engine.step_metadata import StepMetadataWriter
 from asyncbatch.sampling_params import SamplingParams
-from asyncbatch.scheduler import Scheduler, StepPlan
-from asyncbatch.step_metadata import StepMetadataWriter
 
 BLOCK_SIZE = 16
 MAX_BLOCKS_PER_SEQ = 512  # 8192-token contexts
@@ -31,18 +31,18 @@ class PlannerRig:
         self.blocks = BlockManager(n * MAX_BLOCKS_PER_SEQ // 4, BLOCK_SIZE)
         self.scheduler = Scheduler(self.blocks, n, budget)
         self.writer = StepMetadataWriter(n, MAX_BLOCKS_PER_SEQ, BLOCK_SIZE)
-        self.slots = SlotPair(budget, n, MAX_BLOCKS_PER_SEQ, pinned=False)
+        self.staging = StagingPair(budget, n, MAX_BLOCKS_PER_SEQ, pinned=False)
         params = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
         self.requests = [Request(f"r{i}", i, [5] * (50 + i % 100), params, i, 0.0) for i in range(n)]
         for request in self.requests:
             self.scheduler.add(request)
-        while any(r.in_prefill or r.token_slot is None for r in self.requests):
+        while any(r.in_prefill or r.token_row is None for r in self.requests):
             self.step()
 
     def step(self) -> StepPlan:
         plan = self.scheduler.schedule()
         assert plan is not None
-        self.writer.write(plan, self.slots.next_slot())
+        self.writer.write(plan, self.staging.next_buffer())
         self.scheduler.release_drained(plan)
         for row in plan.rows:  # the tokens come back: what EngineCore._apply does per sampled row
             if row.samples:

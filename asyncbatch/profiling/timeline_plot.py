@@ -16,16 +16,16 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from asyncbatch.gap_report import CAUSES, GapReport
-from asyncbatch.timeline import StepRecord
+from asyncbatch.profiling.gap_report import CAUSES, GapReport
+from asyncbatch.profiling.timeline import StepRecord
 
 CAUSE_COLORS = {
-    "queue_empty": "#bbbbbb", "slot_fence": "#d62728", "h2d": "#8c564b", "planning": "#1f77b4",
+    "queue_empty": "#bbbbbb", "staging_fence": "#d62728", "h2d": "#8c564b", "planning": "#1f77b4",
     "gc": "#e377c2", "apply": "#2ca02c", "d2h": "#bcbd22", "output": "#9467bd", "result": "#8dd3c7", "wakeup": "#ff7f0e",
     "launch": "#17becf",
 }
 _PLANNER_STAGES = (("schedule", "plan_start", "schedule_end", "#1f77b4"),
-                   ("wait_slot_fence", "fence_start", "fence_end", "#d62728"),
+                   ("wait_staging_fence", "fence_start", "fence_end", "#d62728"),
                    ("prepare_metadata", "fence_end", "plan_end", "#6baed6"),
                    ("launch", "plan_end", "launch_end", "#08306b"),
                    ("wait_step", "wait_start", "wait_end", "#e0e0e0"),

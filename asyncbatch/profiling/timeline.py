@@ -25,7 +25,7 @@ class StepRecord:
     num_sampled: int = 0
     plan_start: float = 0.0  # planner: schedule + write metadata
     schedule_end: float = 0.0
-    fence_start: float = 0.0  # planner waits for the slot's fence
+    fence_start: float = 0.0  # planner waits for the staging buffer's fence
     fence_end: float = 0.0
     plan_end: float = 0.0  # metadata written
     launch_end: float = 0.0  # launch call returned

@@ -1,7 +1,7 @@
-"""Writes a ``StepPlan`` into a host slot: the planner's half of the handoff.
+"""Writes a ``StepPlan`` into a staging buffer: the planner's half of the handoff.
 
 Per-request constants (sampling parameters, block table rows) live in
-persistent arrays indexed by token slot, refreshed only when a slot changes
+persistent arrays indexed by token row, refreshed only when a row changes
 owner or a request gains blocks; each step then gathers them with numpy fancy
 indexing instead of a Python loop per token.
 """
@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from asyncbatch.host_slots import HostSlot
-from asyncbatch.request import Request
-from asyncbatch.scheduler import StepPlan
+from asyncbatch.engine.host_staging import StagingBuffer
+from asyncbatch.engine.request import Request
+from asyncbatch.engine.scheduler import StepPlan
 
 
 @dataclass(slots=True)
@@ -22,16 +22,16 @@ class PrefillRowMeta:
     token_start: int
     q_len: int
     ctx_len: int
-    token_slot: int
+    token_row: int
     block_count: int
 
 
 @dataclass(slots=True)
 class StepMeta:
-    """Host-side header of a written slot: sizes and per-step flags."""
+    """Host-side header of a written staging buffer: sizes and per-step flags."""
 
     step_id: int
-    slot: HostSlot
+    staging: StagingBuffer
     num_tokens: int
     num_decode: int
     decode_max_blocks: int
@@ -41,7 +41,7 @@ class StepMeta:
     all_greedy: bool
     any_filter: bool  # some row uses top-k, top-p or min-p
     any_penalty: bool
-    first_chunk_slots: list[int]  # token slots whose request (re)starts its prefill in this step
+    first_chunk_rows: list[int]  # token rows whose request (re)starts its prefill in this step
 
 
 class StepMetadataWriter:
@@ -64,53 +64,53 @@ class StepMetadataWriter:
         self._uses_penalty = np.zeros(s, dtype=bool)
 
     def _refresh(self, request: Request) -> int:
-        slot = request.token_slot
-        assert slot is not None, "a scheduled request holds a token slot"
-        if self._owner[slot] is not request or self._generation[slot] != request.num_preemptions:
-            self._owner[slot] = request
-            self._generation[slot] = request.num_preemptions
-            self._blocks_known[slot] = 0
+        row = request.token_row
+        assert row is not None, "a scheduled request holds a token row"
+        if self._owner[row] is not request or self._generation[row] != request.num_preemptions:
+            self._owner[row] = request
+            self._generation[row] = request.num_preemptions
+            self._blocks_known[row] = 0
             p = request.params
-            self._seed[slot] = request.seed
-            self._top_k[slot] = max(p.top_k, 0)
-            self._temperature[slot] = p.temperature
-            self._top_p[slot] = p.top_p
-            self._min_p[slot] = p.min_p
-            self._presence[slot] = p.presence_penalty
-            self._frequency[slot] = p.frequency_penalty
-            self._repetition[slot] = p.repetition_penalty
-            self._uses_penalty[slot] = p.uses_penalties
+            self._seed[row] = request.seed
+            self._top_k[row] = max(p.top_k, 0)
+            self._temperature[row] = p.temperature
+            self._top_p[row] = p.top_p
+            self._min_p[row] = p.min_p
+            self._presence[row] = p.presence_penalty
+            self._frequency[row] = p.frequency_penalty
+            self._repetition[row] = p.repetition_penalty
+            self._uses_penalty[row] = p.uses_penalties
         blocks = request.block_ids
-        known = int(self._blocks_known[slot])
+        known = int(self._blocks_known[row])
         if known != len(blocks):
-            self.block_table[slot, known:len(blocks)] = blocks[known:]
-            self._blocks_known[slot] = len(blocks)
-        return slot
+            self.block_table[row, known:len(blocks)] = blocks[known:]
+            self._blocks_known[row] = len(blocks)
+        return row
 
-    def write(self, plan: StepPlan, slot: HostSlot) -> StepMeta:
+    def write(self, plan: StepPlan, staging: StagingBuffer) -> StepMeta:
         bs = self.block_size
         nd = plan.num_decode
         decode = plan.rows[:nd]
-        sample_slots: list[int] = []
+        sample_rows: list[int] = []
         sample_steps: list[int] = []
         logits_idx: list[int] = []
         context_tokens = 0
         max_blocks_used = 0
 
         if nd:
-            slots = np.fromiter((self._refresh(r.request) for r in decode), dtype=np.int64, count=nd)
+            rows = np.fromiter((self._refresh(r.request) for r in decode), dtype=np.int64, count=nd)
             pos = np.fromiter((r.start for r in decode), dtype=np.int64, count=nd)
             nblocks = pos // bs + 1
             max_blocks_used = int(nblocks.max())
-            slot.positions[:nd] = pos
-            slot.slot_mapping[:nd] = self.block_table[slots, pos // bs] * bs + pos % bs
-            slot.token_is_output[:nd] = True
-            slot.token_row_slot[:nd] = slots
-            slot.decode_token_slots[:nd] = slots
-            slot.decode_block_tables[:nd, :max_blocks_used] = self.block_table[slots, :max_blocks_used]
-            slot.decode_context_lens[:nd] = pos + 1
+            staging.positions[:nd] = pos
+            staging.slot_mapping[:nd] = self.block_table[rows, pos // bs] * bs + pos % bs
+            staging.token_is_output[:nd] = True
+            staging.token_owner_row[:nd] = rows
+            staging.decode_token_rows[:nd] = rows
+            staging.decode_block_tables[:nd, :max_blocks_used] = self.block_table[rows, :max_blocks_used]
+            staging.decode_context_lens[:nd] = pos + 1
             context_tokens += int(pos.sum()) + nd
-            sample_slots.extend(slots.tolist())
+            sample_rows.extend(rows.tolist())
             sample_steps.extend(r.request.num_scheduled_outputs - 1 for r in decode)
             logits_idx.extend(range(nd))
 
@@ -125,45 +125,45 @@ class StepMetadataWriter:
             prompt_len = len(request.prompt_token_ids)
             tokens = request.prompt_token_ids[start:end] if end <= prompt_len else request.all_token_ids()[start:end]
             pos = np.arange(start, end, dtype=np.int64)
-            slot.input_ids[t:t + n] = tokens
-            slot.positions[t:t + n] = pos
-            slot.slot_mapping[t:t + n] = self.block_table[ts, pos // bs] * bs + pos % bs
-            slot.token_is_output[t:t + n] = pos >= prompt_len
-            slot.token_row_slot[t:t + n] = ts
+            staging.input_ids[t:t + n] = tokens
+            staging.positions[t:t + n] = pos
+            staging.slot_mapping[t:t + n] = self.block_table[ts, pos // bs] * bs + pos % bs
+            staging.token_is_output[t:t + n] = pos >= prompt_len
+            staging.token_owner_row[t:t + n] = ts
             nb = -(-end // bs)
-            slot.prefill_block_tables[row_index, :nb] = self.block_table[ts, :nb]
+            staging.prefill_block_tables[row_index, :nb] = self.block_table[ts, :nb]
             prefill_meta.append(PrefillRowMeta(t, n, end, ts, nb))
-            slot.prefill_row_spans[row_index] = (t, n, end)
+            staging.prefill_row_spans[row_index] = (t, n, end)
             if start == 0:
-                slot.first_chunk_token_slots[len(first_chunks)] = ts
+                staging.first_chunk_token_rows[len(first_chunks)] = ts
                 first_chunks.append(ts)
             context_tokens += end
             if row.samples:
-                sample_slots.append(ts)
+                sample_rows.append(ts)
                 sample_steps.append(request.num_scheduled_outputs - 1)
                 logits_idx.append(t + n - 1)
             t += n
 
-        r = len(sample_slots)
-        ss = np.asarray(sample_slots, dtype=np.int64)
-        slot.logits_indices[:r] = logits_idx
-        slot.sample_token_slots[:r] = ss
-        slot.sample_step[:r] = sample_steps
-        slot.sample_seed[:r] = self._seed[ss]
+        r = len(sample_rows)
+        ss = np.asarray(sample_rows, dtype=np.int64)
+        staging.logits_indices[:r] = logits_idx
+        staging.sample_token_rows[:r] = ss
+        staging.sample_step[:r] = sample_steps
+        staging.sample_seed[:r] = self._seed[ss]
         top_k = self._top_k[ss]
-        slot.sample_top_k[:r] = top_k
+        staging.sample_top_k[:r] = top_k
         temps = self._temperature[ss]
-        slot.sample_temperature[:r] = temps
+        staging.sample_temperature[:r] = temps
         top_p, min_p = self._top_p[ss], self._min_p[ss]
-        slot.sample_top_p[:r] = top_p
-        slot.sample_min_p[:r] = min_p
-        slot.sample_presence[:r] = self._presence[ss]
-        slot.sample_frequency[:r] = self._frequency[ss]
-        slot.sample_repetition[:r] = self._repetition[ss]
+        staging.sample_top_p[:r] = top_p
+        staging.sample_min_p[:r] = min_p
+        staging.sample_presence[:r] = self._presence[ss]
+        staging.sample_frequency[:r] = self._frequency[ss]
+        staging.sample_repetition[:r] = self._repetition[ss]
         random_rows = temps > 0
         return StepMeta(
             step_id=plan.step_id,
-            slot=slot,
+            staging=staging,
             num_tokens=t,
             num_decode=nd,
             decode_max_blocks=max_blocks_used,
@@ -173,7 +173,7 @@ class StepMetadataWriter:
             all_greedy=not bool(random_rows.any()),
             any_filter=bool((random_rows & ((top_k > 0) | (top_p < 1) | (min_p > 0))).any()),
             # Non-sampling prefill chunks of a penalised request must still feed its penalty state.
-            any_penalty=bool(self._uses_penalty[ss].any()) or any(self._uses_penalty[p.token_slot]
+            any_penalty=bool(self._uses_penalty[ss].any()) or any(self._uses_penalty[p.token_row]
                                                                   for p in prefill_meta),
-            first_chunk_slots=first_chunks,
+            first_chunk_rows=first_chunks,
         )

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from asyncbatch.request import Request
+from asyncbatch.engine.request import Request
 
 DUMMY_BLOCK = 0
 _FREE = -1  # owner id of a block on the free list

@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 import time
 
-from asyncbatch.cli import engine_kwargs
+from asyncbatch.bench.workloads import uniform_requests
+from asyncbatch.cli.args import engine_kwargs
 from asyncbatch.llm import LLM
 from asyncbatch.sampling_params import SamplingParams
-from asyncbatch.workloads import uniform_requests
 
 
 def _throughput(llm: LLM, items, label: str) -> dict:

@@ -1,4 +1,4 @@
-"""Repetition, presence and frequency penalties, with per-slot token state on device.
+"""Repetition, presence and frequency penalties, with per-row token state on device.
 
 Semantics follow vLLM:
 
@@ -7,23 +7,23 @@ Semantics follow vLLM:
 * presence and frequency apply to output tokens only:
   ``logit -= presence * (count > 0) + frequency * count``.
 
-State is kept per request *slot* (an index in ``[0, num_slots)``), not per request,
+State is kept per request *row* (an index in ``[0, num_rows)``), not per request,
 so it lives in two dense device tensors that every step indexes without a host
 round trip:
 
-    seen   [num_slots, V] bool   token occurred in the prompt or the output
-    counts [num_slots, V] int32  occurrences in the output
+    seen   [num_rows, V] bool   token occurred in the prompt or the output
+    counts [num_rows, V] int32  occurrences in the output
 
-Invariant: for a slot holding a request, ``seen`` is exactly the set of tokens of its
+Invariant: for a row holding a request, ``seen`` is exactly the set of tokens of its
 prompt plus the outputs recorded so far, and ``counts`` is the multiset of those
 outputs. A request recomputed after preemption rebuilds the same state from
 ``reset_rows`` + ``add_context`` (with ``is_output`` set on its former outputs) as
-incremental ``record`` calls built. Every update accumulates, so a slot or token may
+incremental ``record`` calls built. Every update accumulates, so a row or token may
 repeat within one call.
 
-The tensors (5 bytes per slot and vocabulary entry: 63 MB for 256 slots x 49152)
+The tensors (5 bytes per row and vocabulary entry: 63 MB for 256 rows x 49152)
 are allocated on first use so an engine whose requests never use penalties pays
-nothing; the caller may then also skip the calls for slots without penalties. The caller should make that first use outside CUDA-graph
+nothing; the caller may then also skip the calls for rows without penalties. The caller should make that first use outside CUDA-graph
 capture; after it, every method is capture-safe (no host syncs, fixed shapes).
 """
 
@@ -33,16 +33,16 @@ import torch
 
 
 class PenaltyState:
-    """Per-slot prompt/output token statistics and the penalties computed from them."""
+    """Per-row prompt/output token statistics and the penalties computed from them."""
 
-    def __init__(self, num_slots: int, vocab_size: int, device: torch.device) -> None:
-        if num_slots < 1 or vocab_size < 1:
-            raise ValueError(f"num_slots and vocab_size must be >= 1, got {num_slots}, {vocab_size}")
-        self.num_slots = num_slots
+    def __init__(self, num_rows: int, vocab_size: int, device: torch.device) -> None:
+        if num_rows < 1 or vocab_size < 1:
+            raise ValueError(f"num_rows and vocab_size must be >= 1, got {num_rows}, {vocab_size}")
+        self.num_rows = num_rows
         self.vocab_size = vocab_size
         self.device = torch.device(device)
-        self._seen_flat: torch.Tensor | None = None  # [num_slots * V + 1] bool
-        self._counts: torch.Tensor | None = None  # [num_slots, V] int32
+        self._seen_flat: torch.Tensor | None = None  # [num_rows * V + 1] bool
+        self._counts: torch.Tensor | None = None  # [num_rows, V] int32
 
     @property
     def allocated(self) -> bool:
@@ -50,52 +50,52 @@ class PenaltyState:
 
     @property
     def seen(self) -> torch.Tensor:
-        """``[num_slots, V]`` bool: prompt or output tokens per slot (allocates)."""
-        return self._state()[0][:-1].view(self.num_slots, self.vocab_size)
+        """``[num_rows, V]`` bool: prompt or output tokens per row (allocates)."""
+        return self._state()[0][:-1].view(self.num_rows, self.vocab_size)
 
     @property
     def counts(self) -> torch.Tensor:
-        """``[num_slots, V]`` int32: output token counts per slot (allocates)."""
+        """``[num_rows, V]`` int32: output token counts per row (allocates)."""
         return self._state()[1]
 
     def _state(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(seen_flat, counts)``; ``seen_flat`` ``[num_slots * V + 1]`` ends in a sink
+        """``(seen_flat, counts)``; ``seen_flat`` ``[num_rows * V + 1]`` ends in a sink
         entry that absorbs the writes of rows that must not count."""
         if self._seen_flat is None or self._counts is None:
-            size = self.num_slots * self.vocab_size
+            size = self.num_rows * self.vocab_size
             self._seen_flat = torch.zeros(size + 1, dtype=torch.bool, device=self.device)
-            self._counts = torch.zeros(self.num_slots, self.vocab_size, dtype=torch.int32, device=self.device)
+            self._counts = torch.zeros(self.num_rows, self.vocab_size, dtype=torch.int32, device=self.device)
         return self._seen_flat, self._counts
 
-    def _flat_index(self, slots: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        return slots.to(torch.int64) * self.vocab_size + token_ids.to(torch.int64)  # [N]
+    def _flat_index(self, rows: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        return rows.to(torch.int64) * self.vocab_size + token_ids.to(torch.int64)  # [N]
 
-    def reset_rows(self, slots: torch.Tensor) -> None:
-        """Forget everything about ``slots`` ``[K]`` (a request was admitted or resumed)."""
+    def reset_rows(self, rows: torch.Tensor) -> None:
+        """Forget everything about ``rows`` ``[K]`` (a request was admitted or resumed)."""
         _, counts = self._state()
-        self.seen.index_fill_(0, slots, False)
-        counts.index_fill_(0, slots, 0)
+        self.seen.index_fill_(0, rows, False)
+        counts.index_fill_(0, rows, 0)
 
-    def add_context(self, slots: torch.Tensor, token_ids: torch.Tensor, is_output: torch.Tensor) -> None:
+    def add_context(self, rows: torch.Tensor, token_ids: torch.Tensor, is_output: torch.Tensor) -> None:
         """Account for the tokens of a prefill chunk, one entry per token, all ``[N]``.
 
         Every token is marked seen; those with ``is_output`` (former outputs of a
         recomputed request) also count as outputs.
         """
         seen_flat, counts = self._state()
-        index = self._flat_index(slots, token_ids)  # [N]
+        index = self._flat_index(rows, token_ids)  # [N]
         # Duplicates all write True, so the unordered scatter is still deterministic.
         seen_flat.index_fill_(0, index, True)
         counts.view(-1).index_add_(0, index, is_output.to(torch.int32))
 
-    def record(self, slots: torch.Tensor, sampled: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        """Add the freshly sampled tokens ``sampled`` ``[R]`` to the outputs of ``slots`` ``[R]``.
+    def record(self, rows: torch.Tensor, sampled: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Add the freshly sampled tokens ``sampled`` ``[R]`` to the outputs of ``rows`` ``[R]``.
 
         ``valid`` ``[R]`` bool, when given, leaves rows that are False untouched (padding
         rows, or rows whose sample was not finite and will be discarded).
         """
         seen_flat, counts = self._state()
-        index = self._flat_index(slots, sampled)  # [R]
+        index = self._flat_index(rows, sampled)  # [R]
         if valid is None:
             increment = torch.ones_like(index, dtype=torch.int32)  # [R]
         else:
@@ -107,17 +107,17 @@ class PenaltyState:
         counts.view(-1).index_add_(0, index.clamp(max=counts.numel() - 1), increment)
 
     def apply(
-        self, logits: torch.Tensor, slots: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor,
+        self, logits: torch.Tensor, rows: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor,
         repetition: torch.Tensor,
     ) -> torch.Tensor:
-        """Return ``logits`` ``[R, V]`` penalised with the state of ``slots`` ``[R]``.
+        """Return ``logits`` ``[R, V]`` penalised with the state of ``rows`` ``[R]``.
 
         ``presence``, ``frequency`` and ``repetition`` are ``[R]`` in ``logits``' dtype;
         rows with 0, 0 and 1 come back unchanged. ``logits`` is not modified.
         """
         _, counts = self._state()
-        row_seen = self.seen.index_select(0, slots)  # [R, V] bool
-        row_counts = counts.index_select(0, slots).to(logits.dtype)  # [R, V]
+        row_seen = self.seen.index_select(0, rows)  # [R, V] bool
+        row_counts = counts.index_select(0, rows).to(logits.dtype)  # [R, V]
         rep = repetition.to(logits.dtype)[:, None]  # [R, 1]
         penalised = torch.where(logits > 0, logits / rep, logits * rep)  # [R, V]
         out = torch.where(row_seen, penalised, logits)

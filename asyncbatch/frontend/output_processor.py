@@ -19,10 +19,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from asyncbatch.engine.request import Request
 from asyncbatch.outputs import StreamDelta
-from asyncbatch.request import Request
-from asyncbatch.timeline import StepRecord
-from asyncbatch.timeline_marks import mark
+from asyncbatch.profiling.marks import mark
+from asyncbatch.profiling.timeline import StepRecord
 
 
 @dataclass(slots=True)

@@ -19,9 +19,10 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from asyncbatch.block_manager import BlockManager
 from asyncbatch.config import EngineConfig
-from asyncbatch.engine_core import EngineCore
+from asyncbatch.engine.block_manager import BlockManager
+from asyncbatch.engine.core import EngineCore
+from asyncbatch.engine.scheduler import Scheduler
 from asyncbatch.executors.base import Executor
 from asyncbatch.model.loader import (
     load_config,
@@ -31,7 +32,6 @@ from asyncbatch.model.loader import (
     resolve_dtype,
     resolve_model_path,
 )
-from asyncbatch.scheduler import Scheduler
 
 _GIB = 1 << 30
 

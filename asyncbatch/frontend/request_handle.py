@@ -11,17 +11,10 @@ import queue
 import threading
 from dataclasses import dataclass, field
 
-from asyncbatch.detokenizer import IncrementalDetokenizer
+from asyncbatch.errors import RequestFailedError
+from asyncbatch.frontend.detokenizer import IncrementalDetokenizer
+from asyncbatch.frontend.stop_strings import StopStringMatcher
 from asyncbatch.outputs import RequestMetrics, RequestOutput, StreamDelta
-from asyncbatch.stop_strings import StopStringMatcher
-
-
-class EngineDeadError(RuntimeError):
-    """The engine stopped because one of its threads failed; the cause is chained."""
-
-
-class RequestFailedError(RuntimeError):
-    """This request failed (for example its logits were NaN); other requests went on."""
 
 
 @dataclass(eq=False)

@@ -5,7 +5,7 @@ step:
 
 1. running requests in the decode phase, one token each (admission order);
 2. running requests still prefilling, one chunk each within the token budget;
-3. waiting requests in FIFO order, while a token slot, the budget and KV
+3. waiting requests in FIFO order, while a token row, the budget and KV
    blocks allow. A preempted request waits until every token sampled for it
    by launched steps has reached the host (``num_pending == 0``); the queue
    does not overtake it, so admission stays FIFO.
@@ -16,7 +16,7 @@ it re-enters the queue in arrival order and is recomputed later); if there is
 none, the request itself is preempted.
 
 Requests whose ``max_tokens``-th token is scheduled in this step are
-*drained*: no later step includes them. They keep their blocks and token slot
+*drained*: no later step includes them. They keep their blocks and token row
 until the planner has written this step's metadata and calls
 ``release_drained``.
 """
@@ -26,8 +26,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from asyncbatch.block_manager import BlockManager
-from asyncbatch.request import Request, RequestStatus
+from asyncbatch.engine.block_manager import BlockManager
+from asyncbatch.engine.request import Request, RequestStatus
 
 
 @dataclass(slots=True)
@@ -56,7 +56,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order; preemption victims come from the end
-        self._free_slots: list[int] = list(range(max_num_seqs - 1, -1, -1))
+        self._free_rows: list[int] = list(range(max_num_seqs - 1, -1, -1))
         self._step_id = 0
         self.num_preemptions = 0
 
@@ -87,7 +87,7 @@ class Scheduler:
                 prefilling.append(request)
                 continue
             end = request.num_computed_tokens + 1
-            # Fast path: the next token's slot is inside a block the request already owns.
+            # Fast path: the next token's KV position is inside a block the request already owns.
             if end > len(request.block_ids) * block_size and not self._reserve(request, end, scheduled, preempted):
                 continue
             decode_rows.append(self._advance(request, 1, is_decode=True))
@@ -114,7 +114,7 @@ class Scheduler:
             self.waiting.popleft()
             request.prefill_len = target
             request.num_computed_tokens = 0
-            request.token_slot = self._free_slots.pop()
+            request.token_row = self._free_rows.pop()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self.blocks.allocate(request, n)
@@ -193,18 +193,18 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self.blocks.free(request)
-        if request.token_slot is not None:
-            self._free_slots.append(request.token_slot)
-            request.token_slot = None
+        if request.token_row is not None:
+            self._free_rows.append(request.token_row)
+            request.token_row = None
 
     def check_integrity(self) -> None:
         self.blocks.check_integrity(self.live_requests())
-        slots = [r.token_slot for r in self.running if r.token_slot is not None]
-        if len(slots) != len(set(slots)) or set(slots) & set(self._free_slots):
-            from asyncbatch.block_manager import IntegrityError
+        rows = [r.token_row for r in self.running if r.token_row is not None]
+        if len(rows) != len(set(rows)) or set(rows) & set(self._free_rows):
+            from asyncbatch.engine.block_manager import IntegrityError
 
-            raise IntegrityError("a token slot is held twice")
-        if len(slots) + len(self._free_slots) != self.max_num_seqs:
-            from asyncbatch.block_manager import IntegrityError
+            raise IntegrityError("a token row is held twice")
+        if len(rows) + len(self._free_rows) != self.max_num_seqs:
+            from asyncbatch.engine.block_manager import IntegrityError
 
-            raise IntegrityError("token slots leaked")
+            raise IntegrityError("token rows leaked")

@@ -23,8 +23,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from asyncbatch.gap_report import CAUSES, GapReport, attribute_gaps, h2d_precedes_device_start
-from asyncbatch.timeline import StepRecord, Timeline
+from asyncbatch.profiling.gap_report import CAUSES, GapReport, attribute_gaps, h2d_precedes_device_start
+from asyncbatch.profiling.timeline import StepRecord, Timeline
 
 _TRACKS = {"planner": 1, "device": 2, "idle": 3, "output": 4, "h2d": 5, "d2h": 6}
 _TRACK_LABELS = {"planner": "planner (CPU)", "device": "device", "idle": "device idle (by cause)",
@@ -85,7 +85,7 @@ def _planner(r: StepRecord, pid: int, o: float) -> list[dict]:
     if _valid(r.plan_start, r.launch_end):
         out.append(_slice(f"plan {step}", r.plan_start, r.launch_end, pid, "planner", o, step=step,
                           tokens=r.num_tokens, decode=r.num_decode, prefill=r.num_prefill, gc_ms=r.gc_ms))
-        for name, s, e in (("schedule", r.plan_start, r.schedule_end), ("wait_slot_fence", r.fence_start, r.fence_end),
+        for name, s, e in (("schedule", r.plan_start, r.schedule_end), ("wait_staging_fence", r.fence_start, r.fence_end),
                            ("prepare_metadata", r.fence_end, r.plan_end), ("launch", r.plan_end, r.launch_end)):
             if _valid(s, e):
                 out.append(_slice(name, s, e, pid, "planner", o, step=step))
@@ -204,7 +204,7 @@ def export_traces(sources: Mapping[str, object], path: str | Path, torch_trace: 
     merged = json.loads(Path(torch_trace).read_text()) if torch_trace is not None else None  # read once
     origin = _torch_origin(merged) if merged is not None else None
     events: list[dict] = []
-    other: dict = {"generator": "asyncbatch.trace_export", "clock": "perf_counter", "runs": {}}
+    other: dict = {"generator": "asyncbatch.profiling.trace_export", "clock": "perf_counter", "runs": {}}
     for i, (name, source) in enumerate(sources.items()):
         run = as_run(source, (lifetimes or {}).get(name))
         events += _run_events(run, _PID_BASE + i, i, origin)

@@ -14,7 +14,7 @@ Priority (first wins) and the intervals each cause reads:
 
 1. ``queue_empty``  no request was waiting or running: the complement of the
    request lifetimes ``[arrival, finished]`` (only when lifetimes are given).
-2. ``slot_fence``   the planner waited for the free slot's fence.
+2. ``staging_fence``   the planner waited for the free staging buffer's fence.
 3. ``h2d``          ``[device_start - h2d_ms, device_start]`` on backends whose
    device clock starts after the copy (``cuda``); elsewhere the copy is inside
    the step and never idle time.
@@ -51,11 +51,11 @@ import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from asyncbatch.timeline import StepRecord
+from asyncbatch.profiling.timeline import StepRecord
 
 CAUSES: dict[str, str] = {
     "queue_empty": "queue empty",
-    "slot_fence": "waiting for the slot fence",
+    "staging_fence": "waiting for the staging fence",
     "h2d": "H2D copy",
     "planning": "planning (schedule, metadata, launch)",
     "gc": "Python GC pauses",
@@ -66,7 +66,7 @@ CAUSES: dict[str, str] = {
     "wakeup": "wake-up/hand-off latency before planning",
     "launch": "launch latency (launched, not yet started)",
 }
-_ORDER = ("queue_empty", "slot_fence", "h2d", "planning", "apply", "d2h", "output")  # "gc" splits "planning"
+_ORDER = ("queue_empty", "staging_fence", "h2d", "planning", "apply", "d2h", "output")  # "gc" splits "planning"
 
 # Backends whose recorded device start comes after the step's H2D copy.
 _H2D_BEFORE_START = frozenset({"cuda"})
@@ -175,7 +175,7 @@ def _host_intervals(records: Sequence[StepRecord], h2d_before_start: bool) -> di
         planned_s = sum(e - s for s, e in planning if _valid(s, e))
         gc_fraction = min(r.gc_ms * 1e-3 / planned_s, 1.0) if planned_s > 0 else 0.0
         raw["planning"] += [(s, e, gc_fraction) for s, e in planning if _valid(s, e)]
-        pairs = {"slot_fence": (r.fence_start, r.fence_end), "apply": (r.wait_end, r.apply_end),
+        pairs = {"staging_fence": (r.fence_start, r.fence_end), "apply": (r.wait_end, r.apply_end),
                  "d2h": (r.device_end, r.device_end + r.d2h_ms * 1e-3),
                  "output": (r.output_start, r.output_end)}
         if h2d_before_start:

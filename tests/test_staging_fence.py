@@ -1,11 +1,11 @@
-"""Invariant 3: a host slot is never rewritten while the copy out of it may still be in flight.
+"""Invariant 3: a staging buffer is never rewritten while the copy out of it may still be in flight.
 
-The simulated device is made slow to copy (it sleeps before reading the slot)
-and every slot's contents are checked at copy time against what the planner
+The simulated device is made slow to copy (it sleeps before reading the staging)
+and every staging's contents are checked at copy time against what the planner
 wrote for that step. With the fence the two always agree. The negative
-control overwrites a slot right after it is written, as a racing writer
-would, to show the check catches it. (With two slots and at most two steps in
-flight, the planner's wait for step N already orders the rewrite of N's slot
+control overwrites a staging right after it is written, as a racing writer
+would, to show the check catches it. (With two staging buffers and at most two steps in
+flight, the planner's wait for step N already orders the rewrite of N's staging
 after N's copy; the fence keeps the invariant true whatever the depth.)
 """
 
@@ -27,12 +27,12 @@ def run_with_checked_copies(make_llm, overwrite_step: int | None = None) -> int:
     written: dict[int, np.ndarray] = {}
     real_write = core.writer.write
 
-    def write(plan, slot):
-        meta = real_write(plan, slot)
-        written[meta.step_id] = np.concatenate([slot.positions[:meta.num_tokens],
-                                                slot.sample_step[:meta.num_sampled]]).copy()
+    def write(plan, staging):
+        meta = real_write(plan, staging)
+        written[meta.step_id] = np.concatenate([staging.positions[:meta.num_tokens],
+                                                staging.sample_step[:meta.num_sampled]]).copy()
         if meta.step_id == overwrite_step:
-            slot.positions[:meta.num_tokens] += 1  # what a writer racing the copy would do
+            staging.positions[:meta.num_tokens] += 1  # what a writer racing the copy would do
         return meta
 
     core.writer.write = write
@@ -42,7 +42,7 @@ def run_with_checked_copies(make_llm, overwrite_step: int | None = None) -> int:
 
     def slow_run(meta, handle):
         time.sleep(SLOW_COPY_S)  # the copy starts late, as a busy copy engine would
-        seen = np.concatenate([meta.slot.positions[:meta.num_tokens], meta.slot.sample_step[:meta.num_sampled]])
+        seen = np.concatenate([meta.staging.positions[:meta.num_tokens], meta.staging.sample_step[:meta.num_sampled]])
         if not np.array_equal(seen, written[meta.step_id]):
             mismatches.append(meta.step_id)
         return real_run(meta, handle)

@@ -10,7 +10,7 @@ still on the device):
 ``num_computed_tokens`` counts tokens whose key/value has been scheduled into
 the KV cache (launched steps included). A request in the decode phase has
 ``num_computed_tokens == num_tokens - 1``: its newest token is the next input,
-and it lives in the device token buffer at ``token_slot``.
+and it lives in the device token buffer at ``token_row``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from asyncbatch.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted and waiting to be recomputed
-    RUNNING = "running"  # holds a token slot and KV blocks
+    RUNNING = "running"  # holds a token row and KV blocks
     DRAINING = "draining"  # every token it will ever get is scheduled; awaits the in-flight ones
     FINISHED = "finished"
 
@@ -41,7 +41,7 @@ class Request:
     num_pending: int = 0
     num_computed_tokens: int = 0
     prefill_len: int = 0  # tokens to (re)compute before decoding: prompt (+ outputs after a preemption)
-    token_slot: int | None = None
+    token_row: int | None = None
     block_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None

@@ -1,4 +1,4 @@
-"""The planner thread: schedules, writes slots, launches, and applies results.
+"""The planner thread: schedules, fills staging buffers, launches, and applies results.
 
 One loop serves both modes; they differ only in how many launched steps may
 be outstanding (``overlap=True``: two, ``overlap=False``: one) and in whether
@@ -35,16 +35,16 @@ from collections import deque
 from dataclasses import dataclass
 
 from asyncbatch.config import EngineConfig
+from asyncbatch.engine.gil_tuning import hold_switch_interval, release_switch_interval
+from asyncbatch.engine.host_staging import StagingPair
+from asyncbatch.engine.request import Request, RequestStatus
+from asyncbatch.engine.scheduler import Scheduler, StepPlan
+from asyncbatch.engine.step_metadata import StepMeta, StepMetadataWriter
+from asyncbatch.errors import EngineDeadError
 from asyncbatch.executors.base import Executor, StepHandle
-from asyncbatch.gil_tuning import hold_switch_interval, release_switch_interval
-from asyncbatch.host_slots import SlotPair
-from asyncbatch.output_processor import OutputBatch, OutputProcessor, RequestUpdate
-from asyncbatch.request import Request, RequestStatus
-from asyncbatch.request_handle import EngineDeadError
-from asyncbatch.scheduler import Scheduler, StepPlan
-from asyncbatch.step_metadata import StepMeta, StepMetadataWriter
-from asyncbatch.timeline import StepRecord, Timeline
-from asyncbatch.timeline_marks import mark, step_begin, step_end
+from asyncbatch.frontend.output_processor import OutputBatch, OutputProcessor, RequestUpdate  # layering: in-process output thread, until the core runs in its own process
+from asyncbatch.profiling.marks import mark, step_begin, step_end
+from asyncbatch.profiling.timeline import StepRecord, Timeline
 
 
 @dataclass(slots=True)
@@ -64,7 +64,7 @@ class EngineCore:
         self.scheduler = scheduler
         self.eos_token_id = eos_token_id
         self.writer = StepMetadataWriter(config.max_num_seqs, max_blocks_per_seq, config.block_size)
-        self.slots = SlotPair(config.max_num_batched_tokens, config.max_num_seqs, max_blocks_per_seq,
+        self.staging = StagingPair(config.max_num_batched_tokens, config.max_num_seqs, max_blocks_per_seq,
                               pinned=getattr(executor, "is_cuda", False))
         self.timeline = Timeline()
         self.output = OutputProcessor(self._on_stop_string, self._fail, hidden_token_ids,
@@ -217,14 +217,14 @@ class EngineCore:
         nvtx = step_begin(plan.step_id, plan.num_decode, len(plan.rows) - plan.num_decode, plan.num_tokens)
         record = self.timeline.new_record(plan.step_id)
         record.plan_start, record.schedule_end = start, time.perf_counter()
-        slot = self.slots.next_slot()
+        staging = self.staging.next_buffer()
         record.fence_start = record.schedule_end
-        with mark("wait_slot_fence", plan.step_id):
-            slot.fence.wait()
+        with mark("wait_staging_fence", plan.step_id):
+            staging.fence.wait()
         record.fence_end = time.perf_counter()
-        slot.fence.arm()
+        staging.fence.arm()
         with mark("prepare_metadata", plan.step_id):
-            meta = self.writer.write(plan, slot)
+            meta = self.writer.write(plan, staging)
         self.scheduler.release_drained(plan)
         now = time.perf_counter()
         record.plan_end = now

@@ -2,7 +2,7 @@
 
 Both modes get the same requests (seeded), each in a fresh engine after a short
 warmup; the table gives device busy fraction, idle time per step and the share
-of idle time per cause (``asyncbatch.gap_report``). With ``--out DIR`` it also
+of idle time per cause (``asyncbatch.profiling.gap_report``). With ``--out DIR`` it also
 writes ``report.json``, ``report.md``, ``trace.json`` (both runs, Perfetto /
 chrome://tracing) and ``timeline.png`` (a window of steps of both runs).
 """
@@ -25,20 +25,20 @@ from pathlib import Path
 
 import numpy as np
 
-from asyncbatch.cli import engine_kwargs
-from asyncbatch.gap_report import CAUSES, GapReport, gap_report, lifetimes_of
-from asyncbatch.host_info import cpu_name, git_commit
-from asyncbatch.sampling_params import SamplingParams
-from asyncbatch.sim_config import SimConfig
-from asyncbatch.timeline_marks import (
+from asyncbatch.bench.workloads import WorkItem, uniform_requests
+from asyncbatch.cli.args import engine_kwargs
+from asyncbatch.config import SimConfig
+from asyncbatch.profiling.gap_report import CAUSES, GapReport, gap_report, lifetimes_of
+from asyncbatch.profiling.host_info import cpu_name, git_commit
+from asyncbatch.profiling.marks import (
     MarkOverhead,
     count_ranges,
     enable_nvtx,
     measure_mark_overhead,
     nvtx_enabled,
 )
-from asyncbatch.trace_export import TraceRun, export_trace, export_traces
-from asyncbatch.workloads import WorkItem, uniform_requests
+from asyncbatch.profiling.trace_export import TraceRun, export_trace, export_traces
+from asyncbatch.sampling_params import SamplingParams
 
 _SIM = SimConfig()  # defaults of the simulated device
 
@@ -239,7 +239,7 @@ def _nvtx_line(overhead: MarkOverhead, per_step: float) -> str:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from asyncbatch.timeline_plot import plot_timeline
+    from asyncbatch.profiling.timeline_plot import plot_timeline
 
     out_dir = Path(args.out) if args.out else None
     if out_dir is not None:

@@ -1,0 +1,44 @@
+"""Options every command shares, and how they become ``LLM`` keywords and ``SamplingParams``."""
+
+from __future__ import annotations
+
+import argparse
+
+from asyncbatch.config import DEVICES, DTYPES
+from asyncbatch.sampling_params import SamplingParams
+
+
+def add_engine_args(parser: argparse.ArgumentParser, run_options: bool = True) -> None:
+    """The engine's options; ``run_options`` adds --no-overlap and --trace (the demo runs both modes itself)."""
+    parser.add_argument("--model", default=None, help="HF directory, .gguf file, or alias (default: smollm2-135m)")
+    parser.add_argument("--device", default="auto", choices=list(DEVICES))
+    parser.add_argument("--dtype", default="auto", choices=list(DTYPES))
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--seed", type=int, default=0)
+    if run_options:
+        parser.add_argument("--no-overlap", action="store_true", help="synchronous mode (the ablation)")
+        parser.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the run to this path")
+
+
+def engine_kwargs(args: argparse.Namespace, overlap: bool) -> dict:
+    """``LLM`` keyword arguments from ``add_engine_args``' options."""
+    return {"device": args.device, "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed, "overlap": overlap}
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--sample-seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, seed=args.sample_seed, stop=args.stop,
+                          ignore_eos=args.ignore_eos)
