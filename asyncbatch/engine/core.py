@@ -1,28 +1,23 @@
-"""The planner thread: schedules, fills staging buffers, launches, and applies results.
+"""The planner loop: schedule, stage, launch, apply; one step ahead of the device in overlap mode.
 
-One loop serves both modes; they differ only in how many launched steps may
-be outstanding (``overlap=True``: two, ``overlap=False``: one) and in whether
-the planner waits for output processing before planning again.
+It runs on the planner thread of the engine core (in the core process, or in
+the caller's process with ``engine_process=False``) and talks to the frontend
+only through messages (``engine.messages``): requests and aborts come in, one
+columnar ``StepOutputs`` per applied step goes out.
 
-Overlap mode (the planner runs one step ahead of the device):
+Overlap mode (``overlap_loop``): step N+1 is launched before step N is waited for.
 
-    planner  [plan N+1][launch N+1][wait N ][apply N][plan N+2][launch N+2][wait N+1]...
-    device   [........ step N ..........][.......... step N+1 .........][ step N+2 ..
-    output                                                   [detok N, stops N]   [detok N+1]
+    planner   [plan+launch N+1][wait N][apply N, send N][plan+launch N+2][wait N+1][apply N+1 ...
+    device    [...... step N .........][........ step N+1 ..............][..... step N+2 ....
+    frontend                                 [detok N, stops N]                  [detok N+1 ...
 
-(step N's outputs go to the output thread once N+2 is launched, so its Python
-work never competes for the GIL with planning.)
+Synchronous mode (``sync_loop``, the ablation): plan N, launch N, wait N, apply
+N, send N, wait for the frontend's ``StepAck`` of N, then plan N+1.
 
-Synchronous mode (the ablation):
-
-    planner  [plan N][launch N][wait N ......][apply N][wait output N][plan N+1] ...
-    device            [..... step N .....]                                  [ step N+1 ...
-    output                                     [detok N, stops N]
-
-Requests that finish by EOS, a stop id or a stop string at step N may also be
-in step N+1 (overlap); their extra token is dropped when step N+1 is applied.
-Every exception in the planner, device or output thread ends here in
-``_fail``, which wakes every waiting caller with ``EngineDeadError``.
+A request that finishes by EOS, a stop id or a stop string at step N may also
+be in step N+1 (overlap); ``Scheduler.apply`` drops that extra token. Every
+exception here reaches the frontend as ``CoreFailed``, which fails every
+waiting caller with ``EngineDeadError``.
 """
 
 from __future__ import annotations
@@ -31,24 +26,41 @@ import gc
 import queue
 import threading
 import time
-from collections import deque
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from asyncbatch.config import EngineConfig
-from asyncbatch.engine.gil_tuning import hold_switch_interval, release_switch_interval
 from asyncbatch.engine.host_staging import StagingPair
-from asyncbatch.engine.request import Request, RequestStatus
+from asyncbatch.engine.messages import (
+    AbortRequests,
+    AddRequests,
+    Call,
+    CoreFailed,
+    Finish,
+    FinishRequests,
+    Reply,
+    Shutdown,
+    StepAck,
+    StepOutputs,
+    ended_only,
+)
+from asyncbatch.engine.request import Request
 from asyncbatch.engine.scheduler import Scheduler, StepPlan
 from asyncbatch.engine.step_metadata import StepMeta, StepMetadataWriter
-from asyncbatch.errors import EngineDeadError
 from asyncbatch.executors.base import Executor, StepHandle
-from asyncbatch.frontend.output_processor import OutputBatch, OutputProcessor, RequestUpdate  # layering: in-process output thread, until the core runs in its own process
 from asyncbatch.profiling.marks import mark, step_begin, step_end
-from asyncbatch.profiling.timeline import StepRecord, Timeline
+from asyncbatch.profiling.timeline import StepRecord, stage
+
+_FINISH_REASONS = {Finish.STOP_STRING: "stop", Finish.ERROR: "error", Finish.ABORT: "abort"}
 
 
 @dataclass(slots=True)
-class _InFlight:
+class InFlight:
+    """A launched step: what was planned, what was staged, and how to wait for it."""
+
     plan: StepPlan
     meta: StepMeta
     handle: StepHandle
@@ -57,248 +69,200 @@ class _InFlight:
 
 
 class EngineCore:
+    """Owns the scheduler, the staging buffers and the executor; only the planner thread touches them.
+
+    ``send`` delivers a message to the frontend (a pipe to the caller's process, or a queue in-process).
+    Messages for the core go to ``inbox`` from any thread.
+    """
+
     def __init__(self, config: EngineConfig, executor: Executor, scheduler: Scheduler, max_blocks_per_seq: int,
-                 eos_token_id: int | None, hidden_token_ids: frozenset[int]) -> None:
+                 send: Callable[[object], None]) -> None:
         self.config = config
         self.executor = executor
         self.scheduler = scheduler
-        self.eos_token_id = eos_token_id
         self.writer = StepMetadataWriter(config.max_num_seqs, max_blocks_per_seq, config.block_size)
         self.staging = StagingPair(config.max_num_batched_tokens, config.max_num_seqs, max_blocks_per_seq,
-                              pinned=getattr(executor, "is_cuda", False))
-        self.timeline = Timeline()
-        self.output = OutputProcessor(self._on_stop_string, self._fail, hidden_token_ids,
-                                      on_request_error=lambda request: self._inbox.put(("error", request)))
-        self._max_in_flight = 2 if config.overlap else 1
-        self._in_flight: deque[_InFlight] = deque()
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._requests: dict[str, Request] = {}  # planner-owned: live requests by id
-        self._handles: dict[str, object] = {}  # every caller-visible handle not yet known finished
-        self._lock = threading.Lock()
-        self._error: BaseException | None = None
-        self._closed = False
+                                   pinned=getattr(executor, "is_cuda", False))
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._send = send
+        self._requests: dict[int, Request] = {}  # live requests by seq
+        self._acked = 0  # synchronous mode: the newest step the frontend has processed
+        self._last_launched = 0
         self._gc_pause = 0.0
+        self._gc_started = 0.0
         self._thread = threading.Thread(target=self._run, name="asyncbatch-planner", daemon=True)
+
+    def start(self) -> None:
         gc.callbacks.append(self._gc_callback)
-        self._switch_interval_held = config.switch_interval_s is not None
-        if self._switch_interval_held:
-            hold_switch_interval(config.switch_interval_s)
         self._thread.start()
 
-    # -- callers (any thread) ------------------------------------------------
-    def submit(self, request: Request) -> None:
-        with self._lock:
-            if self._error is not None:
-                raise EngineDeadError("the engine has failed; create a new LLM") from self._error
-            if self._closed:
-                raise EngineDeadError("the engine is closed")
-            if len(self._handles) > 4096:
-                self._handles = {k: h for k, h in self._handles.items() if not h.finished}
-            existing = self._handles.get(request.request_id)
-            if existing is not None and not existing.finished:
-                raise ValueError(f"request_id {request.request_id!r} is already in use by a live request")
-            self._handles[request.request_id] = request.handle
-        self._inbox.put(("add", request))
-
-    def abort(self, request_id: str) -> None:
-        self._inbox.put(("abort", request_id))
-
-    def close(self) -> None:
-        with self._lock:
-            already = self._closed
-            self._closed = True
-        if not already:
-            self._inbox.put(("close",))
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=60)
-        self.executor.close()
-        self.output.close()
-        if self._gc_callback in gc.callbacks:
-            gc.callbacks.remove(self._gc_callback)
-        if self._switch_interval_held:
-            self._switch_interval_held = False
-            release_switch_interval(self.config.switch_interval_s)
-        self._fail_handles(EngineDeadError("the engine was closed before the request finished"))
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
 
     @property
-    def error(self) -> BaseException | None:
-        return self._error
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
-    # -- failure -------------------------------------------------------------
-    def _fail(self, error: BaseException) -> None:
-        with self._lock:
-            if self._error is None:
-                self._error = error
-        self._fail_handles(EngineDeadError(f"engine failed: {error!r}"), cause=error)
-        self._inbox.put(("fail",))
-
-    def _fail_handles(self, error: BaseException, cause: BaseException | None = None) -> None:
-        with self._lock:
-            handles = list(self._handles.values())
-        if cause is not None:
-            error.__cause__ = cause
-        for handle in handles:
-            handle.fail(error)
-
-    def _on_stop_string(self, request: Request, matched: str) -> None:
-        self._inbox.put(("stop", request, matched))
-
-    def _gc_callback(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._gc_started = time.perf_counter()
-        elif threading.current_thread() is self._thread:
-            self._gc_pause += time.perf_counter() - getattr(self, "_gc_started", time.perf_counter())
-
-    # -- the planner loop ----------------------------------------------------
+    # -- the loops -------------------------------------------------------------
     def _run(self) -> None:
-        # Overlap mode hands step N's outputs to the output thread only after step N+2 is launched:
-        # the output thread's Python work then competes for the GIL with nothing on the launch path.
-        held: OutputBatch | None = None
         try:
-            while True:
-                idle = not self._in_flight and not self.scheduler.has_work()
-                if idle and held is not None:
-                    self.output.put(held)
-                    held = None
-                if not self._drain_inbox(block=idle):
-                    break
-                plan = None
-                if self.scheduler.has_work() and len(self._in_flight) < self._max_in_flight:
-                    plan = self._plan_and_launch()
-                if held is not None:
-                    self.output.put(held)
-                    held = None
-                if self._in_flight and (plan is None or len(self._in_flight) >= self._max_in_flight):
-                    held = self._complete_oldest()
-                elif plan is None and not self._in_flight and self.scheduler.has_work():
-                    raise RuntimeError(
-                        f"scheduler stalled: {len(self.scheduler.waiting)} waiting, nothing runnable "
-                        f"({self.scheduler.blocks.num_free_blocks} free KV blocks)")
+            if self.config.overlap:
+                self.overlap_loop()
+            else:
+                self.sync_loop()
         except BaseException as exc:  # noqa: BLE001 - every caller must hear about it
-            self._fail(exc)
+            self._send(CoreFailed(repr(exc), traceback.format_exc()))
+        finally:
+            if self._gc_callback in gc.callbacks:
+                gc.callbacks.remove(self._gc_callback)
+            self.executor.close()
 
-    def _drain_inbox(self, block: bool) -> bool:
-        items = [self._inbox.get()] if block else []
-        while True:
-            try:
-                items.append(self._inbox.get_nowait())
-            except queue.Empty:
-                break
-        for item in items:
-            kind = item[0]
-            if kind == "add":
-                request = item[1]
-                self._requests[request.request_id] = request
-                self.scheduler.add(request)
-            elif kind == "abort":
-                request = self._requests.get(item[1])
-                if request is not None:
-                    self._finish(request, "abort")
-                    self.output.put(OutputBatch([RequestUpdate(request, [], "abort")]))
-            elif kind == "stop":
-                self._finish(item[1], "stop", item[2])
-            elif kind == "error":
-                self._finish(item[1], "error")
-            elif kind in ("close", "fail"):
-                return False
-        return True
+    def overlap_loop(self) -> None:
+        """Launch N+1, then finish N: the device always has the next step queued behind the current one."""
+        last: InFlight | None = None
+        while self._serve_inbox(block=last is None and not self.scheduler.has_work()):
+            current = self._launch_next()
+            if last is not None:
+                self._finish_step(last)
+            elif current is None:
+                self._check_not_stalled()
+            last = current
+        if last is not None:
+            self._finish_step(last)
 
-    def _finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
-        self.scheduler.finish(request, reason, stop_reason)
-        self._requests.pop(request.request_id, None)
+    def sync_loop(self) -> None:
+        """Plan, launch, wait, apply, and wait for the frontend before planning again."""
+        while self._serve_inbox(block=not self.scheduler.has_work()):
+            step = self._launch_next()
+            if step is None:
+                self._check_not_stalled()
+                continue
+            self._finish_step(step)
+            if not self._await_ack(step.plan.step_id):
+                return
 
-    def _plan_and_launch(self) -> StepPlan | None:
-        start = time.perf_counter()
+    # -- one step ----------------------------------------------------------------
+    def _launch_next(self) -> InFlight | None:
+        record = StepRecord(self.scheduler.next_step_id)
         gc_before = self._gc_pause
-        with mark("schedule"):
+        with stage(record, "plan_start", "schedule_end", "schedule"):
             plan = self.scheduler.schedule()
         if plan is None:
             return None
         nvtx = step_begin(plan.step_id, plan.num_decode, len(plan.rows) - plan.num_decode, plan.num_tokens)
-        record = self.timeline.new_record(plan.step_id)
-        record.plan_start, record.schedule_end = start, time.perf_counter()
         staging = self.staging.next_buffer()
-        record.fence_start = record.schedule_end
-        with mark("wait_staging_fence", plan.step_id):
+        with stage(record, "fence_start", "fence_end", "wait_staging_fence"):
             staging.fence.wait()
-        record.fence_end = time.perf_counter()
         staging.fence.arm()
-        with mark("prepare_metadata", plan.step_id):
+        with stage(record, None, "plan_end", "prepare_metadata"):
             meta = self.writer.write(plan, staging)
-        self.scheduler.release_drained(plan)
-        now = time.perf_counter()
-        record.plan_end = now
-        for row in plan.rows[plan.num_decode:]:
-            metrics = row.request.handle.metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
-        with mark("launch", plan.step_id):
+            self.scheduler.release_drained(plan)
+        with stage(record, None, "launch_end", "launch"):
             handle = self.executor.launch(meta)
-        record.launch_end = time.perf_counter()
         record.num_tokens, record.num_decode = plan.num_tokens, plan.num_decode
         record.num_prefill, record.num_sampled = len(plan.rows) - plan.num_decode, meta.num_sampled
-        self._in_flight.append(_InFlight(plan, meta, handle, record, nvtx))
         record.gc_ms = (self._gc_pause - gc_before) * 1e3
+        self._last_launched = plan.step_id
         if self.config.debug_check_integrity:
             self.scheduler.check_integrity()
-        return plan
+        return InFlight(plan, meta, handle, record, nvtx)
 
-    def _complete_oldest(self) -> OutputBatch | None:
-        """Wait for the oldest step and apply it; returns its outputs for the caller to hand over
-        (overlap mode), or hands them over and waits for them (synchronous mode, returns None)."""
-        step = self._in_flight.popleft()
+    def _finish_step(self, step: InFlight) -> None:
+        """Wait for ``step``'s tokens, apply them, and send the frontend its outputs."""
         record = step.record
-        record.wait_start = time.perf_counter()
-        with mark("wait_step", step.plan.step_id):
+        with stage(record, "wait_start", "wait_end", "wait_step"):
             result = self.executor.wait(step.handle)
-        record.wait_end = time.perf_counter()
         record.device_start, record.device_end = result.device_start, result.device_end
         record.h2d_ms, record.forward_ms = result.h2d_ms, result.forward_ms
         record.sample_ms, record.d2h_ms = result.sample_ms, result.d2h_ms
-        with mark("apply", step.plan.step_id):
-            updates = self._apply(step.plan, result)
+        with stage(record, None, "apply_end", "apply"):
+            applied = self.scheduler.apply(step.plan, result.token_ids, result.finite)
+            errored = applied.errored
+            for seq in applied.seqs[applied.finish != Finish.NONE].tolist() + errored:
+                del self._requests[seq]
         step_end(step.nvtx)
-        record.apply_end = time.perf_counter()
         if self.config.debug_check_integrity:
             self.scheduler.check_integrity()
-        if self._max_in_flight > 1:
-            return OutputBatch(updates, record)
-        batch = OutputBatch(updates, record, threading.Event())
-        self.output.put(batch)
-        batch.processed.wait()
-        return None
+        self._send(StepOutputs(
+            step.plan.step_id, applied.seqs, applied.token_ids, applied.finish,
+            np.asarray(errored, dtype=np.int64), np.full(len(errored), Finish.ERROR, dtype=np.int8),
+            step.plan.first_scheduled_seqs(), record))
 
-    def _apply(self, plan: StepPlan, result) -> list[RequestUpdate]:
-        """Append step N's tokens; finish on EOS, stop ids, max_tokens or non-finite logits."""
-        updates: list[RequestUpdate] = []
-        tokens = result.token_ids.tolist()
-        finite = result.finite.tolist()
-        eos = self.eos_token_id
-        i = 0
-        for row in plan.rows:
-            if not row.samples:
-                continue
-            request = row.request
-            token, ok = tokens[i], finite[i]
-            i += 1
-            request.num_pending -= 1
-            if request.status is RequestStatus.FINISHED:
-                continue  # sampled after its finish was seen: dropped, never emitted
-            if not ok:
-                message = "the model produced NaN or infinite logits for this request"
-                self._finish(request, "error")
-                updates.append(RequestUpdate(request, [], "error", None, message))
-                continue
-            request.output_token_ids.append(token)
-            params = request.params
-            reason, stop_reason = None, None
-            if token == eos and not params.ignore_eos:
-                reason = "stop"
-            elif params.stop_token_ids and token in params.stop_token_ids:
-                reason, stop_reason = "stop", token
-            elif len(request.output_token_ids) >= params.max_tokens:
-                reason = "length"
-            if reason is not None:
-                self._finish(request, reason, stop_reason)
-            updates.append(RequestUpdate(request, [token], reason, stop_reason))
-        return updates
+    def _check_not_stalled(self) -> None:
+        if self.scheduler.has_work():  # nothing runs, so nothing will free blocks or bring tokens back
+            raise RuntimeError(
+                f"scheduler stalled: {len(self.scheduler.waiting)} waiting, nothing runnable "
+                f"({self.scheduler.blocks.num_free_blocks} free KV blocks)")
+
+    # -- messages ------------------------------------------------------------------
+    def _serve_inbox(self, block: bool) -> bool:
+        """Handle every waiting message (waiting for one if ``block``); False once told to stop."""
+        try:
+            message = self.inbox.get() if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if not self._handle(message):
+                return False
+            try:
+                message = self.inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _await_ack(self, step_id: int) -> bool:
+        while self._acked < step_id:
+            if not self._handle(self.inbox.get()):
+                return False
+        return True
+
+    def _handle(self, message: object) -> bool:
+        with mark("inbox"):
+            if isinstance(message, AddRequests):
+                for new in message.requests:
+                    request = Request(str(new.seq), new.seq, new.prompt_token_ids, new.params, new.seed, new.arrival_time)
+                    self._requests[new.seq] = request
+                    self.scheduler.add(request)
+            elif isinstance(message, AbortRequests):
+                ended = [seq for seq in message.seqs if self._end(seq, Finish.ABORT)]
+                if ended:
+                    self._send(ended_only(ended, Finish.ABORT))
+            elif isinstance(message, FinishRequests):
+                for seq, code in zip(message.seqs, message.codes):
+                    self._end(seq, code)
+            elif isinstance(message, StepAck):
+                self._acked = max(self._acked, message.step_id)
+            elif isinstance(message, Call):
+                self._answer(message)
+            elif isinstance(message, Shutdown):
+                return False
+            else:
+                raise TypeError(f"unexpected message for the engine core: {message!r}")
+        return True
+
+    def _end(self, seq: int, code: Finish) -> bool:
+        request = self._requests.pop(seq, None)
+        if request is None:
+            return False
+        self.scheduler.finish(request, _FINISH_REASONS[code])
+        return True
+
+    def _answer(self, call: Call) -> None:
+        calls = {
+            "check_integrity": self.scheduler.check_integrity,
+            "num_free_blocks": lambda: self.scheduler.blocks.num_free_blocks,
+            "num_preemptions": lambda: self.scheduler.num_preemptions,
+            "last_launched_step": lambda: self._last_launched,
+            "num_live_requests": lambda: len(self._requests),
+        }
+        try:
+            self._send(Reply(call.call_id, calls[call.name]()))
+        except Exception as exc:  # noqa: BLE001 - the caller re-raises it; the engine goes on
+            self._send(Reply(call.call_id, None, f"{type(exc).__name__}: {exc}"))
+
+    def _gc_callback(self, phase: str, info: dict) -> None:
+        if threading.current_thread() is not self._thread:
+            return
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self._gc_pause += time.perf_counter() - self._gc_started

@@ -26,7 +26,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from asyncbatch.engine.block_manager import BlockManager
+from asyncbatch.engine.messages import AppliedStep, Finish
 from asyncbatch.engine.request import Request, RequestStatus
 
 
@@ -48,9 +51,16 @@ class StepPlan:
     preempted: list[Request] = field(default_factory=list)
     drained: list[Request] = field(default_factory=list)
 
+    def first_scheduled_seqs(self) -> np.ndarray:
+        """Requests whose prompt starts (or, after a preemption, restarts) in this step."""
+        return np.asarray([row.request.arrival_seq for row in self.rows[self.num_decode:] if row.start == 0],
+                          dtype=np.int64)
+
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 eos_token_id: int | None = None) -> None:
+        self.eos_token_id = eos_token_id
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -63,6 +73,10 @@ class Scheduler:
     # -- queue ---------------------------------------------------------------
     def add(self, request: Request) -> None:
         self.waiting.append(request)
+
+    @property
+    def next_step_id(self) -> int:
+        return self._step_id + 1
 
     def has_work(self) -> bool:
         return bool(self.waiting) or bool(self.running)
@@ -171,6 +185,49 @@ class Scheduler:
         else:
             index = len(self.waiting)
         self.waiting.insert(index, request)
+
+    # -- results ---------------------------------------------------------------
+    def apply(self, plan: StepPlan, token_ids: np.ndarray, finite: np.ndarray) -> AppliedStep:
+        """Take step ``plan``'s sampled tokens (one per sampling row, in row order): append them and end
+        requests on EOS, a stop token id, ``max_tokens`` or non-finite logits. A token sampled for a request
+        that had already finished (the one-step-late finish of overlap mode) is dropped here."""
+        seqs: list[int] = []
+        kept: list[int] = []
+        finish: list[int] = []
+        errored: list[int] = []
+        tokens = token_ids.tolist()
+        ok = finite.tolist()
+        eos = self.eos_token_id
+        i = 0
+        for row in plan.rows:
+            if not row.samples:
+                continue
+            request = row.request
+            token, good = tokens[i], ok[i]
+            i += 1
+            request.num_pending -= 1
+            if request.status is RequestStatus.FINISHED:
+                continue
+            if not good:
+                self.finish(request, "error")
+                errored.append(request.arrival_seq)
+                continue
+            request.output_token_ids.append(token)
+            params = request.params
+            code = Finish.NONE
+            if token == eos and not params.ignore_eos:
+                code = Finish.EOS
+            elif params.stop_token_ids and token in params.stop_token_ids:
+                code = Finish.STOP_TOKEN
+            elif len(request.output_token_ids) >= params.max_tokens:
+                code = Finish.LENGTH
+            if code is not Finish.NONE:
+                self.finish(request, code.reason, token if code is Finish.STOP_TOKEN else None)
+            seqs.append(request.arrival_seq)
+            kept.append(token)
+            finish.append(code)
+        return AppliedStep(np.asarray(seqs, dtype=np.int64), np.asarray(kept, dtype=np.int64),
+                           np.asarray(finish, dtype=np.int8), errored)
 
     # -- leaving -------------------------------------------------------------
     def release_drained(self, plan: StepPlan) -> None:

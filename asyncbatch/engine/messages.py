@@ -1,0 +1,151 @@
+"""What the frontend and the engine core say to each other: typed, columnar, picklable.
+
+    frontend (caller's process)                        engine core (planner thread)
+      AddRequests ─────────────────────────────────────►  queue, schedule
+      AbortRequests / FinishRequests (stop strings) ────►  finish, free blocks
+      StepAck (synchronous mode only) ─────────────────►  plan the next step
+      Call (integrity check, block counts) ────────────►  runs between two steps
+      Shutdown ────────────────────────────────────────►  stop
+      ◄──────────────────────────────────────────────── CoreReady (once)
+      ◄──────────────────────────────────────────────── StepOutputs (one per applied step)
+      ◄──────────────────────────────────────────────── Reply (one per Call)
+      ◄──────────────────────────────────────────────── CoreFailed (then nothing)
+
+A request is named by its ``seq`` (the frontend's submission counter) on both
+sides. ``StepOutputs`` is columnar: a handful of numpy arrays per step, never
+one object per request, so a step of 2,048 rows costs one small pickle.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from asyncbatch.profiling.timeline import StepRecord
+from asyncbatch.sampling_params import SamplingParams
+
+
+class Finish(enum.IntEnum):
+    """Why a request ended (``NONE``: it goes on). Stored as int8 in ``StepOutputs``."""
+
+    NONE = 0
+    EOS = 1  # the model's end-of-sequence token (kept in token_ids, never detokenized)
+    STOP_TOKEN = 2  # one of the request's stop_token_ids
+    LENGTH = 3  # max_tokens reached
+    ABORT = 4
+    ERROR = 5  # non-finite logits, or the frontend failed to process the request
+    STOP_STRING = 6  # found by the frontend; the core only frees the request
+
+    @property
+    def reason(self) -> str:
+        """The ``finish_reason`` a caller sees."""
+        return _REASONS[self]
+
+
+_REASONS = {Finish.NONE: "", Finish.EOS: "stop", Finish.STOP_TOKEN: "stop", Finish.LENGTH: "length",
+            Finish.ABORT: "abort", Finish.ERROR: "error", Finish.STOP_STRING: "stop"}
+
+NON_FINITE_MESSAGE = "the model produced NaN or infinite logits for this request"
+
+
+# -- frontend -> core --------------------------------------------------------
+@dataclass(slots=True)
+class NewRequest:
+    seq: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival_time: float
+
+
+@dataclass(slots=True)
+class AddRequests:
+    requests: list[NewRequest]
+
+
+@dataclass(slots=True)
+class AbortRequests:
+    seqs: list[int]
+
+
+@dataclass(slots=True)
+class FinishRequests:
+    """Requests the frontend ended (a stop string, a failure to detokenize): free them, drop their tokens."""
+
+    seqs: list[int]
+    codes: list[Finish]
+
+
+@dataclass(slots=True)
+class StepAck:
+    """Synchronous mode: the frontend has processed this step's outputs."""
+
+    step_id: int
+
+
+@dataclass(slots=True)
+class Call:
+    """Run ``name`` on the planner thread between two steps and ``Reply`` with its result."""
+
+    call_id: int
+    name: str
+
+
+@dataclass(slots=True)
+class Shutdown:
+    pass
+
+
+# -- core -> frontend --------------------------------------------------------
+@dataclass(slots=True)
+class CoreReady:
+    num_usable_blocks: int
+    executor: dict  # Executor.describe()
+
+
+@dataclass(slots=True)
+class StepOutputs:
+    """One applied step. Rows are the sampled rows whose token was kept, in plan order."""
+
+    step_id: int
+    seqs: np.ndarray  # [R] int64: the request of each row
+    token_ids: np.ndarray  # [R] int64: the token it sampled
+    finish: np.ndarray  # [R] int8 Finish: the token ended the request (EOS, stop token, length)
+    ended_seqs: np.ndarray  # [E] int64: requests that ended without a token (abort, error)
+    ended_codes: np.ndarray  # [E] int8 Finish
+    first_scheduled: np.ndarray  # [F] int64: requests whose first chunk ran in this step
+    record: StepRecord | None = None  # the step's timeline (None for a step-less message, e.g. an abort)
+
+
+@dataclass(slots=True)
+class Reply:
+    call_id: int
+    value: object = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class CoreFailed:
+    message: str
+    traceback: str = ""
+
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+def ended_only(seqs: list[int], code: Finish) -> StepOutputs:
+    """A message that only ends requests (aborts between steps)."""
+    return StepOutputs(-1, _EMPTY, _EMPTY, np.zeros(0, dtype=np.int8), np.asarray(seqs, dtype=np.int64),
+                       np.full(len(seqs), code, dtype=np.int8), _EMPTY)
+
+
+@dataclass(slots=True)
+class AppliedStep:
+    """What ``Scheduler.apply`` reports for one step, before it becomes ``StepOutputs``."""
+
+    seqs: np.ndarray
+    token_ids: np.ndarray
+    finish: np.ndarray
+    errored: list[int] = field(default_factory=list)  # seqs ended by non-finite logits (no token)
