@@ -83,6 +83,9 @@ class EngineConfig:
     block_size: int = 16
     seed: int = 0
     overlap: bool = True
+    # The engine core (scheduler, planner, executor) in a child process, so detokenization, stop strings
+    # and the caller's own Python never share a GIL with the launch path. False: a thread of this process.
+    engine_process: bool = True
     kv_cache_memory_gib: float | None = None
     gpu_memory_utilization: float = 0.85
     num_kv_blocks: int | None = None

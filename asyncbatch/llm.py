@@ -8,21 +8,30 @@ the one planner thread.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
+import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from asyncbatch.config import EngineConfig
-from asyncbatch.engine.builder import build_engine
-from asyncbatch.engine.request import Request
+from asyncbatch.engine.builder import resolve_model
+from asyncbatch.engine.client import EngineClient
+from asyncbatch.engine.gil_tuning import hold_switch_interval, release_switch_interval
+from asyncbatch.engine.messages import AbortRequests, AddRequests, NewRequest
+from asyncbatch.errors import EngineDeadError
 from asyncbatch.frontend.detokenizer import IncrementalDetokenizer
+from asyncbatch.frontend.output_processor import OutputProcessor
 from asyncbatch.frontend.prompt_validation import check_fits, prompt_token_ids
 from asyncbatch.frontend.request_handle import RequestHandle
 from asyncbatch.frontend.stop_strings import StopStringMatcher
+from asyncbatch.model.loader import resolve_dtype
 from asyncbatch.outputs import RequestMetrics, RequestOutput, StreamDelta
 from asyncbatch.profiling.marks import mark
+from asyncbatch.profiling.timeline import Timeline
 from asyncbatch.sampling_params import MAX_SEED, SamplingParams
 
 Prompt = str | list[int]
@@ -32,49 +41,93 @@ class LLM:
     """An inference engine over one model.
 
     ``LLM(model=None, device="auto", dtype="auto", max_num_seqs=256, max_num_batched_tokens=2048,
-    max_model_len=None, block_size=16, seed=0, overlap=True, sim=SimConfig(), ...)``; see
-    ``EngineConfig`` for every keyword. An unknown keyword is a ``TypeError``.
+    max_model_len=None, block_size=16, seed=0, overlap=True, engine_process=True, sim=SimConfig(), ...)``;
+    see ``EngineConfig`` for every keyword. An unknown keyword is a ``TypeError``.
+
+    This object is the frontend: tokenization, detokenization, stop strings, streaming and metrics run
+    in the caller's process; the engine core runs in a child process (``engine_process=False``: a thread).
     """
 
     def __init__(self, model: str | None = None, **kwargs: object) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
-        built = build_engine(self.config)
-        self._engine = built
-        self._core = built.core
-        self.tokenizer = built.tokenizer
-        self.model_path: Path = built.model_path
-        self.device = built.device
-        self.dtype = built.dtype
-        self.max_model_len = built.max_model_len
-        self.simulated = built.device == "sim"
+        resolved = resolve_model(self.config)
+        self._spec = resolved.spec
+        self.tokenizer = resolved.tokenizer
+        self.model_path: Path = resolved.spec.path
+        self.device = resolved.spec.device
+        self.dtype = None if self.device == "sim" else resolve_dtype(self.config.dtype, self.device)
+        self.max_model_len = resolved.spec.max_model_len
+        self.simulated = self.device == "sim"
         self._ids = itertools.count()
-        self._usable_tokens = self._core.scheduler.blocks.num_usable_blocks * self.config.block_size
+        self._lock = threading.Lock()
+        self._handles: dict[int, RequestHandle] = {}  # unfinished, by seq (the output thread removes them)
+        self._by_id: dict[str, RequestHandle] = {}  # by request_id, for abort and the uniqueness check
+        self.timeline = Timeline()
+        eos = self._spec.eos_token_id
+        # The client's threads must not hold this object: an LLM dropped without close() is collected,
+        # and its __del__ stops the core. So they get the client's own send and a weak callback.
+        processor = OutputProcessor(self._handles, self.timeline, frozenset(t for t in (eos,) if t is not None),
+                                    _unset_send, ack_steps=not self.config.overlap)
+        self._switch_interval_held = False
+        if not self.config.engine_process and self.config.switch_interval_s is not None:
+            hold_switch_interval(self.config.switch_interval_s)  # the core's threads share this process
+            self._switch_interval_held = True
+        fail_all = weakref.WeakMethod(self._fail_all)
+        self._client = EngineClient(self.config, self._spec, processor.process,
+                                    lambda error: (fail_all() or _ignore)(error))
+        processor.send = self._client.send
+        self.timeline.last_launched = functools.partial(self._client.call, "last_launched_step")
+        self._usable_tokens = self._client.ready.num_usable_blocks * self.config.block_size
+
+    @property
+    def _core(self):
+        """The engine core object (``engine_process=False`` only: tests and debugging reach into it)."""
+        if self._client.core is None:
+            raise RuntimeError("the engine core runs in another process; use LLM(..., engine_process=False)")
+        return self._client.core
 
     # -- submission -----------------------------------------------------------
     def _prepare(self, prompt: Prompt, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        ids = prompt_token_ids(prompt, self.tokenizer, self._engine.vocab_size)
+        ids = prompt_token_ids(prompt, self.tokenizer, self._spec.vocab_size)
         check_fits(len(ids), params, self.max_model_len, self._usable_tokens)
         return ids, params
 
-    def _submit(self, prompt: Prompt, ids: list[int], params: SamplingParams, request_id: str | None = None,
-                streaming: bool = False) -> RequestHandle:
-        with mark("submit"):
-            seq = next(self._ids)
-            rid = request_id if request_id is not None else f"req-{seq}"
-            if not isinstance(rid, str):
-                raise TypeError(f"request_id must be a string, got {type(rid).__name__}")
-            seed = params.seed if params.seed is not None else _derive_seed(self.config.seed, seq)
-            now = time.perf_counter()
-            handle = RequestHandle(
-                rid, prompt if isinstance(prompt, str) else None, ids,
-                IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens),
-                StopStringMatcher(params.stop_strings, params.include_stop_str_in_output),
-                RequestMetrics(arrival_time=now), simulated=self.simulated, streaming=streaming)
-            self._core.submit(Request(rid, seq, ids, params, seed, now, handle=handle))
-        return handle
+    def _send(self, message: object) -> None:
+        self._client.send(message)
+
+    def _submit(self, items: list[tuple[Prompt, list[int], SamplingParams]], request_id: str | None = None,
+                streaming: bool = False) -> list[RequestHandle]:
+        """Register a handle per request, then send them to the core in one message."""
+        if request_id is not None and not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
+        handles, new = [], []
+        with mark("submit"), self._lock:
+            if self._client.error is not None:
+                raise EngineDeadError("the engine has failed; create a new LLM") from self._client.error
+            if len(self._by_id) > 4096:
+                self._by_id = {k: h for k, h in self._by_id.items() if not h.finished}
+            for prompt, ids, params in items:
+                seq = next(self._ids)
+                rid = request_id if request_id is not None else f"req-{seq}"
+                existing = self._by_id.get(rid)
+                if existing is not None and not existing.finished:
+                    raise ValueError(f"request_id {rid!r} is already in use by a live request")
+                seed = params.seed if params.seed is not None else _derive_seed(self.config.seed, seq)
+                now = time.perf_counter()
+                handle = RequestHandle(
+                    seq, rid, prompt if isinstance(prompt, str) else None, ids,
+                    IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens),
+                    StopStringMatcher(params.stop_strings, params.include_stop_str_in_output),
+                    RequestMetrics(arrival_time=now), simulated=self.simulated, streaming=streaming)
+                self._handles[seq] = handle
+                self._by_id[rid] = handle
+                handles.append(handle)
+                new.append(NewRequest(seq, ids, params, seed, now))
+            self._send(AddRequests(new))
+        return handles
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams |
                  Sequence[SamplingParams] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
@@ -95,7 +148,7 @@ class LLM:
         else:
             params_list = [sampling_params] * len(prompts)
         prepared = [self._prepare(p, sp) for p, sp in zip(prompts, params_list)]
-        handles = [self._submit(p, ids, sp) for p, (ids, sp) in zip(prompts, prepared)]
+        handles = self._submit([(p, ids, sp) for p, (ids, sp) in zip(prompts, prepared)])
         return self._collect(handles, use_tqdm)
 
     def _collect(self, handles: list[RequestHandle], use_tqdm: bool) -> list[RequestOutput]:
@@ -133,7 +186,7 @@ class LLM:
                request_id: str | None = None) -> Iterator[StreamDelta]:
         """Yield deltas as tokens arrive; leaving the loop early aborts the request."""
         ids, params = self._prepare(prompt, sampling_params)
-        handle = self._submit(prompt, ids, params, request_id, streaming=True)
+        handle = self._submit([(prompt, ids, params)], request_id, streaming=True)[0]
         return self._stream(handle)
 
     def _stream(self, handle: RequestHandle) -> Iterator[StreamDelta]:
@@ -151,47 +204,59 @@ class LLM:
 
     def abort(self, request_id: str) -> None:
         """Stop a request; it finishes with ``finish_reason="abort"`` within one step."""
-        self._core.abort(request_id)
+        handle = self._by_id.get(request_id)
+        if handle is not None and not handle.finished and self._client.alive:
+            self._send(AbortRequests([handle.seq]))
 
     # -- measurement ----------------------------------------------------------
     def stats(self) -> dict:
         """Timeline summary of the current window (see ``asyncbatch.profiling.timeline.summarize``)."""
-        stats = self._core.timeline.stats()
+        stats = self.timeline.stats()
         stats.update(mode="overlap" if self.config.overlap else "sync", backend=self.device,
-                     simulated=self.simulated, preemptions=self._core.scheduler.num_preemptions)
+                     simulated=self.simulated, preemptions=self._client.call("num_preemptions"))
         return stats
 
     def reset_stats(self) -> None:
-        self._core.timeline.reset()
+        self.timeline.reset()
 
     def export_trace(self, path, torch_trace=None) -> dict:
-        """Write the current timeline window as Chrome/Perfetto trace JSON (see ``asyncbatch.profiling.trace_export``)."""
+        """Write the current timeline window as Chrome/Perfetto trace JSON (see ``profiling.trace_export``)."""
         from asyncbatch.profiling.trace_export import export_trace
 
         return export_trace(self, path, torch_trace=torch_trace)
 
-    @property
-    def timeline(self):
-        return self._core.timeline
-
     def check_integrity(self) -> None:
         """Raise ``IntegrityError`` if KV block or token-row accounting is inconsistent (call when idle)."""
-        self._core.scheduler.check_integrity()
+        self._client.call("check_integrity")
 
     @property
     def num_free_blocks(self) -> int:
-        return self._core.scheduler.blocks.num_free_blocks
+        return self._client.call("num_free_blocks")
+
+    @property
+    def executor_info(self) -> dict:
+        """The executor's ``describe()``, read now (CUDA graph counters move as steps run)."""
+        return self._client.call("describe_executor")
 
     @property
     def num_usable_blocks(self) -> int:
-        return self._core.scheduler.blocks.num_usable_blocks
+        return self._client.ready.num_usable_blocks
 
     # -- lifetime -------------------------------------------------------------
+    def _fail_all(self, error: BaseException) -> None:
+        for handle in list(self._handles.values()):
+            handle.fail(error)
+
     def close(self) -> None:
-        """Stop every engine thread; callers still waiting get ``EngineDeadError``."""
-        core = getattr(self, "_core", None)
-        if core is not None:
-            core.close()
+        """Stop the engine core; callers still waiting get ``EngineDeadError``."""
+        client = getattr(self, "_client", None)
+        if client is None:
+            return
+        client.close()
+        if self._switch_interval_held:
+            self._switch_interval_held = False
+            release_switch_interval(self.config.switch_interval_s)
+        self._fail_all(EngineDeadError("the engine was closed before the request finished"))
 
     def __enter__(self) -> LLM:  # noqa: PYI034 - LLM is not meant to be subclassed
         return self
@@ -202,6 +267,14 @@ class LLM:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown may have torn modules down
             self.close()
+
+
+def _unset_send(message: object) -> None:
+    raise RuntimeError("the output processor sent a message before the engine core was connected")
+
+
+def _ignore(error: BaseException) -> None:
+    """The LLM is gone; nobody is waiting."""
 
 
 def _derive_seed(engine_seed: int, seq: int) -> int:

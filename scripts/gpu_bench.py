@@ -123,7 +123,7 @@ def run_engine(model: Path, graphs: bool, overlap: bool, prompts, params, args) 
               max_model_len=args.max_model_len, overlap=overlap, enable_cuda_graphs=graphs)
     build_s = time.perf_counter() - t0
     try:
-        info = llm._core.executor.describe()
+        info = llm.executor_info
         llm.generate(prompts[:16], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
                      use_tqdm=False)  # warm-up: kernels compiled, small buckets touched
         runs, tokens = [], None

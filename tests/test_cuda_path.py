@@ -132,7 +132,7 @@ def run_engine(make_llm, path, **kwargs) -> tuple[list[list[int]], dict]:
     outs = llm.generate(prompts, params, use_tqdm=False)
     llm.check_integrity()
     assert llm.num_free_blocks == llm.num_usable_blocks
-    return [o.token_ids for o in outs], llm._core.executor.describe()
+    return [o.token_ids for o in outs], llm.executor_info
 
 
 def test_engine_graphs_and_overlap_agree(make_llm, tiny_path):

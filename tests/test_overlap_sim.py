@@ -179,7 +179,7 @@ def test_abort_at_each_moment(make_llm):
 
 
 def test_device_failure_reaches_every_caller_and_close_joins(make_llm):
-    llm = make_llm(device="sim", sim=FAST_SIM)
+    llm = make_llm(device="sim", sim=FAST_SIM, engine_process=False)
     executor = llm._core.executor
     calls = {"n": 0}
 

@@ -152,5 +152,5 @@ def test_allocates_lazily():
     state.reset_rows(_ints([3]))
     assert state.allocated
     assert state.counts.shape == (1024, 50_000)
-    with pytest.raises(ValueError, match="num_slots"):
+    with pytest.raises(ValueError, match="num_rows"):
         PenaltyState(0, 10, torch.device("cpu"))

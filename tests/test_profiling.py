@@ -47,8 +47,9 @@ def workload(n: int = 8, max_tokens: int = 10):
     return prompts, params
 
 
-def run(make_llm, overlap: bool, sim: SimConfig = FAST_SIM, n: int = 8, max_tokens: int = 10):
-    llm = make_llm(device="sim", overlap=overlap, sim=sim)
+def run(make_llm, overlap: bool, sim: SimConfig = FAST_SIM, n: int = 8, max_tokens: int = 10,
+        engine_process: bool = True):
+    llm = make_llm(device="sim", overlap=overlap, sim=sim, engine_process=engine_process)
     prompts, params = workload(n, max_tokens)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.timeline.wait_settled(10.0), "steps never completed"
@@ -234,7 +235,7 @@ def install_fake_nvtx(monkeypatch) -> RecordingDomain:
 def test_ranges_come_from_the_calls_that_feed_the_timeline(make_llm, monkeypatch):
     domain = install_fake_nvtx(monkeypatch)
     assert enable_nvtx(True)
-    llm, _ = run(make_llm, True)
+    llm, _ = run(make_llm, True, engine_process=False)  # the fake NVTX domain lives in this process
     enable_nvtx(False)
     assert all(not stack for stack in domain._stacks.values()), "every pushed range was popped"
     fields = {"wait_staging_fence": ("fence_start", "fence_end"), "prepare_metadata": ("fence_end", "plan_end"),

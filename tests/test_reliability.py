@@ -24,7 +24,7 @@ INSTANT = SimConfig(step_fixed_ms=0.02, per_token_us=0.0, per_context_token_ns=0
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
 def test_overload_2000_requests_fifo_and_bounded(make_llm, overlap):
-    llm = make_llm(device="sim", overlap=overlap, sim=INSTANT, max_num_seqs=64, max_num_batched_tokens=512)
+    llm = make_llm(device="sim", overlap=overlap, sim=INSTANT, engine_process=False, max_num_seqs=64, max_num_batched_tokens=512)
     scheduler = llm._core.scheduler
     admitted: list[int] = []
     peak = {"running": 0, "waiting": 0}

@@ -21,7 +21,7 @@ SLOW_COPY_S = 0.003
 
 
 def run_with_checked_copies(make_llm, overwrite_step: int | None = None) -> int:
-    llm = make_llm(device="sim", sim=SimConfig(step_fixed_ms=0.0, per_token_us=0.0, per_context_token_ns=0.0,
+    llm = make_llm(device="sim", engine_process=False, sim=SimConfig(step_fixed_ms=0.0, per_token_us=0.0, per_context_token_ns=0.0,
                                                 output_len_distribution="fixed", output_len_max=64))
     core = llm._core
     written: dict[int, np.ndarray] = {}

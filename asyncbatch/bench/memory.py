@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable
 
 import torch
+
+from asyncbatch.profiling.memory import module_mib, tensor_mib  # noqa: F401 - re-exported
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _MIB = 1 << 20
@@ -34,20 +35,6 @@ def rss_mib() -> float:
             return int(f.read().split()[1]) * _PAGE / _MIB
     except (OSError, IndexError, ValueError):
         return 0.0
-
-
-def tensor_mib(tensors: Iterable[torch.Tensor]) -> float:
-    """MiB of storage behind ``tensors``, each storage counted once."""
-    seen: dict[int, int] = {}
-    for t in tensors:
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values()) / _MIB
-
-
-def module_mib(module: torch.nn.Module) -> float:
-    """MiB of a module's parameters and buffers (tied weights once)."""
-    return tensor_mib([*module.parameters(), *module.buffers()])
 
 
 class MemorySampler:

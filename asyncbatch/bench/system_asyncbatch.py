@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 
-from asyncbatch.bench.memory import MemorySampler, module_mib, tensor_mib
+from asyncbatch.bench.memory import MemorySampler
 from asyncbatch.bench.records import RequestRecord, RunResult
 from asyncbatch.bench.system_base import BenchSettings, BenchSystem, ThreadErrors, timed_replay
 from asyncbatch.bench.workloads import WorkItem
@@ -28,9 +28,8 @@ class AsyncBatchSystem(BenchSystem):
         self.llm = LLM(settings.model, device=settings.device, dtype=settings.dtype, overlap=overlap,
                        max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
                        seed=settings.seed)
-        executor = self.llm._core.executor  # the benchmark counts the engine's own tensors
-        model, caches = getattr(executor, "model", None), getattr(executor, "kv_caches", [])
-        self.load_mib = (0.0 if model is None else module_mib(model)) + tensor_mib(t for kv in caches for t in kv)
+        info = self.llm.executor_info  # the engine's own tensors, counted in the core process
+        self.load_mib = info.get("weights_mib", 0.0) + info.get("kv_cache_mib", 0.0)
 
     def _params(self, item: WorkItem) -> SamplingParams:
         return SamplingParams(max_tokens=item.max_tokens, temperature=self.settings.temperature,

@@ -1,4 +1,5 @@
-"""Assembles an engine from an ``EngineConfig``: model, tokenizer, KV cache, executor, scheduler.
+"""Assembles an engine from an ``EngineConfig``: ``resolve_model`` in the frontend (path, config, tokenizer),
+``build_core`` in the engine core (weights, KV cache, executor, scheduler).
 
 KV capacity: ``num_kv_blocks`` if given; otherwise a memory budget divided by
 the bytes one token's keys and values take in every layer. The budget is
@@ -13,6 +14,7 @@ cache exists (they bake in its addresses).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,16 +39,25 @@ _GIB = 1 << 30
 
 
 @dataclass(slots=True)
-class BuiltEngine:
-    core: EngineCore
-    model_path: Path
-    hf_config: PretrainedConfig
-    tokenizer: PreTrainedTokenizerBase
-    device: str
-    dtype: torch.dtype | None
+class ModelSpec:
+    """What the frontend resolved about the model, handed to the core so it does not resolve it again."""
+
+    path: Path
+    device: str  # "cpu" | "cuda" | "sim" ("auto" resolved)
     max_model_len: int
     vocab_size: int
     eos_token_id: int | None
+    max_blocks_per_seq: int
+    nvtx: bool = False  # NVTX ranges on in the core (the frontend's setting)
+
+
+@dataclass(slots=True)
+class ResolvedModel:
+    """The frontend's side of the model: its spec, config and tokenizer (no weights)."""
+
+    spec: ModelSpec
+    hf_config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase
 
 
 def resolve_device(name: str) -> str:
@@ -92,7 +103,10 @@ def _eos_id(tokenizer: PreTrainedTokenizerBase, hf_config: PretrainedConfig) -> 
     return eos
 
 
-def build_engine(config: EngineConfig) -> BuiltEngine:
+def resolve_model(config: EngineConfig) -> ResolvedModel:
+    """Find the model (converting a GGUF once), read its config and tokenizer; loads no weights."""
+    from asyncbatch.profiling.marks import nvtx_enabled
+
     device = resolve_device(config.device)
     path = resolve_model_path(config.model, config.cache_dir)
     hf_config, _arch = load_config(path)
@@ -101,25 +115,31 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
     if config.max_model_len is not None and config.max_model_len > model_max:
         raise ValueError(f"max_model_len must be <= {model_max} for this model, got {config.max_model_len}")
     max_len = config.max_model_len or model_max
-    eos = _eos_id(tokenizer, hf_config)
-    vocab = int(hf_config.vocab_size)
-    max_blocks_per_seq = -(-max_len // config.block_size)
+    spec = ModelSpec(path, device, max_len, int(hf_config.vocab_size), _eos_id(tokenizer, hf_config),
+                     -(-max_len // config.block_size), nvtx_enabled())
+    return ResolvedModel(spec, hf_config, tokenizer)
+
+
+def build_core(config: EngineConfig, spec: ModelSpec, send: Callable[[object], None]) -> EngineCore:
+    """Load the weights, size the KV cache, and assemble executor, scheduler and planner (not started)."""
+    device = spec.device
+    hf_config, _arch = load_config(spec.path)
+    max_len = spec.max_model_len
     executor: Executor
     if device == "sim":
         from asyncbatch.executors.sim_executor import SimExecutor
 
-        dtype = None
         num_blocks = choose_num_blocks(config, device, kv_bytes_per_token(hf_config, torch.bfloat16), max_len)
-        executor = SimExecutor(config.sim, vocab, eos, config.max_num_seqs)
+        executor = SimExecutor(config.sim, spec.vocab_size, spec.eos_token_id, config.max_num_seqs)
     else:
         from asyncbatch.executors.torch_executor import TorchExecutor
 
         if device == "cpu":
-            # The device thread's kernels get every core; the planner and output threads mostly wait on it.
+            # The device thread's kernels get every core; the planner thread mostly waits on it.
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         dtype = resolve_dtype(config.dtype, device)
         torch_device = torch.device(device)
-        model = load_model(path, dtype, torch_device, max_positions=max_len)
+        model = load_model(spec.path, dtype, torch_device, max_positions=max_len)
         reserved = 0
         if device == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory_gib is None:
             from asyncbatch.executors.cuda_memory import profile_step_memory
@@ -132,13 +152,11 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
             from asyncbatch.executors.cuda_executor import CudaExecutor
 
             executor = CudaExecutor(model, kv_caches, config.max_num_seqs, torch_device,
-                                    max_blocks_per_seq=max_blocks_per_seq,
+                                    max_blocks_per_seq=spec.max_blocks_per_seq,
                                     enable_cuda_graphs=config.enable_cuda_graphs,
                                     cuda_graph_batch_sizes=config.cuda_graph_batch_sizes)
         else:
             executor = TorchExecutor(model, kv_caches, config.max_num_seqs, torch_device)
-    blocks = BlockManager(num_blocks, config.block_size)
-    scheduler = Scheduler(blocks, config.max_num_seqs, config.max_num_batched_tokens)
-    hidden = frozenset(t for t in (eos,) if t is not None)
-    core = EngineCore(config, executor, scheduler, max_blocks_per_seq, eos, hidden)
-    return BuiltEngine(core, path, hf_config, tokenizer, device, dtype, max_len, vocab, eos)
+    scheduler = Scheduler(BlockManager(num_blocks, config.block_size), config.max_num_seqs,
+                          config.max_num_batched_tokens, spec.eos_token_id)
+    return EngineCore(config, executor, scheduler, spec.max_blocks_per_seq, send)

@@ -253,6 +253,7 @@ class EngineCore:
             "num_preemptions": lambda: self.scheduler.num_preemptions,
             "last_launched_step": lambda: self._last_launched,
             "num_live_requests": lambda: len(self._requests),
+            "describe_executor": self.executor.describe,
         }
         try:
             self._send(Reply(call.call_id, calls[call.name]()))

@@ -26,6 +26,7 @@ from asyncbatch.executors.device_thread import DeviceThread, ThreadedExecutor
 from asyncbatch.model.forward_batch import ForwardBatch, PrefillRow
 from asyncbatch.model.llama import CausalLM
 from asyncbatch.profiling.marks import mark
+from asyncbatch.profiling.memory import module_mib, tensor_mib
 from asyncbatch.sampling.penalties import PenaltyState
 from asyncbatch.sampling.sampler import SamplingTensors, sample
 
@@ -170,3 +171,8 @@ class TorchExecutor(ThreadedExecutor):
                           h2d_ms=(t1 - t0) * 1e3, forward_ms=(t_sample - t1) * 1e3,
                           sample_ms=(t2 - t_sample) * 1e3, d2h_ms=(t3 - t2) * 1e3)
 
+    def describe(self) -> dict:
+        info = super().describe()
+        info["weights_mib"] = module_mib(self.model)
+        info["kv_cache_mib"] = tensor_mib(t for kv in self.kv_caches for t in kv)
+        return info

@@ -1,140 +1,127 @@
-"""Output processing: the thread that turns sampled ids into text for callers.
+"""Output processing: turns the core's columnar ``StepOutputs`` into text, streams and final outputs.
 
-It runs beside the planner and never blocks it (DESIGN invariant 5):
+It runs on the frontend's receiver thread, in the caller's process, never on
+the engine core's launch path:
 
-    planner      [apply N: ids, EOS, frees] ──queue──► output  [detok N, stop strings, stream N]
-    planner      [plan N+2] ...                         output  (idle)
-    planner  ◄── stop-string finish of request R ─────  output
-             (frees R's blocks at its next iteration; tokens R got meanwhile are dropped)
+    core      [apply N ─ send StepOutputs N] [plan N+2] ...
+    frontend                   └─► [detokenize N, stop strings N, stream N, record N]
+    core  ◄── FinishRequests (stop string found in R) ── frontend
+              (R's blocks are freed at the core's next inbox pass; tokens R got meanwhile are dropped here)
 
 Tokens that arrive for a request after it finished (the step it was still in
-when its stop was seen) are dropped here: never emitted, never counted.
+when its stop was seen) are dropped: never emitted, never counted. Callers wake
+only after the step's record is in the timeline, so ``stats()`` read after a
+request finished includes the step that finished it.
 """
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from asyncbatch.engine.request import Request
+from asyncbatch.engine.messages import NON_FINITE_MESSAGE, Finish, FinishRequests, StepAck, StepOutputs
+from asyncbatch.frontend.request_handle import RequestHandle
 from asyncbatch.outputs import StreamDelta
 from asyncbatch.profiling.marks import mark
-from asyncbatch.profiling.timeline import StepRecord
+from asyncbatch.profiling.timeline import Timeline
 
-
-@dataclass(slots=True)
-class RequestUpdate:
-    request: Request
-    new_token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    error: str | None = None
-
-
-@dataclass(slots=True)
-class OutputBatch:
-    updates: list[RequestUpdate]
-    record: StepRecord | None = None
-    processed: threading.Event | None = None  # set once handled (the synchronous planner waits on it)
-
-
-_STOP = object()
+_ENDED_MESSAGES = {Finish.ERROR: NON_FINITE_MESSAGE}
 
 
 class OutputProcessor:
-    def __init__(self, on_stop_string: Callable[[Request, str], None], on_error: Callable[[BaseException], None],
-                 hidden_token_ids: frozenset[int], on_request_error: Callable[[Request], None]) -> None:
-        self._on_stop_string = on_stop_string
-        self._on_error = on_error
-        self._on_request_error = on_request_error
-        self._hidden = hidden_token_ids  # EOS/stop ids: kept in token_ids, not detokenized
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name="asyncbatch-output", daemon=True)
-        self._thread.start()
+    """Applies ``StepOutputs`` to the caller-visible ``RequestHandle`` of each request (by seq)."""
 
-    def put(self, batch: OutputBatch) -> None:
-        self._queue.put(batch)
+    def __init__(self, handles: dict[int, RequestHandle], timeline: Timeline, hidden_token_ids: frozenset[int],
+                 send: Callable[[object], None], ack_steps: bool) -> None:
+        self._handles = handles  # live handles by seq; the frontend adds, this removes finished ones
+        self._timeline = timeline
+        self._hidden = hidden_token_ids  # EOS: kept in token_ids, not detokenized
+        self.send = send
+        self._ack_steps = ack_steps  # synchronous mode: the core waits for our StepAck
 
-    def _loop(self) -> None:
-        while True:
-            batch = self._queue.get()
-            if batch is _STOP:
-                return
-            try:
-                self._process(batch)
-            except BaseException as exc:  # noqa: BLE001 - handed to the engine, which fails every caller
-                self._on_error(exc)
-            finally:
-                if batch.processed is not None:
-                    batch.processed.set()
-
-    def _process(self, batch: OutputBatch) -> None:
+    def process(self, out: StepOutputs) -> None:
         start = time.perf_counter()
+        record = out.record
+        step_id = record.step_id if record is not None else None
+        finishes: list[tuple[RequestHandle, tuple]] = []
+        ended: list[int] = []
+        ended_codes: list[Finish] = []
         accepted = 0
-        finishes: list[tuple] = []
-        step_id = batch.record.step_id if batch.record else None
         with mark("output", step_id), mark("detokenize", step_id):
-            for update in batch.updates:
+            if record is not None and len(out.first_scheduled):
+                for seq in out.first_scheduled.tolist():
+                    handle = self._handles.get(seq)
+                    if handle is not None and handle.metrics.first_scheduled_time is None:
+                        handle.metrics.first_scheduled_time = record.plan_end
+            for seq, token, code in zip(out.seqs.tolist(), out.token_ids.tolist(), out.finish.tolist()):
+                handle = self._handles.get(seq)
+                if handle is None or handle.finished:
+                    continue
                 try:
-                    accepted += self._apply(update, start, finishes)
+                    accepted += 1
+                    stopped = self._accept(handle, token, Finish(code), start, finishes)
                 except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
-                    self._fail_request(update.request, exc)
-        if batch.record is not None:
-            batch.record.output_start = start
-            batch.record.output_end = time.perf_counter()
-            batch.record.output_tokens = accepted
-        # Callers wake only now, so a caller reading stats() after its request finished sees this step.
+                    self._fail(handle, exc, start)
+                    ended.append(seq)
+                    ended_codes.append(Finish.ERROR)
+                    continue
+                if stopped:
+                    ended.append(seq)
+                    ended_codes.append(Finish.STOP_STRING)
+            for seq, code in zip(out.ended_seqs.tolist(), out.ended_codes.tolist()):
+                handle = self._handles.get(seq)
+                if handle is not None and not handle.finished:
+                    code = Finish(code)
+                    self._flush(handle, "", [], finishes, (code.reason, None, start, _ENDED_MESSAGES.get(code)))
+        if ended:
+            self.send(FinishRequests(ended, ended_codes))
+        if record is not None:
+            record.output_start = start
+            record.output_end = time.perf_counter()
+            record.output_tokens = accepted
+            self._timeline.add(record)
         for handle, args in finishes:
             handle.finish(*args)
+            self._handles.pop(handle.seq, None)
+        if record is not None and self._ack_steps:
+            self.send(StepAck(record.step_id))
 
-    def _apply(self, update: RequestUpdate, now: float, finishes: list[tuple]) -> int:
-        handle = update.request.handle
-        if handle.finished:
-            return 0
-        if handle.metrics.first_token_time is None and update.new_token_ids:
+    def _accept(self, handle: RequestHandle, token: int, code: Finish, now: float, finishes: list) -> bool:
+        """Append one token; True if a stop string ended the request here."""
+        if handle.metrics.first_token_time is None:
             handle.metrics.first_token_time = now
+        handle.token_ids.append(token)
         emitted = ""
-        new_ids: list[int] = []
-        stop_params = update.request.params.stop_token_ids or ()
-        for token in update.new_token_ids:
-            handle.token_ids.append(token)
-            new_ids.append(token)
-            if token in self._hidden or token in stop_params:
-                continue
+        if token not in self._hidden and code is not Finish.STOP_TOKEN:
             feed = handle.stops.feed(handle.detokenizer.push(token))
-            emitted += feed.emit
+            emitted = feed.emit
             if feed.stopped:
                 handle.text += emitted
-                self._emit(handle, emitted, new_ids)
+                self._emit(handle, emitted, [token])
                 finishes.append((handle, ("stop", feed.matched, now)))
-                self._on_stop_string(update.request, feed.matched)
-                return len(new_ids)
-        if update.finish_reason is not None:
-            emitted += handle.stops.feed(handle.detokenizer.finish()).emit + handle.stops.flush()
-        handle.text += emitted
-        self._emit(handle, emitted, new_ids)
-        if update.finish_reason is not None:
-            finishes.append((handle, (update.finish_reason, update.stop_reason, now, update.error)))
-        return len(new_ids)
+                return True
+        if code is Finish.NONE:
+            handle.text += emitted
+            self._emit(handle, emitted, [token])
+        else:
+            stop_reason = token if code is Finish.STOP_TOKEN else None
+            self._flush(handle, emitted, [token], finishes, (code.reason, stop_reason, now))
+        return False
 
-    def _fail_request(self, request: Request, exc: Exception) -> None:
-        """Detokenizing or streaming this request raised: fail it alone and have the planner free it."""
-        if not request.handle.finished:
-            request.handle.finish("error", None, time.perf_counter(), error=f"output processing failed: {exc!r}")
-        self._on_request_error(request)
+    def _flush(self, handle: RequestHandle, emitted: str, token_ids: list[int], finishes: list, args: tuple) -> None:
+        """The request ends: emit what the detokenizer and the stop matcher still hold, then finish."""
+        emitted += handle.stops.feed(handle.detokenizer.finish()).emit + handle.stops.flush()
+        handle.text += emitted
+        self._emit(handle, emitted, token_ids)
+        finishes.append((handle, args))
+
+    def _fail(self, handle: RequestHandle, exc: Exception, now: float) -> None:
+        """Detokenizing or streaming this request raised: it fails alone; the core frees it."""
+        if not handle.finished:
+            handle.finish("error", None, now, error=f"output processing failed: {exc!r}")
+        self._handles.pop(handle.seq, None)
 
     @staticmethod
-    def _emit(handle, text: str, token_ids: list[int]) -> None:
+    def _emit(handle: RequestHandle, text: str, token_ids: list[int]) -> None:
         if handle.streaming and (text or token_ids):
             handle.deltas.put(StreamDelta(handle.request_id, text, token_ids))
-
-    def close(self) -> None:
-        self._queue.put(_STOP)
-        self._thread.join(timeout=30)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive()

@@ -19,6 +19,7 @@ from asyncbatch.outputs import RequestMetrics, RequestOutput, StreamDelta
 
 @dataclass(eq=False)
 class RequestHandle:
+    seq: int  # the engine's name for the request (submission order)
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]

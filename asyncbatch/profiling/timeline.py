@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -74,15 +75,20 @@ class stage:
 
 @dataclass
 class Timeline:
+    """The frontend's record of every step, in the order their outputs were processed.
+
+    ``last_launched`` (set by the frontend) asks the engine core for the newest launched step, so
+    ``wait_settled`` knows which records are still to come.
+    """
+
     records: list[StepRecord] = field(default_factory=list)
+    last_launched: Callable[[], int] | None = None
     _window_start: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def new_record(self, step_id: int) -> StepRecord:
-        record = StepRecord(step_id)
+    def add(self, record: StepRecord) -> None:
         with self._lock:
             self.records.append(record)
-        return record
 
     def reset(self) -> None:
         with self._lock:
@@ -99,10 +105,11 @@ class Timeline:
         """Wait until every launched step was applied and output-processed (a last overlap step may still
         run after ``generate`` returned); False if that took longer than ``timeout_s``."""
         deadline = time.perf_counter() + timeout_s
+        target = self.last_launched() if self.last_launched is not None else 0
         while True:
             with self._lock:
-                records = list(self.records)
-            if all(r.apply_end > 0 and r.output_end > 0 for r in records):
+                newest = self.records[-1].step_id if self.records else 0
+            if newest >= target:
                 return True
             if time.perf_counter() >= deadline:
                 return False
