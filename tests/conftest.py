@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import threading
 
@@ -33,3 +34,5 @@ def make_llm():
         llm.close()
     leftover = [t.name for t in threading.enumerate() if t.name.startswith("asyncbatch-")]
     assert not leftover, f"engine threads left alive: {leftover}"
+    cores = [p.pid for p in multiprocessing.active_children() if p.name == "asyncbatch-core"]
+    assert not cores, f"engine core processes left alive: {cores}"

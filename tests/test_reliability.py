@@ -175,10 +175,26 @@ def test_interpreter_exit_with_requests_in_flight(tmp_path):
         " output_len_max=10000))\n"
         "stream = llm.stream([300] * 8, SamplingParams(max_tokens=5000))\n"
         "next(stream)\n"
-        "handles = [llm._submit([400], [400], SamplingParams(max_tokens=5000)) for _ in range(8)]\n"
+        "handles = [llm._submit([([400], [400], SamplingParams(max_tokens=5000))]) for _ in range(8)]\n"
+        "import multiprocessing\n"
+        "print('core pids', *[p.pid for p in multiprocessing.active_children() if p.name == 'asyncbatch-core'],"
+        " flush=True)\n"
         "print('exiting with requests in flight', flush=True)\n")
     started = time.time()
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "exiting with requests in flight" in proc.stdout
+    # No main guard in that script: the core process must not have re-run it. And no core outlives it.
+    pids = [int(p) for p in proc.stdout.split("core pids", 1)[1].split()]
+    assert len(pids) == 1
+    assert not _alive(pids[0])
     assert time.time() - started < 60
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
