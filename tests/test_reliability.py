@@ -6,10 +6,12 @@ checks that memory pressure never changes greedy tokens.
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from engine_checks import assert_idle_and_clean
@@ -129,7 +131,7 @@ def test_seeded_soak(make_llm, overlap):
                 streams_broken += 1
                 continue
             ids, p = llm._prepare(prompt, params)
-            handles.append(llm._submit(prompt, ids, p, request_id=f"soak-{i}"))
+            handles.append(llm._submit([(prompt, ids, p)], request_id=f"soak-{i}")[0])
         outs = [h.wait(timeout=600) for h in handles]
     finally:
         done.set()
@@ -181,11 +183,14 @@ def test_interpreter_exit_with_requests_in_flight(tmp_path):
         " flush=True)\n"
         "print('exiting with requests in flight', flush=True)\n")
     started = time.time()
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=False)
+    repo = Path(__file__).resolve().parents[1]  # this checkout's package, whatever the editable install says
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(repo), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=False,
+                          env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "exiting with requests in flight" in proc.stdout
     # No main guard in that script: the core process must not have re-run it. And no core outlives it.
-    pids = [int(p) for p in proc.stdout.split("core pids", 1)[1].split()]
+    pids = [int(p) for p in proc.stdout.split("core pids", 1)[1].splitlines()[0].split()]
     assert len(pids) == 1
     assert not _alive(pids[0])
     assert time.time() - started < 60
