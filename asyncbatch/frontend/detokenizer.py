@@ -183,8 +183,8 @@ class IncrementalDetokenizer:
 class _OffsetWindow:
     """vLLM's prefix/read-offset window over token strings, for Python tokenizers.
 
-    Invariant: ``tokens[:read]`` decode to ``prefix_text``, whose text was already
-    emitted; ``tokens[read:]`` are held. Each emission drops the tokens before the
+    Invariant: ``_tokens[:_read]`` decode to ``_prefix_text``, whose text was already
+    emitted; ``_tokens[_read:]`` are held. Each emission drops the tokens before the
     old read offset, so a step decodes a handful of tokens, never the whole output.
     """
 
