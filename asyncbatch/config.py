@@ -22,9 +22,8 @@ class SimConfig:
     depend on the token fed back from the previous step; the end-of-sequence
     token is emitted once a request reaches its drawn output length.
 
-    Defaults are in the range measured for SmolLM2-135M decode on one H200
-    (a few ms per step at a few hundred requests); every figure produced on this
-    device is labelled simulated.
+    Defaults approximate SmolLM2-135M decode on one H200; every figure produced
+    on this device is labelled simulated.
     """
 
     step_fixed_ms: float = 2.0

@@ -16,8 +16,12 @@ and fits the largest bucket; otherwise the eager path (prefill, mixed steps,
 penalties, oversized batches), whose inputs are copied into fresh device
 tensors and which runs the same model with the Triton prefill kernel.
 
+The step's model, KV cache, token buffer and eager path are a ``TorchStep``
+(shared with the ``cpu`` backend), called from the planner thread: no device
+thread exists on this backend.
+
 Stream-order invariants:
-  * the H2D copy into static set ``s`` waits for ``set_free[s]``, the D2H event
+  * the H2D copy into static set ``s`` waits for ``_set_free[s]``, the D2H event
     of the last step that replayed set ``s`` (its graph read the inputs before
     that and its outputs were copied out by then); a graph's outputs are set
     ``s``'s static outputs, outside the graphs' shared pool, so step N+1's
@@ -36,17 +40,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from asyncbatch.engine.step_metadata import StepMeta
-from asyncbatch.executors.base import StepHandle, StepResult
+from asyncbatch.executors.base import Executor, StepHandle, StepResult
 from asyncbatch.executors.decode_graph import DecodeGraphStep, SamplingVariant
-from asyncbatch.executors.torch_executor import TorchExecutor
-from asyncbatch.model.forward_batch import ForwardBatch, PagedForwardBatch
+from asyncbatch.executors.torch_executor import DeviceStep, TorchStep
 from asyncbatch.model.llama import CausalLM
 from asyncbatch.model.paged_attention import triton_kernels
 from asyncbatch.profiling.marks import mark
@@ -78,7 +81,7 @@ class _StepEvents:
     d2h: torch.cuda.Event = field(default_factory=lambda: torch.cuda.Event(enable_timing=True))
 
 
-class CudaExecutor(TorchExecutor):
+class CudaExecutor(Executor):
     """Launches each step from the planner thread onto three CUDA streams (see the module docstring).
 
     ``enable_cuda_graphs`` captures ``capture_variants`` for every bucket of
@@ -92,8 +95,16 @@ class CudaExecutor(TorchExecutor):
                  device: torch.device, *, max_blocks_per_seq: int | None = None, enable_cuda_graphs: bool = True,
                  cuda_graph_batch_sizes: tuple[int, ...] | None = None,
                  capture_variants: tuple[SamplingVariant, ...] = DEFAULT_CAPTURE_VARIANTS) -> None:
-        super().__init__(model, kv_caches, max_num_seqs, device)
-        self._triton = triton_kernels(self.device)  # the Triton attention module, or None (torch reference)
+        device = torch.device(device)
+        self._check_device(device)
+        self._triton = triton_kernels(device)  # the Triton attention module, or None (torch reference)
+        self._torch_step = TorchStep(model, kv_caches, max_num_seqs, device, non_blocking_uploads=True,
+                                     paged=self._triton is not None)
+        self.model, self.kv_caches, self.token_buffer = model, kv_caches, self._torch_step.token_buffer
+        self.device = device
+        self.name = device.type
+        self.is_cuda = device.type == "cuda"  # the engine pins its staging buffers for this executor
+        self.forward_hook: Callable[[StepMeta], None] | None = None  # tests inject faults here (eager steps)
         block_size = kv_caches[0][0].shape[1]
         # The engine's block tables are max_model_len / block_size wide; the model's rotary table is max_model_len.
         self.max_blocks_per_seq = max_blocks_per_seq or -(-model.rope_cos.shape[0] // block_size)
@@ -136,30 +147,9 @@ class CudaExecutor(TorchExecutor):
         if device.type != "cuda":
             raise ValueError(f"CudaExecutor needs a CUDA device, got {device}")
 
-    def _device_thread(self) -> None:
-        return None  # the planner thread launches onto the streams itself
-
     @staticmethod
     def _pinned(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         return torch.zeros(*shape, dtype=dtype, pin_memory=True)
-
-    # -- host → device hooks (see TorchExecutor._copy_in) --------------------------------
-    def _upload(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device, non_blocking=True)
-
-    def _table_rows(self, table: np.ndarray, rows: int, width: int) -> np.ndarray:
-        # Whole rows are one contiguous pinned range, so the copy is a true async DMA; the Triton
-        # kernels read only the blocks a row's context covers, whatever the width. The torch
-        # reference gathers every column, so it gets the narrow (strided, staged) copy.
-        return table[:rows] if self._triton is not None else super()._table_rows(table, rows, width)
-
-    def _make_batch(self, meta: StepMeta, prefill_tables: torch.Tensor, **fields: object) -> ForwardBatch:
-        if self._triton is None:
-            return ForwardBatch(**fields)
-        rows = meta.prefill_rows
-        prefill_meta = self._upload(meta.staging.prefill_row_spans[:len(rows)])
-        return PagedForwardBatch(**fields, prefill_meta=prefill_meta, prefill_tables=prefill_tables,
-                                 max_prefill_len=max((p.q_len for p in rows), default=0))
 
     # -- launch ---------------------------------------------------------------------
     def _graph_plan(self, meta: StepMeta) -> GraphPlan | None:
@@ -191,14 +181,14 @@ class CudaExecutor(TorchExecutor):
         if plan is not None and not self.graphs.has(plan.set_index, plan.bucket, plan.variant):
             self._capture_missing(plan)
         ev = _StepEvents()
-        step = None
+        step: DeviceStep | None = None
         with torch.cuda.stream(self.h2d_stream), mark("h2d", meta.step_id):
             free = self._set_free[plan.set_index] if plan is not None else None
             if free is not None:
                 self.h2d_stream.wait_event(free)
             ev.h2d_start.record()  # after the wait, so h2d_ms is the copies alone
             if plan is None:
-                step = self._copy_in(meta)
+                step = self._torch_step.copy_in(meta)
             else:
                 self.graphs.prepare(plan.set_index, self._decode_step.host_arrays(meta.staging), plan.rows, plan.bucket)
             ev.h2d_end.record()
@@ -207,7 +197,7 @@ class CudaExecutor(TorchExecutor):
             self.compute_stream.wait_event(ev.h2d_end)
             ev.start.record()
             if plan is None:
-                tokens, finite, _ = self._compute(meta, step, ev.sample)
+                tokens, finite, _ = self._torch_step.compute(meta, step, self.forward_hook, ev.sample)
             else:
                 with mark("graph", meta.step_id, f" bucket={plan.bucket} {plan.variant.value}"):
                     outputs = self.graphs.replay(plan.set_index, plan.bucket, plan.variant)
@@ -246,7 +236,7 @@ class CudaExecutor(TorchExecutor):
                           d2h_ms=ev.end.elapsed_time(ev.d2h))
 
     def describe(self) -> dict:
-        info = super().describe()
+        info = {**super().describe(), **self._torch_step.memory_info()}
         info["attention"] = "triton" if self._triton is not None else "torch"
         info["cuda_graphs"] = self.graphs is not None
         if self.graphs is None:

@@ -1,20 +1,21 @@
-"""Real execution of a step with torch: the ``cpu`` backend, and the parts ``CudaExecutor`` shares.
+"""Real execution of a step with torch: ``TorchStep``, which both torch executors use, and the ``cpu`` backend.
 
-On ``cpu`` each step runs inside a ``DeviceThread``; torch releases the GIL
-inside its kernels, so the planner plans the next step meanwhile:
+``TorchStep`` owns the model, the KV cache, the device token buffer and the penalty
+state, and runs one step over them: ``copy_in`` (staging buffer → device tensors) and
+``compute`` (forward, penalties, sampling, token buffer update). It has no thread and
+no stream; the executor holding it decides where the step runs. ``CudaExecutor``
+calls it from the planner thread inside its CUDA streams. ``TorchExecutor`` (``cpu``)
+runs it in a ``DeviceThread``; torch releases the GIL inside its kernels, so the
+planner plans the next step meanwhile:
 
     planner        [launch N]─queue─►            [plan N+1][launch N+1]─queue─►   [wait N]
     device thread            [copy staging → fence][forward N | sample N]      [copy N+1 → fence] ...
-
-``_copy_in`` (staging buffer → device tensors) and ``_compute`` (forward, penalties,
-sampling, token buffer update) are shared with ``CudaExecutor``, which
-overrides only the hooks marked below and launches onto CUDA streams from the
-planner thread instead of using a device thread.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,7 +24,7 @@ import torch
 from asyncbatch.engine.step_metadata import StepMeta
 from asyncbatch.executors.base import StepHandle, StepResult
 from asyncbatch.executors.device_thread import DeviceThread, ThreadedExecutor
-from asyncbatch.model.forward_batch import ForwardBatch, PrefillRow
+from asyncbatch.model.forward_batch import ForwardBatch, PagedForwardBatch, PrefillRow
 from asyncbatch.model.llama import CausalLM
 from asyncbatch.profiling.marks import mark
 from asyncbatch.profiling.memory import module_mib, tensor_mib
@@ -43,7 +44,7 @@ class PenaltyInputs:
 
 @dataclass(slots=True)
 class DeviceStep:
-    """One step's inputs on the device, as ``_copy_in`` made them."""
+    """One step's inputs on the device, as ``TorchStep.copy_in`` made them."""
 
     batch: ForwardBatch
     sampling: SamplingTensors
@@ -52,47 +53,54 @@ class DeviceStep:
     penalty: PenaltyInputs | None
 
 
-class TorchExecutor(ThreadedExecutor):
-    """The ``cpu`` backend; ``CudaExecutor`` is the ``cuda`` one."""
+class TorchStep:
+    """One step over the model, its KV cache, the device token buffer and the penalty state.
+
+    ``non_blocking_uploads``: each input is a non-blocking copy on the current stream,
+    which reads the (pinned) staging buffer until it completes; the caller keeps the
+    staging buffer unchanged until then (its fence). Otherwise every input is a private
+    copy, complete when ``copy_in`` returns. ``paged``: the Triton attention kernels run,
+    which read whole block-table rows and take a ``PagedForwardBatch``.
+    """
 
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_num_seqs: int,
-                 device: torch.device) -> None:
-        device = torch.device(device)
-        self._check_device(device)
+                 device: torch.device, *, non_blocking_uploads: bool = False, paged: bool = False) -> None:
         self.model = model
         self.kv_caches = kv_caches
-        self.device = device
-        self.is_cuda = device.type == "cuda"
-        self.name = device.type
-        vocab = model.config.vocab_size
+        self.device = torch.device(device)
+        self.non_blocking_uploads = non_blocking_uploads
+        self.paged = paged
         # One row per token row, plus a last dummy row that padding rows of CUDA graphs read and
         # write (``DecodeGraphStep.dummy_token_row``).
-        self.token_buffer = torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=device)  # [max_num_seqs + 1]
-        self.penalties = PenaltyState(max_num_seqs, vocab, device)
-        self.forward_hook = None  # tests inject faults here
-        self._thread = self._device_thread()
+        self.token_buffer = torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=self.device)  # [max_num_seqs + 1]
+        self.penalties = PenaltyState(max_num_seqs, model.config.vocab_size, self.device)
 
-    def _check_device(self, device: torch.device) -> None:
-        if device.type != "cpu":
-            raise ValueError(f"TorchExecutor runs on the CPU; use CudaExecutor for {device}")
-
-    def _device_thread(self) -> DeviceThread | None:
-        return DeviceThread("asyncbatch-device", self._run_threaded)
-
-    # -- host → device (hooks overridden on CUDA) ---------------------------------------
-    def _upload(self, array: np.ndarray) -> torch.Tensor:
+    # -- host → device ------------------------------------------------------------------
+    def upload(self, array: np.ndarray) -> torch.Tensor:
+        if self.non_blocking_uploads:
+            return torch.from_numpy(array).to(self.device, non_blocking=True)
         return torch.from_numpy(array).clone()
 
     def _table_rows(self, table: np.ndarray, rows: int, width: int) -> np.ndarray:
         """The part of a ``[S, max_blocks]`` block table the step needs."""
+        if self.paged:
+            # Whole rows are one contiguous pinned range, so the copy is a true async DMA; the Triton
+            # kernels read only the blocks a row's context covers, whatever the width. The torch
+            # reference gathers every column, so it gets the narrow (strided) copy.
+            return table[:rows]
         return table[:rows, :max(width, 1)]
 
     def _make_batch(self, meta: StepMeta, prefill_tables: torch.Tensor, **fields: object) -> ForwardBatch:
-        return ForwardBatch(**fields)
+        if not self.paged:
+            return ForwardBatch(**fields)
+        rows = meta.prefill_rows
+        prefill_meta = self.upload(meta.staging.prefill_row_spans[:len(rows)])
+        return PagedForwardBatch(**fields, prefill_meta=prefill_meta, prefill_tables=prefill_tables,
+                                 max_prefill_len=max((p.q_len for p in rows), default=0))
 
-    def _copy_in(self, meta: StepMeta) -> DeviceStep:
+    def copy_in(self, meta: StepMeta) -> DeviceStep:
         s, t, nd, r = meta.staging, meta.num_tokens, meta.num_decode, meta.num_sampled
-        up = self._upload
+        up = self.upload
         input_ids = up(s.input_ids[:t])
         positions = up(s.positions[:t])
         slot_mapping = up(s.slot_mapping[:t])
@@ -121,15 +129,20 @@ class TorchExecutor(ThreadedExecutor):
         return DeviceStep(batch, sampling, decode_rows, sample_rows, penalty)
 
     # -- the step ------------------------------------------------------------
-    def _compute(self, meta: StepMeta, step: DeviceStep, sample_event: torch.cuda.Event | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, float]:
+    def compute(self, meta: StepMeta, step: DeviceStep, forward_hook: Callable[[StepMeta], None] | None = None,
+                sample_event: torch.cuda.Event | None = None) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """Forward, penalties and sampling; returns ``(token_ids [R], finite [R], host time sampling began)``.
+
+        ``forward_hook`` runs before the forward (tests inject faults there); ``sample_event`` is
+        recorded on the current stream between the forward and the sampler.
+        """
         batch, nd = step.batch, meta.num_decode
         if nd:
             # The token sampled last step feeds this one without visiting the host.
             batch.input_ids[:nd] = self.token_buffer[step.decode_rows]
         with mark("forward", meta.step_id, " eager"):
-            if self.forward_hook is not None:
-                self.forward_hook(meta)
+            if forward_hook is not None:
+                forward_hook(meta)
             logits = self.model(batch, self.kv_caches)  # [R, vocab]
         t_sample = time.perf_counter()
         if sample_event is not None:
@@ -154,6 +167,35 @@ class TorchExecutor(ThreadedExecutor):
             self.penalties.add_context(penalty.token_owner_row[nd:], batch.input_ids[nd:],
                                        penalty.token_is_output[nd:])
 
+    def memory_info(self) -> dict:
+        """``weights_mib`` and ``kv_cache_mib``, for the executors' ``describe``."""
+        return {"weights_mib": module_mib(self.model),
+                "kv_cache_mib": tensor_mib(t for kv in self.kv_caches for t in kv)}
+
+
+class TorchExecutor(ThreadedExecutor):
+    """The ``cpu`` backend: a ``TorchStep`` run on a ``DeviceThread``."""
+
+    is_cuda = False
+
+    def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_num_seqs: int,
+                 device: torch.device) -> None:
+        device = torch.device(device)
+        if device.type != "cpu":
+            raise ValueError(f"TorchExecutor runs on the CPU; use CudaExecutor for {device}")
+        self._torch_step = TorchStep(model, kv_caches, max_num_seqs, device)
+        self.model, self.kv_caches, self.token_buffer = model, kv_caches, self._torch_step.token_buffer
+        self.device = device
+        self.name = device.type
+        self.forward_hook: Callable[[StepMeta], None] | None = None  # tests inject faults here
+        self._thread = DeviceThread("asyncbatch-device", self._run_threaded)
+
+    def _copy_in(self, meta: StepMeta) -> DeviceStep:
+        return self._torch_step.copy_in(meta)
+
+    def _compute(self, meta: StepMeta, step: DeviceStep) -> tuple[torch.Tensor, torch.Tensor, float]:
+        return self._torch_step.compute(meta, step, self.forward_hook)
+
     def _run_threaded(self, meta: StepMeta, handle: StepHandle) -> StepResult:
         torch.set_grad_enabled(False)
         t0 = time.perf_counter()
@@ -172,7 +214,4 @@ class TorchExecutor(ThreadedExecutor):
                           sample_ms=(t2 - t_sample) * 1e3, d2h_ms=(t3 - t2) * 1e3)
 
     def describe(self) -> dict:
-        info = super().describe()
-        info["weights_mib"] = module_mib(self.model)
-        info["kv_cache_mib"] = tensor_mib(t for kv in self.kv_caches for t in kv)
-        return info
+        return {**super().describe(), **self._torch_step.memory_info()}

@@ -6,40 +6,14 @@ concatenation of the deltas returned by :meth:`IncrementalDetokenizer.push` equa
 :meth:`IncrementalDetokenizer.finish` it does so for any output. A delta is never
 retracted: text that could still change is held back, not emitted and fixed later.
 
-Two things make per-token decoding differ from decoding the whole sequence:
+Each step decodes a small window ``[prefix tokens | new tokens]`` and emits what the
+new tokens added to the prefix's decoding, holding back a window that ends in
+U+FFFD (a split character); the window starts empty, not primed with the prompt.
+The Rust ``DecodeStream`` does this when the tokenizer has a Rust backend, else
+``_OffsetWindow``. Two documented cases stay inexact: a broken sentencepiece
+byte-fallback run, and ``clean_up_tokenization_spaces``.
 
-- **Split characters.** Byte-level BPE ("Ġ" vocabularies) and sentencepiece byte
-  fallback ("<0xE6>") spread one multi-byte UTF-8 character over several tokens;
-  decoding a prefix of them yields U+FFFD. A window whose decoding ends with
-  U+FFFD is held back until a later token completes it.
-- **Context-dependent decoding.** Decoders merge a token with its neighbours or
-  strip the first token's leading space ("▁Hello" decodes to "Hello" at the start
-  of a text, to " Hello" after a word). Each step therefore decodes a small window
-  ``[prefix tokens | new tokens]`` and emits only what the new tokens added to the
-  prefix's decoding, so the space rule applies to the prefix, never to the delta.
-
-Both strategies use that window: the Rust ``DecodeStream`` of the ``tokenizers``
-library when the tokenizer has a Rust backend (well under a microsecond a token),
-else the same prefix/read offsets over ``convert_ids_to_tokens`` /
-``convert_tokens_to_string`` (vLLM's method) for Python tokenizers, whose
-``decode`` in transformers 5 is exactly those two calls.
-
-Prompt priming: the window starts empty, not with the prompt's tail. The reference
-is ``decode(output_ids)``, which decodes the output as a text of its own; for a
-sentencepiece tokenizer that strips the first token's leading space, and priming
-with the prompt would keep it (" Hello" where ``decode`` gives "Hello"). For
-byte-level tokenizers priming changes nothing. The constructor still takes
-``prompt_token_ids`` so callers need not know this.
-
-Where exactness is impossible without retraction (documented, tested):
-
-- Sentencepiece ``ByteFallback`` renders a whole run of byte tokens as one U+FFFD
-  per byte once the run ends invalid, rewriting characters of the run that had
-  already decoded ("日" + a cut-off byte decodes to four U+FFFD). That happens
-  only for broken UTF-8 from the model or an output cut mid-character; ``text``
-  keeps what was emitted and renders the broken tail alone.
-- transformers' ``clean_up_tokenization_spaces`` (" ." -> ".") is not applied; it
-  is off, or ignored, for BPE tokenizers in transformers 5.
+Specification: docs/detokenizer.md
 """
 
 from __future__ import annotations
@@ -73,8 +47,8 @@ class IncrementalDetokenizer:
       (an incomplete character, or a token that decoded to nothing on its own).
 
     ``tokenizer`` is a transformers tokenizer or a ``tokenizers.Tokenizer``.
-    ``prompt_token_ids`` is accepted for interface symmetry and not used (see the
-    module docstring on priming). Not thread-safe: one output thread owns it.
+    ``prompt_token_ids`` is accepted for interface symmetry and not used (the
+    window starts empty; docs/detokenizer.md explains why). Not thread-safe: one output thread owns it.
     """
 
     __slots__ = (
@@ -180,7 +154,7 @@ class IncrementalDetokenizer:
         """Recover from DecodeStream's "invalid prefix" error; return the delta.
 
         DecodeStream raises when a window's decoding no longer extends its prefix's,
-        which broken UTF-8 under ``ByteFallback`` causes (see the module docstring),
+        which broken UTF-8 under ``ByteFallback`` causes (docs/detokenizer.md),
         on the token that ends the broken byte run. Emitted text is final, so the
         held ids, this one included, are rendered as they stand, and a new stream
         takes over, primed with this token for leading-space context.
@@ -209,8 +183,8 @@ class IncrementalDetokenizer:
 class _OffsetWindow:
     """vLLM's prefix/read-offset window over token strings, for Python tokenizers.
 
-    Invariant: ``tokens[:read]`` decode to ``prefix_text``, whose text was already
-    emitted; ``tokens[read:]`` are held. Each emission drops the tokens before the
+    Invariant: ``_tokens[:_read]`` decode to ``_prefix_text``, whose text was already
+    emitted; ``_tokens[_read:]`` are held. Each emission drops the tokens before the
     old read offset, so a step decodes a handful of tokens, never the whole output.
     """
 

@@ -1,27 +1,14 @@
 """Stop strings over streamed text: where to cut, and what is safe to emit now.
 
-Which stop wins. Think of the output text growing one character at a time and
-being checked after each character (what vLLM does when every delta is one
-character). The first stop found is the occurrence with the **smallest end
-position**; if several stop strings end there (one is a suffix of another, e.g.
-"ab" and "b"), the **longest** wins, so that no part of a stop string leaks into
-the output. The output is then ``text[:end - len(stop)]``, or ``text[:end]`` with
-``include_stop_str_in_output``. This answer depends only on the text, never on
-how it was split into deltas. vLLM's ``check_stop_strings`` can differ when one
-delta holds several matches: it takes the first stop in *list* order that occurs
-in the new text, not the earliest occurrence.
+Which stop wins: the occurrence with the smallest end position in the text, the
+longest stop string on a tie; the output ends right before it (or after it, with
+``include_stop_str_in_output``). The answer depends only on the text, never on how
+it was split into deltas. Without ``include_stop_str_in_output``, the longest suffix
+of the unemitted text that is a proper prefix of a stop string is held back until
+later text rules it in or out, so emitted text is never retracted. Each feed
+searches only the last ``max_len - 1`` characters plus the delta.
 
-Streaming safety. Without ``include_stop_str_in_output``, text that may turn out
-to be the start of a stop string is held back: after each delta the longest
-suffix of the unemitted text that is a proper prefix of some stop string waits
-until later text rules it in or out, or until :meth:`StopStringMatcher.flush`
-at the end of the request. With ``include_stop_str_in_output`` nothing is held
-back (as in vLLM): a stop string's start would be emitted either way.
-
-Why searching only a short window suffices. A stop occurrence completed by a new
-delta starts at or after the held-back suffix (else a longer proper prefix would
-have been held), and within ``max_len - 1`` characters before the delta. So each
-feed searches ``last max_len - 1 characters + delta``, never the whole text.
+Specification: docs/detokenizer.md ("Stop strings")
 """
 
 from __future__ import annotations

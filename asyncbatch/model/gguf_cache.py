@@ -1,9 +1,7 @@
 """One-time conversion of a GGUF file into a Hugging Face model directory.
 
-Dequantizing GGUF through transformers takes seconds (about 15 s for the
-default 135M model on two cores), so it is done once and the result kept in a
-cache directory; later runs load plain float32 safetensors in well under a
-second.
+Dequantizing GGUF through transformers is slow, so it is done once and the
+result kept in a cache directory; later runs load plain float32 safetensors.
 
 A cache entry is named ``<gguf stem>-<hash>``, the hash covering the absolute
 path, size and mtime of the GGUF file and the conversion format version, so an

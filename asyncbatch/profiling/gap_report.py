@@ -3,45 +3,23 @@
 An idle gap is ``[device_end N, device_start N+1]`` for consecutive completed
 steps (sorted by device start; overlapping steps leave no gap). The gap is cut
 at every boundary of the host intervals the timeline recorded, and each piece
-goes to the first cause in ``CAUSES`` whose intervals cover it:
+goes to the first cause in priority order whose intervals cover it:
 
     device   [ step N ]░░░░░░░░░░░░░░░░░░░░░░░░░░░░[ step N+1 ]
     planner     [wait N ]··[apply N]·······[plan N+1]·
     output                       [out N]
     pieces             result apply  output wakeup planning launch
 
-Priority (first wins) and the intervals each cause reads:
-
-1. ``queue_empty``  no request was waiting or running: the complement of the
-   request lifetimes ``[arrival, finished]`` (only when lifetimes are given).
-2. ``staging_fence``   the planner waited for the free staging buffer's fence.
-3. ``h2d``          ``[device_start - h2d_ms, device_start]`` on backends whose
-   device clock starts after the copy (``cuda``); elsewhere the copy is inside
-   the step and never idle time.
-4. ``planning``     schedule, prepare metadata and the launch call
-   (``[plan_start, fence_start]`` and ``[fence_end, launch_end]``), less the
-   ``gc`` share below.
-5. ``gc``           Python GC pauses: a step records only how long GC ran while
-   it was planned (``gc_ms``), not where, so that fraction of every planning
-   piece of the step goes to ``gc`` instead of ``planning``.
-6. ``apply``        the planner appending tokens, EOS/stop ids, frees.
-7. ``d2h``          ``[device_end, device_end + d2h_ms]`` of the previous step.
-8. ``output``       the output thread: detokenize, stop strings, stream.
-9. ``result``       ``[device_end N, wait_end N]``: the planner waiting for step
-   N's tokens after the device finished it (event/D2H completion and the
-   planner's wake-up), counted only when it had to have them before planning
-   N+1 (``wait_end N <= plan_start N+1``: synchronous mode, or an overlap
-   planner that had nothing else to schedule).
-10. the remainder no interval covers, split by where it lies:
-   ``wakeup``  before step N+1's planning began: threads waking up and handing
-               off (the planner after its wait, the output queue, the GIL);
-   ``launch``  after it: the executor picking up a launched step.
+Priority: ``queue_empty``, ``staging_fence``, ``h2d`` (``cuda`` only), ``planning``
+(less its ``gc`` share), ``apply``, ``d2h``, ``output``, ``result``; what no interval
+covers is ``wakeup`` before step N+1's planning began, ``launch`` after. ``CAUSES``
+names and labels them; reports, traces and tests read those names.
 
 Invariant: for every gap, the causes sum to the gap exactly (up to float
 rounding), because every piece gets exactly one cause and the remainder takes
-what nothing else claims. Host work on the critical path (planner) ranks above
-work beside it (the output thread), which only delays the device through the
-GIL or, in synchronous mode, because the planner waits for it.
+what nothing else claims.
+
+Specification (the intervals each cause reads, an example): docs/gap-report.md
 """
 
 from __future__ import annotations

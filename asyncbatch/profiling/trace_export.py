@@ -8,7 +8,7 @@ One process per run, with these tracks (threads):
     output                           [output N]
     h2d, d2h  [h2d N+1]              [d2h N]                              (cuda only: copies outside the step)
 
-Slice names are the NVTX stage names (``timeline_marks``) so the trace and an
+Slice names are the NVTX stage names (``profiling.marks``) so the trace and an
 Nsight Systems session read alike; every slice carries ``step`` in its args,
 and a flow arrow joins each launch to its device step. Times are the
 timeline's ``perf_counter`` seconds, rebased so each run starts at 0, or moved

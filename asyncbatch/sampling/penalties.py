@@ -1,30 +1,17 @@
 """Repetition, presence and frequency penalties, with per-row token state on device.
 
-Semantics follow vLLM:
-
-* repetition (``r``) applies to every token seen in the prompt or the output so far:
-  a positive logit is divided by ``r``, a non-positive one multiplied by it;
-* presence and frequency apply to output tokens only:
-  ``logit -= presence * (count > 0) + frequency * count``.
-
-State is kept per request *row* (an index in ``[0, num_rows)``), not per request,
-so it lives in two dense device tensors that every step indexes without a host
-round trip:
-
-    seen   [num_rows, V] bool   token occurred in the prompt or the output
-    counts [num_rows, V] int32  occurrences in the output
+Semantics follow vLLM: repetition applies to every token of the prompt or the output
+so far, presence and frequency to output tokens only. State is kept per token row in
+two dense device tensors (``seen`` ``[num_rows, V]`` bool, ``counts`` ``[num_rows, V]``
+int32), allocated on first use.
 
 Invariant: for a row holding a request, ``seen`` is exactly the set of tokens of its
 prompt plus the outputs recorded so far, and ``counts`` is the multiset of those
-outputs. A request recomputed after preemption rebuilds the same state from
-``reset_rows`` + ``add_context`` (with ``is_output`` set on its former outputs) as
-incremental ``record`` calls built. Every update accumulates, so a row or token may
-repeat within one call.
+outputs; ``reset_rows`` + ``add_context`` after preemption rebuild what incremental
+``record`` calls built. After the first use (which the caller makes outside CUDA-graph
+capture) every method is capture-safe: no host syncs, fixed shapes.
 
-The tensors (5 bytes per row and vocabulary entry: 63 MB for 256 rows x 49152)
-are allocated on first use so an engine whose requests never use penalties pays
-nothing; the caller may then also skip the calls for rows without penalties. The caller should make that first use outside CUDA-graph
-capture; after it, every method is capture-safe (no host syncs, fixed shapes).
+Specification: docs/sampling.md ("Penalties")
 """
 
 from __future__ import annotations

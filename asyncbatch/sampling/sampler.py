@@ -1,44 +1,18 @@
 """On-device token sampling: greedy, temperature, top-k, top-p and min-p.
 
-Randomness comes from a counter-based hash instead of a generator. The noise that
-vocabulary entry ``v`` receives when a request with seed ``seed`` samples its output
-token number ``step`` is a pure function of ``(seed, step, v)``. Therefore:
+Contract: row ``r``'s token is a function of ``logits[r]`` and row ``r`` of the
+``SamplingTensors`` only (its parameters, its request's ``seed`` and ``step``, the
+index of the output token being sampled). It never depends on the other rows or on
+``r``'s position in the batch, so overlap and synchronous mode, graph replays and
+recompute after preemption sample the same tokens. Randomness is a counter-based
+hash of ``(seed, step, vocabulary index)``, not a generator: no state, no host
+synchronisation, capturable into a CUDA graph. The noise stream's bits are part of
+the reproducibility contract (``tests/test_sampler.py`` pins them).
 
-* a request's tokens depend only on its own seed, step and logits, never on the
-  other rows of the batch or on its row position (batch invariance), so overlap and
-  synchronous mode, replays and recompute after preemption all agree;
-* there is no generator state to advance or copy: the whole function is host-sync
-  free and can be captured into a CUDA graph.
+A random row samples ``argmax(logits + T * gumbel_noise)`` over the tokens whose
+logit reaches the row's threshold from top-k, then top-p, then min-p.
 
-Noise stream (part of the reproducibility contract; ``tests/test_sampler.py`` pins it
-against a pure-Python reference). With ``mix`` the splitmix64 finalizer over 64-bit
-two's-complement integers and ``G = 0x9E3779B97F4A7C15``::
-
-    row_key  = mix(mix(seed + G) + step * G)
-    word(j)  = mix(row_key + (j + 1) * G)                     # 64 bits
-    bits(v)  = low 32 bits of word(v // 2) if v is even, else its high 32 bits
-    u(v)     = ((bits(v) & (2**23 - 1)) | 1) / 2**23           # in (0, 1), 22 random bits
-    g(v)     = -log(-log(u(v)))                              # Gumbel(0, 1)
-
-A random row samples ``argmax(logits + T * g)`` over the kept tokens, which is
-Gumbel-max sampling from ``softmax(logits / T)``. The integer words are bit-identical
-on every backend; the float transform can differ by an ulp between backends (or
-between vectorised and scalar code), which changes a token only when two candidates
-score within an ulp of each other.
-
-Filters. Each filter keeps a top slice of the row by value, so all of them reduce to
-one per-row threshold on the logits, and a token is kept iff ``logit >= threshold``:
-
-* top-k keeps the ``k`` largest (and anything tied with the k-th);
-* top-p keeps, over the top-k-renormalised distribution sorted descending, each
-  token whose preceding mass is ``< top_p`` (so the top token always stays; ties
-  with the last kept token stay too);
-* min-p drops tokens whose probability is ``< min_p * max prob``. That ratio does not
-  change under renormalisation, so applying it after top-k/top-p is the closed form
-  ``logit >= max_logit + T * log(min_p)`` and needs no sort.
-
-Only top-k/top-p need a sort. It runs whenever ``any_top_k_top_p_min_p`` is set,
-since the flag does not say which filter a row uses; without it no filter runs.
+Specification: docs/sampling.md
 """
 
 from __future__ import annotations
@@ -53,12 +27,10 @@ import torch
 # keeps logits / T finite in the top-p softmax.
 GREEDY_TEMPERATURE_EPS = 1e-5
 
-# On CPU the random path runs in row blocks whose int64 scratch is about this big, so
-# the ~20 elementwise passes reuse two mid-sized buffers instead of page-faulting
-# fresh [R, V] ones (2x faster at R=256, V=49152). Much smaller blocks are faster
-# on an idle machine but multiply the intra-op fork/join points, each of which
-# stalls when another thread holds a core. Accelerators run all rows at once.
-# Results do not depend on the block size.
+# On CPU the random path runs in row blocks whose int64 scratch is about this big, so its
+# elementwise passes reuse two mid-sized buffers instead of page-faulting fresh [R, V] ones
+# (half the time at R=256, V=49152); much smaller blocks multiply the intra-op fork/join points.
+# Accelerators run all rows at once. Results do not depend on the block size.
 CPU_BLOCK_BYTES = 4 << 20
 
 
@@ -174,9 +146,9 @@ def _kept_prefix(sorted_values: torch.Tensor, probs: torch.Tensor, in_top_k: tor
     return sorted_values.gather(1, (count - 1)[:, None]).squeeze(1), count
 
 
-# On CPU a full sort of a 49k vocabulary costs ~2 ms a row; the kept set of top-k/top-p is
-# almost always within the largest few hundred logits, so ``topk`` of this many candidates
-# decides it, and only rows whose kept set might reach past them pay for the sort.
+# On CPU a full sort of a 49k vocabulary costs ~2 ms a row, and the kept set of top-k/top-p is almost
+# always within the largest few hundred logits: ``topk`` of this many candidates decides it, and only rows
+# whose kept set might reach past them pay for the sort.
 CPU_FILTER_CANDIDATES = 1024
 
 
