@@ -92,7 +92,7 @@ def test_no_host_sync_on_the_launch_path(tiny_cuda_model):
 
 
 def test_graph_capture_bookkeeping(tiny_cuda_model):
-    from asyncbatch.executors.cuda_executor import HOST_SLOTS, CudaExecutor, SamplingVariant
+    from asyncbatch.executors.cuda_executor import STAGING_BUFFERS, CudaExecutor, SamplingVariant
 
     caches, _, _ = prefilled_state(tiny_cuda_model)
     executor = CudaExecutor(tiny_cuda_model, caches, MAX_SEQS, CUDA, max_blocks_per_seq=MAX_BLOCKS)
@@ -100,7 +100,7 @@ def test_graph_capture_bookkeeping(tiny_cuda_model):
         info = executor.describe()
         stats = info["cuda_graph_stats"]
         assert info["attention"] == "triton" and info["cuda_graph_batch_sizes"] == [1, 2, 4, MAX_SEQS]
-        assert stats["num_graphs"] == HOST_SLOTS * 4 * 2 and stats["lazy_captures"] == 0
+        assert stats["num_graphs"] == STAGING_BUFFERS * 4 * 2 and stats["lazy_captures"] == 0
         assert stats["capture_s"] > 0 and stats["pool_bytes"] > 0
         assert executor.graphs.has(1, MAX_SEQS, SamplingVariant.SAMPLE)
     finally:

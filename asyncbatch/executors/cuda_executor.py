@@ -57,7 +57,7 @@ from cuda_graphs import CudaGraphBackend, GraphRunner, normalize_batch_sizes
 
 logger = logging.getLogger(__name__)
 
-HOST_SLOTS = 2  # the engine's double buffer: one static input set per staging buffer
+STAGING_BUFFERS = 2  # the engine's double buffer: one static input set per staging buffer
 # Event times are float32 milliseconds since a reference event: 1 s keeps them to ~0.06 us (after 33 s
 # their step would be ~4 us, as large as the idle gaps being measured), so the reference moves on.
 REANCHOR_MS = 1000.0
@@ -114,7 +114,7 @@ class CudaExecutor(Executor):
         self._out_host = [self._pinned(max_num_seqs) for _ in range(2)]
         self._finite_host = [self._pinned(max_num_seqs, dtype=torch.bool) for _ in range(2)]
         self._in_flight: dict[int, tuple] = {}  # eager steps' tensors, alive until their D2H event fired
-        self._set_free: list[torch.cuda.Event | None] = [None] * HOST_SLOTS
+        self._set_free: list[torch.cuda.Event | None] = [None] * STAGING_BUFFERS
         self.graphs: GraphRunner | None = None
         self.graphs_off_reason = "disabled (enable_cuda_graphs=False)"
         if enable_cuda_graphs:
@@ -137,7 +137,7 @@ class CudaExecutor(Executor):
         step = DecodeGraphStep(self.model, self.kv_caches, self.token_buffer, batch_sizes[-1],
                                self.max_blocks_per_seq)
         self._decode_step = step
-        self.graphs = GraphRunner(step, batch_sizes, HOST_SLOTS, self.device, CudaGraphBackend(self.device))
+        self.graphs = GraphRunner(step, batch_sizes, STAGING_BUFFERS, self.device, CudaGraphBackend(self.device))
         self.graphs_off_reason = ""
         with torch.inference_mode():
             self.graphs.capture_all(variants)
@@ -159,9 +159,9 @@ class CudaExecutor(Executor):
         bucket = self.graphs.bucket_for(nd)
         if bucket is None:
             return None
-        if meta.staging.index >= HOST_SLOTS or meta.staging.decode_block_tables.shape[1] != self.max_blocks_per_seq:
+        if meta.staging.index >= STAGING_BUFFERS or meta.staging.decode_block_tables.shape[1] != self.max_blocks_per_seq:
             raise ValueError(f"staging buffer {meta.staging.index} with {meta.staging.decode_block_tables.shape[1]} blocks "
-                             f"per row does not match the graphs' {HOST_SLOTS} sets of {self.max_blocks_per_seq}")
+                             f"per row does not match the graphs' {STAGING_BUFFERS} sets of {self.max_blocks_per_seq}")
         return GraphPlan(meta.staging.index, nd, bucket, SamplingVariant.for_step(meta))
 
     def _capture_missing(self, plan: GraphPlan) -> None:
