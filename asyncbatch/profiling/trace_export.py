@@ -27,8 +27,8 @@ from asyncbatch.profiling.gap_report import CAUSES, GapReport, attribute_gaps, h
 from asyncbatch.profiling.timeline import StepRecord, Timeline
 
 _TRACKS = {"planner": 1, "device": 2, "idle": 3, "output": 4, "h2d": 5, "d2h": 6}
-_TRACK_LABELS = {"planner": "planner (CPU)", "device": "device", "idle": "device idle (by cause)",
-                 "output": "output (CPU)", "h2d": "H2D copies", "d2h": "D2H copies"}
+_TRACK_LABELS = {"planner": "planner (engine core)", "device": "device", "idle": "device idle (by cause)",
+                 "output": "frontend output processing (caller's process)", "h2d": "H2D copies", "d2h": "D2H copies"}
 _PID_BASE = 900_000_000  # above any OS pid, so a merged torch.profiler trace keeps its own processes
 
 
