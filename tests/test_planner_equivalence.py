@@ -174,7 +174,7 @@ class Lockstep:
         assert_same_staging(staging, ref_staging, meta, ref_meta, self.block_size)
         self.sched.release_drained(plan)
         self.ref.release_drained(ref_plan)
-        assert self.blocks._free == self.ref_blocks.free_list
+        assert self.blocks.free_blocks() == self.ref_blocks.free_list
         assert self.sched._free_rows == self.ref.free_rows
         tokens, finite = device_tokens(ref_staging, meta.num_sampled)
         self.in_flight.append((plan, ref_plan, tokens, finite))
@@ -203,7 +203,7 @@ class Lockstep:
             after = self.specs[seq].stop_string_after
             if after is not None and self.outputs[seq] >= after and not new.finished:
                 self.frontend_finish(seq, "stop")
-        assert self.blocks._free == self.ref_blocks.free_list
+        assert self.blocks.free_blocks() == self.ref_blocks.free_list
         assert self.sched.num_preemptions == self.ref.num_preemptions
 
 

@@ -49,8 +49,10 @@ class BlockManager:
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
-        # Popped from the end: low block ids go out first, which keeps traces readable.
-        self._free: list[int] = list(range(num_blocks - 1, DUMMY_BLOCK, -1))
+        # A stack popped from the end (low block ids go out first, which keeps traces readable), held in an
+        # array so that handing out or taking back many blocks is one slice.
+        self._free = np.arange(num_blocks - 1, DUMMY_BLOCK, -1, dtype=np.int64)  # [num_blocks - 1]
+        self._num_free = num_blocks - 1
         self._owner = np.full(num_blocks, NO_ROW, dtype=np.int64)  # [num_blocks] token row holding each block
         self.block_table = np.zeros((max_num_seqs, max_blocks_per_seq), dtype=np.int64)  # [S, B]
         self.num_row_blocks = np.zeros(max_num_seqs, dtype=np.int64)  # [S]
@@ -64,7 +66,19 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return self._num_free
+
+    def free_blocks(self) -> list[int]:
+        """The free list, next block to hand out last (for tests and debugging)."""
+        return self._free[:self._num_free].tolist()
+
+    def _pop(self, k: int) -> np.ndarray:
+        """The next ``k`` free blocks, in the order k single pops would give them ([k] int64)."""
+        top = self._num_free
+        if k > top:
+            raise IntegrityError(f"allocate({k}) with {top} free: the scheduler must check first")
+        self._num_free = top - k
+        return self._free[top - k:top][::-1].copy()
 
     def blocks_for(self, num_tokens: int) -> int:
         return blocks_for_tokens(num_tokens, self.block_size)
@@ -74,7 +88,7 @@ class BlockManager:
         return max(0, self.blocks_for(num_tokens) - int(self.num_row_blocks[row]))
 
     def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self._free)
+        return num_blocks <= self._num_free
 
     def allocate(self, row: int, num_tokens: int) -> None:
         """Grow ``row``'s blocks to cover ``num_tokens`` tokens."""
@@ -82,13 +96,9 @@ class BlockManager:
         need = self.blocks_for(num_tokens) - have
         if need <= 0:
             return
-        if need > len(self._free):
-            raise IntegrityError(f"allocate({need}) with {len(self._free)} free: the scheduler must check first")
         if have + need > self.max_blocks_per_seq:
             raise IntegrityError(f"row {row} needs {have + need} blocks, the table holds {self.max_blocks_per_seq}")
-        new = self._free[-need:]
-        del self._free[-need:]
-        new.reverse()  # the order of ``need`` pops
+        new = self._pop(need)  # [need]
         self.block_table[row, have:have + need] = new
         self.num_row_blocks[row] = have + need
         self.decode_slot_base[row] = (new[-1] - (have + need - 1)) * self.block_size
@@ -96,18 +106,12 @@ class BlockManager:
 
     def append_block(self, rows: np.ndarray) -> None:
         """Give each of ``rows`` (distinct, [G] int64) one more block, in order: the decode crossing path."""
-        k = len(rows)
-        if k > len(self._free):
-            raise IntegrityError(f"append_block({k}) with {len(self._free)} free: the scheduler must check first")
+        new = self._pop(len(rows))  # [G] rows[i] gets what the i-th pop would give
         counts = self.num_row_blocks[rows]  # [G]
-        if np.count_nonzero(counts >= self.max_blocks_per_seq):
-            raise IntegrityError(f"a row needs more than the table's {self.max_blocks_per_seq} blocks")
-        new = self._free[-k:]
-        del self._free[-k:]
-        new.reverse()  # rows[i] gets what the i-th of k pops would give
+        # A full row raises IndexError here; Scheduler.add refuses requests longer than the table.
         self.block_table[rows, counts] = new
         self.num_row_blocks[rows] = counts + 1
-        self.decode_slot_base[rows] = (np.asarray(new, dtype=np.int64) - counts) * self.block_size
+        self.decode_slot_base[rows] = (new - counts) * self.block_size
         self._owner[new] = rows
 
     def free(self, row: int) -> None:
@@ -119,15 +123,17 @@ class BlockManager:
         if (self._owner[blocks] != row).any():
             raise IntegrityError(f"row {row} frees blocks it does not own")
         self._owner[blocks] = NO_ROW
-        self._free.extend(blocks[::-1].tolist())
+        top = self._num_free
+        self._free[top:top + n] = blocks[::-1]
+        self._num_free = top + n
         self.num_row_blocks[row] = 0
 
     def check_integrity(self, held_rows: np.ndarray) -> None:
         """Raise ``IntegrityError`` unless the free list and the held rows' tables partition the usable blocks."""
-        free = self._free
-        if len(set(free)) != len(free):
+        free = self._free[:self._num_free]  # [F]
+        if len(np.unique(free)) != len(free):
             raise IntegrityError("a block is on the free list twice")
-        if DUMMY_BLOCK in free:
+        if (free == DUMMY_BLOCK).any():
             raise IntegrityError("the dummy block is on the free list")
         if (self._owner[free] != NO_ROW).any():
             raise IntegrityError("a free block has an owner")

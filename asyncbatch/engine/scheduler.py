@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -45,6 +46,15 @@ __all__ = ["ScheduledRow", "Scheduler", "StepPlan"]
 _NO_ROWS = np.zeros(0, dtype=np.int64)
 _NO_ROWS.flags.writeable = False
 _RUNNING = RequestStatus.RUNNING
+
+
+class _DecodePart(NamedTuple):
+    rows: np.ndarray  # [D] int64 token rows, admission order
+    seqs: np.ndarray  # [D] int64
+    positions: np.ndarray  # [D] int64
+    steps: np.ndarray  # [D] int64
+    grew: np.ndarray  # [G] int64 indices into rows
+    version: int
 
 
 class Scheduler(StepApplier):
@@ -99,40 +109,63 @@ class Scheduler(StepApplier):
     def schedule(self) -> StepPlan | None:
         if self._unreleased:
             self._release_all(self._unreleased)
-        st = self.rows
-        budget = self.max_num_batched_tokens
         preempted: list[Request] = []
         drained: list[Request] = []
+        decode = self._schedule_decode(preempted, drained)
+        budget = self.max_num_batched_tokens - len(decode.rows)
+        prefill: list[ScheduledRow] = []
+        budget = self._schedule_prefills(prefill, budget, preempted, drained)
+        budget = self._admit_waiting(prefill, budget, drained)
+        for request in drained:  # no later step includes them; their rows go once the metadata is written
+            del self.running[request.arrival_seq]
+            if self.rows.decoding[request.token_row]:
+                self.rows.decoding[request.token_row] = False
+                self.decode.mark_removed()
+        self._unreleased = drained
+        if not len(decode.rows) and not prefill:
+            return None
+        self._step_id += 1
+        sample_rows, sample_seqs = decode.rows, decode.seqs
+        sampling = [p for p in prefill if p.samples]
+        if sampling:
+            sample_rows = np.concatenate([sample_rows, np.fromiter((p.token_row for p in sampling), np.int64)])
+            sample_seqs = np.concatenate([sample_seqs, np.fromiter((p.request.arrival_seq for p in sampling),
+                                                                   np.int64)])
+        return StepPlan(self._step_id, decode.rows, decode.seqs, decode.positions, decode.steps, decode.grew,
+                        decode.version, prefill, self.max_num_batched_tokens - budget, sample_rows, sample_seqs,
+                        self.num_releases, preempted, drained)
 
+    def _schedule_decode(self, preempted: list[Request], drained: list[Request]) -> _DecodePart:
+        """One token for every request in the decode phase: array operations over the cached decode rows."""
+        st, blocks = self.rows, self.blocks
         self.decode.refresh(st)
         rows, seqs, version = self.decode.rows, self.decode.seqs, self.decode.version
-        grew = _NO_ROWS
-        positions = steps = _NO_ROWS
-        if len(rows):
-            positions = st.num_computed[rows]  # [D] the input token's position = its KV slot
-            crossing = positions >= self.blocks.num_row_blocks[rows] * self.blocks.block_size  # [D]
-            if np.count_nonzero(crossing):
-                grew = crossing.nonzero()[0]
-                if len(grew) <= self.blocks.num_free_blocks:
-                    self.blocks.append_block(rows[grew])
-                else:
-                    kept, grew = self._decode_under_pressure(rows, preempted)
-                    rows, seqs, positions = rows[kept], seqs[kept], positions[kept]
-                    self.decode.mark_removed()  # rebuild next time, whatever this pass kept
-                    version = self.decode.new_version()
-            st.num_computed[rows] = positions + 1
-            scheduled = st.num_scheduled[rows] + 1  # [D]
-            st.num_scheduled[rows] = scheduled
-            steps = scheduled - 1
-            ends = scheduled >= st.max_tokens[rows]  # [D]
-            if np.count_nonzero(ends):
-                for row in rows[ends].tolist():
-                    request = self._owners[row]
-                    request.status = RequestStatus.DRAINING
-                    drained.append(request)
-        budget -= len(rows)
+        if not len(rows):
+            return _DecodePart(rows, seqs, _NO_ROWS, _NO_ROWS, _NO_ROWS, version)
+        positions = st.num_computed[rows]  # [D] the input token's position, i.e. its KV slot
+        grew = (positions >= blocks.num_row_blocks[rows] * blocks.block_size).nonzero()[0]  # [G] need a block
+        if len(grew) > blocks.num_free_blocks:
+            kept, grew = self._decode_under_pressure(rows, preempted)
+            rows, seqs, positions = rows[kept], seqs[kept], positions[kept]
+            self.decode.mark_removed()  # rebuild next time, whatever this pass kept
+            version = self.decode.new_version()
+        elif len(grew):
+            blocks.append_block(rows[grew])
+        st.num_computed[rows] = positions + 1
+        steps = st.num_scheduled[rows]  # [D] outputs scheduled before this one
+        scheduled = steps + 1  # [D]
+        st.num_scheduled[rows] = scheduled
+        ends = (scheduled >= st.max_tokens[rows]).nonzero()[0]  # [E] their last output
+        for row in rows[ends].tolist():
+            request = self._owners[row]
+            request.status = RequestStatus.DRAINING
+            drained.append(request)
+        return _DecodePart(rows, seqs, positions, steps, grew, version)
 
-        prefill: list[ScheduledRow] = []
+    def _schedule_prefills(self, prefill: list[ScheduledRow], budget: int, preempted: list[Request],
+                           drained: list[Request]) -> int:
+        """One chunk for each running request still prefilling, within ``budget``; returns what is left."""
+        st = self.rows
         chunked: set[int] = set()
 
         def is_scheduled(r: Request) -> bool:
@@ -149,7 +182,10 @@ class Scheduler(StepApplier):
             prefill.append(self._advance_prefill(request, row, start, n, drained))
             chunked.add(request.arrival_seq)
             budget -= n
+        return budget
 
+    def _admit_waiting(self, prefill: list[ScheduledRow], budget: int, drained: list[Request]) -> int:
+        """Admit waiting requests in FIFO order while a row, the budget and blocks allow."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if request.num_pending:
@@ -163,24 +199,7 @@ class Scheduler(StepApplier):
             self.blocks.allocate(row, n)
             prefill.append(self._advance_prefill(request, row, 0, n, drained))
             budget -= n
-
-        for request in drained:
-            del self.running[request.arrival_seq]
-            if self.rows.decoding[request.token_row]:
-                self.rows.decoding[request.token_row] = False
-                self.decode.mark_removed()
-        self._unreleased = drained
-        if not len(rows) and not prefill:
-            return None
-        self._step_id += 1
-        sample_rows, sample_seqs = rows, seqs
-        sampling = [p for p in prefill if p.samples]
-        if sampling:
-            sample_rows = np.concatenate([rows, np.fromiter((p.token_row for p in sampling), np.int64)])
-            sample_seqs = np.concatenate([seqs, np.fromiter((p.request.arrival_seq for p in sampling), np.int64)])
-        return StepPlan(self._step_id, rows, seqs, positions, steps, grew, version, prefill,
-                        self.max_num_batched_tokens - budget, sample_rows, sample_seqs, self.num_releases,
-                        preempted, drained)
+        return budget
 
     def _decode_under_pressure(self, rows: np.ndarray, preempted: list[Request]) -> tuple[np.ndarray, np.ndarray]:
         """The decode pass one row at a time, as blocks run out: returns the kept mask ``[D]`` and the

@@ -74,13 +74,16 @@ class StepMetadataWriter:
         self._arange = np.arange(max(blocks.max_num_seqs, 1), dtype=np.int64)
         # id(staging) -> (staging, decode_version, step_id) of its last write; holding the buffer keeps its id.
         self._written: dict[int, tuple[StagingBuffer, int, int]] = {}
-        self._recent: deque[tuple[int, int, np.ndarray]] = deque(maxlen=_RECENT_PLANS)  # (step, version, grew)
+        # (step_id, decode_version, grown rows [G], the block column each was given [G]) of recent plans.
+        self._recent: deque[tuple[int, int, np.ndarray, np.ndarray]] = deque(maxlen=_RECENT_PLANS)
         self._flags = _DecodeFlags(-1, False, False, False)
 
     def write(self, plan: StepPlan, staging: StagingBuffer) -> StepMeta:
         st = self.rows
         nd = plan.num_decode
-        self._recent.append((plan.step_id, plan.decode_version, plan.decode_grew))
+        grew = plan.decode_grew
+        self._recent.append((plan.step_id, plan.decode_version, grew,
+                             plan.decode_positions[grew] // self.block_size if len(grew) else grew))
         max_blocks_used = 0
         context_tokens = 0
         any_random = any_filter = any_penalty = False
@@ -165,7 +168,7 @@ class StepMetadataWriter:
         np.add(pos, 1, out=staging.decode_context_lens[:nd])
         staging.sample_step[:nd] = plan.decode_steps
         max_blocks = int(pos.max()) // self.block_size + 1
-        grown = self._grown_since_last_write(plan, staging)
+        grown = self._blocks_since_last_write(plan, staging)
         if grown is None:
             staging.token_is_output[:nd] = True
             staging.token_owner_row[:nd] = rows
@@ -174,19 +177,22 @@ class StepMetadataWriter:
             staging.logits_indices[:nd] = self._arange[:nd]
             staging.decode_block_tables[:nd, :max_blocks] = self.blocks.block_table[rows, :max_blocks]
             self._write_sampling_constants(staging, 0, nd, rows)
-        elif len(grown):
-            staging.decode_block_tables[grown, :max_blocks] = self.blocks.block_table[rows[grown], :max_blocks]
+        else:  # the buffer holds these rows' tables but for the blocks added since
+            for index, column in grown:
+                staging.decode_block_tables[index, column] = self.blocks.block_table[rows[index], column]
         return max_blocks
 
-    def _grown_since_last_write(self, plan: StepPlan, staging: StagingBuffer) -> np.ndarray | None:
-        """Indices of decode rows given blocks since ``staging`` last held these rows; None: rewrite it all."""
+    def _blocks_since_last_write(self, plan: StepPlan,
+                                 staging: StagingBuffer) -> list[tuple[np.ndarray, np.ndarray]] | None:
+        """(decode row indices, block columns) given since ``staging`` last held these rows, one pair per plan
+        since; None when the buffer must be rewritten."""
         last = self._written.get(id(staging))
         if last is None or last[0] is not staging or last[1] != plan.decode_version:
             return None
-        since = [(version, grew) for step, version, grew in self._recent if step > last[2]]
-        if len(since) != plan.step_id - last[2] or any(version != plan.decode_version for version, _ in since):
+        since = [(version, grew, columns) for step, version, grew, columns in self._recent if step > last[2]]
+        if len(since) != plan.step_id - last[2] or any(version != plan.decode_version for version, _, _ in since):
             return None  # a plan in between is not on record, or decoded other rows
-        return since[0][1] if len(since) == 1 else np.concatenate([grew for _, grew in since])
+        return [(grew, columns) for _, grew, columns in since if len(grew)]
 
     def _write_sampling_constants(self, staging: StagingBuffer, lo: int, hi: int, rows: np.ndarray) -> None:
         st = self.rows
