@@ -55,10 +55,6 @@ class Request:
     handle: Any = None  # the caller's RequestHandle, filled only by the output thread
 
     @property
-    def seq(self) -> int:
-        return self.arrival_seq
-
-    @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 

@@ -28,10 +28,11 @@ _EMPTY.flags.writeable = False
 class RowState:
     """Arrays ``[S]`` (``S = max_num_seqs``) describing the request in each token row.
 
-    Invariants while row ``r`` is held: ``num_outputs[r] <= num_scheduled[r] <= max_tokens[r]``;
-    ``num_scheduled[r] - num_outputs[r]`` is the request's number of in-flight tokens; in the decode
-    phase ``num_computed[r] == prefill_len[r] + num_scheduled[r] - num_outputs_at_admission - 1``,
-    i.e. its newest token is the next input.
+    Invariants while row ``r`` is held (``seq[r] != NO_SEQ``): ``num_outputs[r] <= num_scheduled[r] <=
+    max_tokens[r]``, and ``num_scheduled[r] - num_outputs[r]`` tokens are in flight; ``decoding[r]`` once
+    ``num_computed[r]`` reached ``prefill_len[r]`` (the request then has one token more than it has
+    computed: its newest, the next input, waits in the device token buffer); ``history[r, :num_outputs[r]]``
+    are its outputs. A free row's values are stale until the next ``admit``.
     """
 
     def __init__(self, max_num_seqs: int, max_outputs: int) -> None:
@@ -138,12 +139,18 @@ class DecodeSet:
         keep = state.decoding[rows] & (state.admit_key[rows] == keys)  # [D]
         rows, keys = rows[keep], keys[keep]
         if self._added:
-            new = np.asarray(self._added, dtype=np.int64)  # [A, 2]
+            new = np.asarray(self._added, dtype=np.int64)  # [A, 2] (row, key)
             new = new[state.decoding[new[:, 0]] & (state.admit_key[new[:, 0]] == new[:, 1])]
             new = new[np.argsort(new[:, 1], kind="stable")]
-            at = np.searchsorted(keys, new[:, 1])
-            rows, keys = np.insert(rows, at, new[:, 0]), np.insert(keys, at, new[:, 1])
             self._added.clear()
+            # Merge two key-sorted lists: the i-th new member lands after the i members before it.
+            at = np.searchsorted(keys, new[:, 1]) + np.arange(len(new))  # [A]
+            old = np.ones(len(rows) + len(new), dtype=bool)  # [D']
+            old[at] = False
+            merged_rows, merged_keys = np.empty(len(old), dtype=np.int64), np.empty(len(old), dtype=np.int64)
+            merged_rows[old], merged_rows[at] = rows, new[:, 0]
+            merged_keys[old], merged_keys[at] = keys, new[:, 1]
+            rows, keys = merged_rows, merged_keys
         seqs = state.seq[rows]
         for array in (rows, keys, seqs):
             array.flags.writeable = False
