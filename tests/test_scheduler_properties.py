@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import Counter, deque
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -154,3 +155,11 @@ def test_preemption_recomputes_and_frees_once():
     assert a.finished and b.finished
     assert outputs == {0: 4, 1: 4}
     assert blocks.num_free_blocks == blocks.num_usable_blocks
+
+
+def test_add_refuses_a_request_longer_than_the_block_table():
+    sched = Scheduler(BlockManager(num_blocks=64, block_size=4, max_num_seqs=2, max_blocks_per_seq=3), 16)
+    sched.add(Request("fits", 0, [1] * 8, SamplingParams(max_tokens=4), 0, 0.0))
+    with pytest.raises(ValueError, match="max_tokens"):
+        sched.add(Request("long", 1, [1] * 8, SamplingParams(max_tokens=5), 1, 0.0))
+    assert len(sched.waiting) == 1
