@@ -21,8 +21,8 @@ from asyncbatch.engine.request import Request
 
 NO_SEQ = -1  # ``RowState.seq`` of a row no request holds
 
-_EMPTY = np.zeros(0, dtype=np.int64)
-_EMPTY.flags.writeable = False
+NO_ROWS = np.zeros(0, dtype=np.int64)  # an empty, read-only set of token rows
+NO_ROWS.flags.writeable = False
 
 
 class RowState:
@@ -110,9 +110,9 @@ class DecodeSet:
     """
 
     def __init__(self) -> None:
-        self.rows = _EMPTY  # [D] int64 token rows
-        self.seqs = _EMPTY  # [D] int64 their requests' seqs
-        self.keys = _EMPTY  # [D] int64 their admission keys, ascending
+        self.rows = NO_ROWS  # [D] int64 token rows
+        self.seqs = NO_ROWS  # [D] int64 their requests' seqs
+        self.keys = NO_ROWS  # [D] int64 their admission keys, ascending
         self.version = 0
         self._added: list[tuple[int, int]] = []  # (row, admit key) that completed their prefill
         self._dirty = False

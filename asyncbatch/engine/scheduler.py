@@ -17,9 +17,7 @@ for rows that cross a block boundary while blocks are short, arrive, finish,
 drain or are preempted.
 
 When a request needs a block and none is free, the most recently admitted
-running request not yet scheduled in this step is preempted (its blocks and
-row freed, it re-enters the queue in arrival order and is recomputed later);
-if there is none, the request itself is preempted.
+running request not yet scheduled in this step is preempted (``preemption``).
 
 Requests whose ``max_tokens``-th token is scheduled in this step are
 *drained*: no later step includes them. They keep their blocks and token row
@@ -30,21 +28,19 @@ until the planner has written this step's metadata and calls
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
 
 from asyncbatch.engine.block_manager import BlockManager, IntegrityError
+from asyncbatch.engine.preemption import Preemptor
 from asyncbatch.engine.request import Request, RequestStatus
-from asyncbatch.engine.row_state import NO_SEQ, DecodeSet, RowState
+from asyncbatch.engine.row_state import NO_ROWS, NO_SEQ, DecodeSet, RowState
 from asyncbatch.engine.step_apply import StepApplier
 from asyncbatch.engine.step_plan import ScheduledRow, StepPlan
 
 __all__ = ["ScheduledRow", "Scheduler", "StepPlan"]
 
-_NO_ROWS = np.zeros(0, dtype=np.int64)
-_NO_ROWS.flags.writeable = False
 _RUNNING = RequestStatus.RUNNING
 
 
@@ -57,10 +53,10 @@ class _DecodePart(NamedTuple):
     version: int
 
 
-class Scheduler(StepApplier):
+class Scheduler(Preemptor, StepApplier):
     """Owns the queue, the running set and the per-row arrays; only the planner thread calls it.
 
-    ``apply`` (a step's sampled tokens) comes from ``StepApplier``.
+    ``apply`` (a step's sampled tokens) comes from ``StepApplier``, preemption from ``Preemptor``.
 
     ``running`` maps seq -> request in admission order (preemption victims come from the end). Rows are
     held by running requests and by drained ones until ``release_drained``; a request that leaves its row
@@ -141,7 +137,7 @@ class Scheduler(StepApplier):
         self.decode.refresh(st)
         rows, seqs, version = self.decode.rows, self.decode.seqs, self.decode.version
         if not len(rows):
-            return _DecodePart(rows, seqs, _NO_ROWS, _NO_ROWS, _NO_ROWS, version)
+            return _DecodePart(rows, seqs, NO_ROWS, NO_ROWS, NO_ROWS, version)
         positions = st.num_computed[rows]  # [D] the input token's position, i.e. its KV slot
         grew = (positions >= blocks.num_row_blocks[rows] * blocks.block_size).nonzero()[0]  # [G] need a block
         if len(grew) > blocks.num_free_blocks:
@@ -201,44 +197,6 @@ class Scheduler(StepApplier):
             budget -= n
         return budget
 
-    def _decode_under_pressure(self, rows: np.ndarray, preempted: list[Request]) -> tuple[np.ndarray, np.ndarray]:
-        """The decode pass one row at a time, as blocks run out: returns the kept mask ``[D]`` and the
-        indices (into the kept rows) of those given a block."""
-        st, blocks = self.rows, self.blocks
-        kept = np.ones(len(rows), dtype=bool)
-        grew: list[int] = []
-        scheduled: set[int] = set()
-        for i, row in enumerate(rows.tolist()):
-            request = self._owners[row]
-            if request is None or request.status is not _RUNNING or request.token_row != row:
-                kept[i] = False  # preempted earlier in this pass
-                continue
-            end = int(st.num_computed[row]) + 1
-            if end > int(blocks.num_row_blocks[row]) * blocks.block_size:
-                if not self._reserve(request, end, lambda r: r.arrival_seq in scheduled, preempted):
-                    kept[i] = False
-                    continue
-                grew.append(i)
-            scheduled.add(request.arrival_seq)
-        # Indices into the kept rows: subtract the dropped rows before each.
-        dropped_before = np.cumsum(~kept)  # [D]
-        grew_array = np.asarray(grew, dtype=np.int64)
-        return kept, grew_array - dropped_before[grew_array] if len(grew) else _NO_ROWS
-
-    def _reserve(self, request: Request, num_tokens: int, is_scheduled: Callable[[Request], bool],
-                 preempted: list[Request]) -> bool:
-        """Make room for ``num_tokens`` of KV, preempting newer unscheduled requests if needed."""
-        need = self.blocks.extra_blocks_needed(request.token_row, num_tokens)
-        while not self.blocks.can_allocate(need):
-            victim = next((r for r in reversed(self.running.values())
-                           if r is not request and r.status is _RUNNING and not is_scheduled(r)), None)
-            self._preempt(victim or request)
-            preempted.append(victim or request)
-            if victim is None:
-                return False
-        self.blocks.allocate(request.token_row, num_tokens)
-        return True
-
     def _admit(self, request: Request, prefill_len: int) -> int:
         row = self._free_rows.pop()
         self._admissions += 1
@@ -267,22 +225,6 @@ class Scheduler(StepApplier):
             st.decoding[row] = True
             self.decode.add(row, int(st.admit_key[row]))
         return ScheduledRow(request, row, start, n, True, step)
-
-    def _preempt(self, request: Request) -> None:
-        self.num_preemptions += 1
-        request.num_preemptions += 1
-        request.output_token_ids = self.rows.outputs(request.token_row)
-        self._release(request)
-        del self.running[request.arrival_seq]
-        request.status = RequestStatus.WAITING
-        # Back into the queue at its arrival position, so admission stays FIFO.
-        index = 0
-        for index, other in enumerate(self.waiting):
-            if other.arrival_seq > request.arrival_seq:
-                break
-        else:
-            index = len(self.waiting)
-        self.waiting.insert(index, request)
 
     # -- leaving -------------------------------------------------------------
     def release_drained(self, plan: StepPlan) -> None:

@@ -9,9 +9,12 @@ A staging buffer is reused every other step. When its decode part was last
 written for the same decode rows (``StepPlan.decode_version``), the arrays that
 depend only on which rows decode (token rows, sampling constants, owner rows,
 output flags, logits indices) are still right and are not rewritten, and of
-the block tables only the rows given a block since then are copied. Nothing
-else writes a buffer's first ``num_decode`` rows: prefill chunks start after
-them, and CUDA graph padding writes only past them.
+the block tables only the entries added since are copied (one per row that
+crossed a block boundary in a plan since). This relies on one invariant:
+nothing but this writer writes a buffer's first ``num_decode`` rows (prefill
+chunks start after them, CUDA graph padding writes only past them). Block
+table columns past a row's last block may hold stale ids; readers are bounded
+by the context length.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from asyncbatch.engine.host_staging import StagingBuffer
 from asyncbatch.engine.row_state import RowState
 from asyncbatch.engine.step_plan import StepPlan
 
-_RECENT_PLANS = 4  # grown-row lists kept for buffers last written this many plans ago
+_RECENT_PLANS = 4  # block additions remembered for buffers last written up to this many plans ago
 
 
 @dataclass(slots=True)
@@ -67,6 +70,8 @@ class _DecodeFlags:
 
 
 class StepMetadataWriter:
+    """Fills staging buffers from plans of one scheduler; every plan must be written, in order."""
+
     def __init__(self, rows: RowState, blocks: BlockManager) -> None:
         self.rows = rows
         self.blocks = blocks
