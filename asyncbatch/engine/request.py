@@ -1,16 +1,23 @@
-"""A request's state as the planner sees it.
+"""A request's state as the planner sees it: the Python half, touched only when the request changes state.
+
+While a request holds a token row (``token_row`` is not None: it is running,
+or drained and not yet released) its counters live in the scheduler's
+``RowState`` arrays at that row, and a decode step touches nothing here. The
+counters below are authoritative only while it holds no row (waiting, or
+drained/preempted/finished with tokens still in flight); the scheduler copies
+them out of the arrays when it releases the row.
 
 Token accounting (the planner runs one step ahead, so some sampled tokens are
 still on the device):
 
-    prompt_token_ids + output_token_ids          known on the host
+    len(prompt_token_ids) + num_outputs          known on the host
     + num_pending                                sampled by launched steps, not yet received
-    = num_tokens                                 what the sequence will hold once they arrive
+    = the tokens the sequence will hold once they arrive
 
-``num_computed_tokens`` counts tokens whose key/value has been scheduled into
-the KV cache (launched steps included). A request in the decode phase has
-``num_computed_tokens == num_tokens - 1``: its newest token is the next input,
-and it lives in the device token buffer at ``token_row``.
+``output_token_ids`` holds what a preempted request must recompute: the row's
+output history is copied here when it is preempted, and tokens that arrive
+while it waits are appended. Otherwise it stays empty: outputs go to the
+frontend in each step's columnar ``AppliedStep``.
 """
 
 from __future__ import annotations
@@ -32,44 +39,25 @@ class RequestStatus(enum.Enum):
 @dataclass(slots=True, eq=False)
 class Request:
     request_id: str
-    arrival_seq: int  # FIFO order of submission
+    arrival_seq: int  # FIFO order of submission; the request's key (``seq``) in messages and plans
     prompt_token_ids: list[int]
     params: SamplingParams
     seed: int  # effective sampling seed (the params' seed, or one derived from the engine's)
     arrival_time: float
-    output_token_ids: list[int] = field(default_factory=list)
-    num_pending: int = 0
-    num_computed_tokens: int = 0
-    prefill_len: int = 0  # tokens to (re)compute before decoding: prompt (+ outputs after a preemption)
+    output_token_ids: list[int] = field(default_factory=list)  # outputs to recompute (see module doc)
+    num_outputs: int = 0  # outputs received (while the request holds no token row)
+    num_pending: int = 0  # outputs sampled by launched steps, not yet received (likewise)
     token_row: int | None = None
-    block_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
-    first_scheduled_time: float | None = None
     handle: Any = None  # the caller's RequestHandle, filled only by the output thread
-
-    @property
-    def num_known_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return self.num_known_tokens + self.num_pending
-
-    @property
-    def num_scheduled_outputs(self) -> int:
-        """Outputs received plus outputs a launched step will produce."""
-        return len(self.output_token_ids) + self.num_pending
-
-    @property
-    def in_prefill(self) -> bool:
-        return self.num_computed_tokens < self.prefill_len
 
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
     def all_token_ids(self) -> list[int]:
+        """Prompt and outputs to recompute after a preemption."""
         return self.prompt_token_ids + self.output_token_ids

@@ -10,68 +10,85 @@ step:
    by launched steps has reached the host (``num_pending == 0``); the queue
    does not overtake it, so admission stays FIFO.
 
+Planning is O(changes): a running request's counters live in ``RowState``
+arrays at its token row, the decode rows are a cached array (``DecodeSet``),
+and a decode step of the same requests is array arithmetic. Python runs only
+for rows that cross a block boundary while blocks are short, arrive, finish,
+drain or are preempted.
+
 When a request needs a block and none is free, the most recently admitted
-running request not yet scheduled in this step is preempted (its blocks freed,
-it re-enters the queue in arrival order and is recomputed later); if there is
-none, the request itself is preempted.
+running request not yet scheduled in this step is preempted (``preemption``).
 
 Requests whose ``max_tokens``-th token is scheduled in this step are
 *drained*: no later step includes them. They keep their blocks and token row
 until the planner has written this step's metadata and calls
-``release_drained``.
+``release_drained`` (or, failing that, until the next ``schedule``).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
-from asyncbatch.engine.block_manager import BlockManager
-from asyncbatch.engine.messages import AppliedStep, Finish
+from asyncbatch.engine.block_manager import BlockManager, IntegrityError
+from asyncbatch.engine.preemption import Preemptor
 from asyncbatch.engine.request import Request, RequestStatus
+from asyncbatch.engine.row_state import NO_ROWS, NO_SEQ, DecodeSet, RowState
+from asyncbatch.engine.step_apply import StepApplier
+from asyncbatch.engine.step_plan import ScheduledRow, StepPlan
+
+__all__ = ["ScheduledRow", "Scheduler", "StepPlan"]
+
+_RUNNING = RequestStatus.RUNNING
 
 
-@dataclass(slots=True)
-class ScheduledRow:
-    request: Request
-    start: int  # position of the first token computed in this step
-    num_tokens: int
-    samples: bool  # the row's last token produces the request's next output token
-    is_decode: bool  # input is the previous sampled token, read from the device token buffer
+class _DecodePart(NamedTuple):
+    rows: np.ndarray  # [D] int64 token rows, admission order
+    seqs: np.ndarray  # [D] int64
+    positions: np.ndarray  # [D] int64
+    steps: np.ndarray  # [D] int64
+    grew: np.ndarray  # [G] int64 indices into rows
+    version: int
 
 
-@dataclass(slots=True)
-class StepPlan:
-    step_id: int
-    rows: list[ScheduledRow]  # decode rows first, then prefill chunks
-    num_decode: int
-    num_tokens: int
-    preempted: list[Request] = field(default_factory=list)
-    drained: list[Request] = field(default_factory=list)
+class Scheduler(Preemptor, StepApplier):
+    """Owns the queue, the running set and the per-row arrays; only the planner thread calls it.
 
-    def first_scheduled_seqs(self) -> np.ndarray:
-        """Requests whose prompt starts (or, after a preemption, restarts) in this step."""
-        return np.asarray([row.request.arrival_seq for row in self.rows[self.num_decode:] if row.start == 0],
-                          dtype=np.int64)
+    ``apply`` (a step's sampled tokens) comes from ``StepApplier``, preemption from ``Preemptor``.
 
+    ``running`` maps seq -> request in admission order (preemption victims come from the end). Rows are
+    held by running requests and by drained ones until ``release_drained``; a request that leaves its row
+    with tokens in flight is kept in ``_off_row`` until they are back, so ``apply`` can still count them.
+    """
 
-class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, *,
                  eos_token_id: int | None = None) -> None:
-        self.eos_token_id = eos_token_id
         self.blocks = block_manager
-        self.max_num_seqs = max_num_seqs
+        self.max_num_seqs = block_manager.max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_token_id = eos_token_id
+        self.max_model_len = block_manager.max_blocks_per_seq * block_manager.block_size
+        self.rows = RowState(self.max_num_seqs, self.max_model_len)
+        self.decode = DecodeSet()
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # admission order; preemption victims come from the end
-        self._free_rows: list[int] = list(range(max_num_seqs - 1, -1, -1))
+        self.running: dict[int, Request] = {}
+        self._prefilling: list[Request] = []  # running requests still prefilling, admission order
+        self._owners: list[Request | None] = [None] * self.max_num_seqs  # token row -> request holding it
+        self._off_row: dict[int, Request] = {}  # seq -> request without a row whose tokens are in flight
+        self._unreleased: list[Request] = []  # drained by the last plan, rows not yet released
+        self._free_rows: list[int] = list(range(self.max_num_seqs - 1, -1, -1))
         self._step_id = 0
+        self._admissions = 0
         self.num_preemptions = 0
+        self.num_releases = 0  # token rows given back so far
 
     # -- queue ---------------------------------------------------------------
     def add(self, request: Request) -> None:
+        total = len(request.prompt_token_ids) + request.params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt + max_tokens = {total} exceeds the block table's {self.max_model_len} tokens")
         self.waiting.append(request)
 
     @property
@@ -82,186 +99,199 @@ class Scheduler:
         return bool(self.waiting) or bool(self.running)
 
     def live_requests(self) -> list[Request]:
-        return [*self.running, *self.waiting]
+        return [*self.running.values(), *self.waiting]
 
     # -- planning ------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
-        budget = self.max_num_batched_tokens
-        decode_rows: list[ScheduledRow] = []
-        prefill_rows: list[ScheduledRow] = []
-        scheduled: set[int] = set()
+        if self._unreleased:
+            self._release_all(self._unreleased)
         preempted: list[Request] = []
+        drained: list[Request] = []
+        decode = self._schedule_decode(preempted, drained)
+        budget = self.max_num_batched_tokens - len(decode.rows)
+        prefill: list[ScheduledRow] = []
+        budget = self._schedule_prefills(prefill, budget, preempted, drained)
+        budget = self._admit_waiting(prefill, budget, drained)
+        for request in drained:  # no later step includes them; their rows go once the metadata is written
+            del self.running[request.arrival_seq]
+            if self.rows.decoding[request.token_row]:
+                self.rows.decoding[request.token_row] = False
+                self.decode.mark_removed()
+        self._unreleased = drained
+        if not len(decode.rows) and not prefill:
+            return None
+        self._step_id += 1
+        sample_rows, sample_seqs = decode.rows, decode.seqs
+        sampling = [p for p in prefill if p.samples]
+        if sampling:
+            sample_rows = np.concatenate([sample_rows, np.fromiter((p.token_row for p in sampling), np.int64)])
+            sample_seqs = np.concatenate([sample_seqs, np.fromiter((p.request.arrival_seq for p in sampling),
+                                                                   np.int64)])
+        return StepPlan(self._step_id, decode.rows, decode.seqs, decode.positions, decode.steps, decode.grew,
+                        decode.version, prefill, self.max_num_batched_tokens - budget, sample_rows, sample_seqs,
+                        self.num_releases, preempted, drained)
 
-        prefilling: list[Request] = []
-        block_size = self.blocks.block_size
-        for request in list(self.running):
-            if request.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            if request.num_computed_tokens < request.prefill_len:
-                prefilling.append(request)
+    def _schedule_decode(self, preempted: list[Request], drained: list[Request]) -> _DecodePart:
+        """One token for every request in the decode phase: array operations over the cached decode rows."""
+        st, blocks = self.rows, self.blocks
+        self.decode.refresh(st)
+        rows, seqs, version = self.decode.rows, self.decode.seqs, self.decode.version
+        if not len(rows):
+            return _DecodePart(rows, seqs, NO_ROWS, NO_ROWS, NO_ROWS, version)
+        positions = st.num_computed[rows]  # [D] the input token's position, i.e. its KV slot
+        grew = (positions >= blocks.num_row_blocks[rows] * blocks.block_size).nonzero()[0]  # [G] need a block
+        if len(grew) > blocks.num_free_blocks:
+            kept, grew = self._decode_under_pressure(rows, preempted)
+            rows, seqs, positions = rows[kept], seqs[kept], positions[kept]
+            self.decode.mark_removed()  # rebuild next time, whatever this pass kept
+            version = self.decode.new_version()
+        elif len(grew):
+            blocks.append_block(rows[grew])
+        st.num_computed[rows] = positions + 1
+        steps = st.num_scheduled[rows]  # [D] outputs scheduled before this one
+        scheduled = steps + 1  # [D]
+        st.num_scheduled[rows] = scheduled
+        ends = (scheduled >= st.max_tokens[rows]).nonzero()[0]  # [E] their last output
+        for row in rows[ends].tolist():
+            request = self._owners[row]
+            request.status = RequestStatus.DRAINING
+            drained.append(request)
+        return _DecodePart(rows, seqs, positions, steps, grew, version)
+
+    def _schedule_prefills(self, prefill: list[ScheduledRow], budget: int, preempted: list[Request],
+                           drained: list[Request]) -> int:
+        """One chunk for each running request still prefilling, within ``budget``; returns what is left."""
+        st = self.rows
+        chunked: set[int] = set()
+
+        def is_scheduled(r: Request) -> bool:
+            return r.arrival_seq in chunked or bool(st.decoding[r.token_row])
+
+        for request in list(self._prefilling):
+            if request.status is not _RUNNING or budget <= 0:
                 continue
-            end = request.num_computed_tokens + 1
-            # Fast path: the next token's KV position is inside a block the request already owns.
-            if end > len(request.block_ids) * block_size and not self._reserve(request, end, scheduled, preempted):
+            row = request.token_row
+            start = int(st.num_computed[row])
+            n = min(int(st.prefill_len[row]) - start, budget)
+            if not self._reserve(request, start + n, is_scheduled, preempted):
                 continue
-            decode_rows.append(self._advance(request, 1, is_decode=True))
-            scheduled.add(id(request))
-        budget -= len(decode_rows)
-        for request in prefilling:
-            if request.status is not RequestStatus.RUNNING or budget <= 0:
-                continue
-            n = min(request.prefill_len - request.num_computed_tokens, budget)
-            if not self._reserve(request, request.num_computed_tokens + n, scheduled, preempted):
-                continue
-            prefill_rows.append(self._advance(request, n, is_decode=False))
-            scheduled.add(id(request))
+            prefill.append(self._advance_prefill(request, row, start, n, drained))
+            chunked.add(request.arrival_seq)
             budget -= n
+        return budget
 
+    def _admit_waiting(self, prefill: list[ScheduledRow], budget: int, drained: list[Request]) -> int:
+        """Admit waiting requests in FIFO order while a row, the budget and blocks allow."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if request.num_pending:
                 break
-            target = request.num_known_tokens
+            target = len(request.prompt_token_ids) + request.num_outputs
             n = min(target, budget)
-            if not self.blocks.can_allocate(self.blocks.extra_blocks_needed(request, n)):
+            if not self.blocks.can_allocate(self.blocks.blocks_for(n)):
                 break
             self.waiting.popleft()
-            request.prefill_len = target
-            request.num_computed_tokens = 0
-            request.token_row = self._free_rows.pop()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            self.blocks.allocate(request, n)
-            prefill_rows.append(self._advance(request, n, is_decode=False))
+            row = self._admit(request, target)
+            self.blocks.allocate(row, n)
+            prefill.append(self._advance_prefill(request, row, 0, n, drained))
             budget -= n
+        return budget
 
-        rows = decode_rows + prefill_rows
-        drained = [row.request for row in rows if row.request.status is RequestStatus.DRAINING]
-        if drained:
-            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
-        if not rows:
-            return None
-        self._step_id += 1
-        return StepPlan(self._step_id, rows, len(decode_rows), self.max_num_batched_tokens - budget,
-                        preempted, drained)
+    def _admit(self, request: Request, prefill_len: int) -> int:
+        row = self._free_rows.pop()
+        self._admissions += 1
+        self.rows.admit(row, request, self._admissions, prefill_len)
+        self._owners[row] = request
+        request.token_row = row
+        request.status = _RUNNING
+        self.running[request.arrival_seq] = request
+        self._prefilling.append(request)
+        return row
 
-    def _reserve(self, request: Request, num_tokens: int, scheduled: set[int],
-                 preempted: list[Request]) -> bool:
-        """Make room for ``num_tokens`` of KV, preempting newer unscheduled requests if needed."""
-        need = self.blocks.extra_blocks_needed(request, num_tokens)
-        while not self.blocks.can_allocate(need):
-            victim = next((r for r in reversed(self.running)
-                           if id(r) not in scheduled and r is not request and r.status is RequestStatus.RUNNING),
-                          None)
-            self._preempt(victim or request)
-            preempted.append(victim or request)
-            if victim is None:
-                return False
-        self.blocks.allocate(request, num_tokens)
-        return True
-
-    def _advance(self, request: Request, n: int, is_decode: bool) -> ScheduledRow:
-        start = request.num_computed_tokens
-        request.num_computed_tokens += n
-        samples = request.num_computed_tokens == request.num_tokens
-        if samples:
-            request.num_pending += 1
-            if request.num_scheduled_outputs >= request.params.max_tokens:
-                request.status = RequestStatus.DRAINING
-        return ScheduledRow(request, start, n, samples, is_decode)
-
-    def _preempt(self, request: Request) -> None:
-        self.num_preemptions += 1
-        request.num_preemptions += 1
-        self._release(request)
-        self.running.remove(request)
-        request.status = RequestStatus.WAITING
-        request.num_computed_tokens = 0
-        # Back into the queue at its arrival position, so admission stays FIFO.
-        index = 0
-        for index, other in enumerate(self.waiting):
-            if other.arrival_seq > request.arrival_seq:
-                break
+    def _advance_prefill(self, request: Request, row: int, start: int, n: int,
+                         drained: list[Request]) -> ScheduledRow:
+        st = self.rows
+        end = start + n
+        st.num_computed[row] = end
+        if end < st.prefill_len[row]:
+            return ScheduledRow(request, row, start, n, False, 0)
+        self._prefilling.remove(request)
+        step = int(st.num_scheduled[row])
+        st.num_scheduled[row] = step + 1
+        if step + 1 >= st.max_tokens[row]:
+            request.status = RequestStatus.DRAINING
+            drained.append(request)
         else:
-            index = len(self.waiting)
-        self.waiting.insert(index, request)
-
-    # -- results ---------------------------------------------------------------
-    def apply(self, plan: StepPlan, token_ids: np.ndarray, finite: np.ndarray) -> AppliedStep:
-        """Take step ``plan``'s sampled tokens (one per sampling row, in row order): append them and end
-        requests on EOS, a stop token id, ``max_tokens`` or non-finite logits. A token sampled for a request
-        that had already finished (the one-step-late finish of overlap mode) is dropped here."""
-        seqs: list[int] = []
-        kept: list[int] = []
-        finish: list[int] = []
-        errored: list[int] = []
-        tokens = token_ids.tolist()
-        ok = finite.tolist()
-        eos = self.eos_token_id
-        i = 0
-        for row in plan.rows:
-            if not row.samples:
-                continue
-            request = row.request
-            token, good = tokens[i], ok[i]
-            i += 1
-            request.num_pending -= 1
-            if request.status is RequestStatus.FINISHED:
-                continue
-            if not good:
-                self.finish(request, "error")
-                errored.append(request.arrival_seq)
-                continue
-            request.output_token_ids.append(token)
-            params = request.params
-            code = Finish.NONE
-            if token == eos and not params.ignore_eos:
-                code = Finish.EOS
-            elif params.stop_token_ids and token in params.stop_token_ids:
-                code = Finish.STOP_TOKEN
-            elif len(request.output_token_ids) >= params.max_tokens:
-                code = Finish.LENGTH
-            if code is not Finish.NONE:
-                self.finish(request, code.reason, token if code is Finish.STOP_TOKEN else None)
-            seqs.append(request.arrival_seq)
-            kept.append(token)
-            finish.append(code)
-        return AppliedStep(np.asarray(seqs, dtype=np.int64), np.asarray(kept, dtype=np.int64),
-                           np.asarray(finish, dtype=np.int8), errored)
+            st.decoding[row] = True
+            self.decode.add(row, int(st.admit_key[row]))
+        return ScheduledRow(request, row, start, n, True, step)
 
     # -- leaving -------------------------------------------------------------
     def release_drained(self, plan: StepPlan) -> None:
         """Free what drained requests hold, once the step's metadata is written."""
-        for request in plan.drained:
-            self._release(request)
+        self._release_all(plan.drained)
+
+    def _release_all(self, requests: list[Request]) -> None:
+        for request in requests:
+            if request.token_row is not None:
+                self._release(request)
+        self._unreleased = [r for r in self._unreleased if r.token_row is not None]
 
     def finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
         """End ``request`` now (stop token, stop string, abort, error); frees everything it holds once."""
         if request.status is RequestStatus.FINISHED:
             return
-        if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)
+        if request.status is _RUNNING:
+            del self.running[request.arrival_seq]
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
-        self._release(request)
+        if request.token_row is not None:
+            self._release(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
 
     def _release(self, request: Request) -> None:
-        self.blocks.free(request)
-        if request.token_row is not None:
-            self._free_rows.append(request.token_row)
-            request.token_row = None
+        """Give back the row and its blocks; the row's counters move into ``request``."""
+        st, row = self.rows, request.token_row
+        request.num_outputs = int(st.num_outputs[row])
+        request.num_pending = int(st.num_scheduled[row]) - request.num_outputs
+        if request.num_pending:
+            self._off_row[request.arrival_seq] = request
+        self.blocks.free(row)
+        st.seq[row] = NO_SEQ
+        if st.decoding[row]:
+            st.decoding[row] = False
+            self.decode.mark_removed()
+        if request.status is _RUNNING and request in self._prefilling:
+            self._prefilling.remove(request)
+        self._owners[row] = None
+        self._free_rows.append(row)
+        self.num_releases += 1
+        request.token_row = None
 
     def check_integrity(self) -> None:
-        self.blocks.check_integrity(self.live_requests())
-        rows = [r.token_row for r in self.running if r.token_row is not None]
-        if len(rows) != len(set(rows)) or set(rows) & set(self._free_rows):
-            from asyncbatch.engine.block_manager import IntegrityError
-
+        st = self.rows
+        held = np.flatnonzero(st.seq != NO_SEQ)
+        self.blocks.check_integrity(held)
+        free = self._free_rows
+        if len(set(free)) != len(free) or set(free) & set(held.tolist()):
             raise IntegrityError("a token row is held twice")
-        if len(rows) + len(self._free_rows) != self.max_num_seqs:
-            from asyncbatch.engine.block_manager import IntegrityError
-
+        if len(held) + len(free) != self.max_num_seqs:
             raise IntegrityError("token rows leaked")
+        holders = [*self.running.values(), *(r for r in self._unreleased if r.token_row is not None)]
+        if sorted(r.token_row for r in holders) != held.tolist():
+            raise IntegrityError("held token rows differ from the running and drained requests' rows")
+        for request in holders:
+            row = request.token_row
+            if self._owners[row] is not request or st.seq[row] != request.arrival_seq:
+                raise IntegrityError(f"row {row} does not record its request {request.request_id}")
+            if self.blocks.num_row_blocks[row] != self.blocks.blocks_for(int(st.num_computed[row])):
+                raise IntegrityError(f"request {request.request_id} holds blocks for other than its computed tokens")
+        if any(r.token_row is not None or r.status is not RequestStatus.WAITING for r in self.waiting):
+            raise IntegrityError("a waiting request holds a token row")
+        if not self.decode.dirty:
+            expected = np.flatnonzero(st.decoding)
+            expected = expected[np.argsort(st.admit_key[expected])]
+            if not np.array_equal(expected, self.decode.rows):
+                raise IntegrityError("the cached decode rows differ from the decoding rows in admission order")

@@ -1,20 +1,35 @@
 """Writes a ``StepPlan`` into a staging buffer: the planner's half of the handoff.
 
-Per-request constants (sampling parameters, block table rows) live in
-persistent arrays indexed by token row, refreshed only when a row changes
-owner or a request gains blocks; each step then gathers them with numpy fancy
-indexing instead of a Python loop per token.
+Everything per request comes from arrays indexed by token row: the block
+table (``BlockManager.block_table``, written where blocks are allocated) and
+the sampling constants (``RowState``). The decode part is numpy over the
+plan's row arrays; only prefill chunks go through Python.
+
+A staging buffer is reused every other step. When its decode part was last
+written for the same decode rows (``StepPlan.decode_version``), the arrays that
+depend only on which rows decode (token rows, sampling constants, owner rows,
+output flags, logits indices) are still right and are not rewritten, and of
+the block tables only the entries added since are copied (one per row that
+crossed a block boundary in a plan since). This relies on one invariant:
+nothing but this writer writes a buffer's first ``num_decode`` rows (prefill
+chunks start after them, CUDA graph padding writes only past them). Block
+table columns past a row's last block may hold stale ids; readers are bounded
+by the context length.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
+from asyncbatch.engine.block_manager import BlockManager
 from asyncbatch.engine.host_staging import StagingBuffer
-from asyncbatch.engine.request import Request
-from asyncbatch.engine.scheduler import StepPlan
+from asyncbatch.engine.row_state import RowState
+from asyncbatch.engine.step_plan import StepPlan
+
+_RECENT_PLANS = 4  # block additions remembered for buffers last written up to this many plans ago
 
 
 @dataclass(slots=True)
@@ -44,123 +59,95 @@ class StepMeta:
     first_chunk_rows: list[int]  # token rows whose request (re)starts its prefill in this step
 
 
-class StepMetadataWriter:
-    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int, block_size: int) -> None:
-        self.block_size = block_size
-        self.max_blocks = max_blocks_per_seq
-        s = max_num_seqs
-        self._owner: list[Request | None] = [None] * s
-        self._generation = np.zeros(s, dtype=np.int64)  # owner's preemption count: a resumed request is new
-        self._blocks_known = np.zeros(s, dtype=np.int64)
-        self.block_table = np.zeros((s, max_blocks_per_seq), dtype=np.int64)
-        self._seed = np.zeros(s, dtype=np.int64)
-        self._top_k = np.zeros(s, dtype=np.int64)
-        self._temperature = np.zeros(s, dtype=np.float32)
-        self._top_p = np.ones(s, dtype=np.float32)
-        self._min_p = np.zeros(s, dtype=np.float32)
-        self._presence = np.zeros(s, dtype=np.float32)
-        self._frequency = np.zeros(s, dtype=np.float32)
-        self._repetition = np.ones(s, dtype=np.float32)
-        self._uses_penalty = np.zeros(s, dtype=bool)
+@dataclass(slots=True)
+class _DecodeFlags:
+    """Sampling flags of one decode row set (one ``decode_version``)."""
 
-    def _refresh(self, request: Request) -> int:
-        row = request.token_row
-        assert row is not None, "a scheduled request holds a token row"
-        if self._owner[row] is not request or self._generation[row] != request.num_preemptions:
-            self._owner[row] = request
-            self._generation[row] = request.num_preemptions
-            self._blocks_known[row] = 0
-            p = request.params
-            self._seed[row] = request.seed
-            self._top_k[row] = max(p.top_k, 0)
-            self._temperature[row] = p.temperature
-            self._top_p[row] = p.top_p
-            self._min_p[row] = p.min_p
-            self._presence[row] = p.presence_penalty
-            self._frequency[row] = p.frequency_penalty
-            self._repetition[row] = p.repetition_penalty
-            self._uses_penalty[row] = p.uses_penalties
-        blocks = request.block_ids
-        known = int(self._blocks_known[row])
-        if known != len(blocks):
-            self.block_table[row, known:len(blocks)] = blocks[known:]
-            self._blocks_known[row] = len(blocks)
-        return row
+    version: int
+    any_random: bool
+    any_filter: bool
+    any_penalty: bool
+
+
+class StepMetadataWriter:
+    """Fills staging buffers from plans of one scheduler; every plan must be written, in order."""
+
+    def __init__(self, rows: RowState, blocks: BlockManager) -> None:
+        self.rows = rows
+        self.blocks = blocks
+        self.block_size = blocks.block_size
+        self._arange = np.arange(max(blocks.max_num_seqs, 1), dtype=np.int64)
+        # id(staging) -> (staging, decode_version, step_id) of its last write; holding the buffer keeps its id.
+        self._written: dict[int, tuple[StagingBuffer, int, int]] = {}
+        # (step_id, decode_version, grown rows [G], the block column each was given [G]) of recent plans.
+        self._recent: deque[tuple[int, int, np.ndarray, np.ndarray]] = deque(maxlen=_RECENT_PLANS)
+        self._flags = _DecodeFlags(-1, False, False, False)
 
     def write(self, plan: StepPlan, staging: StagingBuffer) -> StepMeta:
-        bs = self.block_size
+        st = self.rows
         nd = plan.num_decode
-        decode = plan.rows[:nd]
+        grew = plan.decode_grew
+        self._recent.append((plan.step_id, plan.decode_version, grew,
+                             plan.decode_positions[grew] // self.block_size if len(grew) else grew))
+        max_blocks_used = 0
+        context_tokens = 0
+        any_random = any_filter = any_penalty = False
+        if nd:
+            max_blocks_used = self._write_decode(plan, staging)
+            context_tokens = int(plan.decode_positions.sum()) + nd
+            flags = self._decode_flags(plan)
+            any_random, any_filter, any_penalty = flags.any_random, flags.any_filter, flags.any_penalty
+            self._written[id(staging)] = (staging, plan.decode_version, plan.step_id)
+        else:
+            self._written.pop(id(staging), None)
+
+        bs, table = self.block_size, self.blocks.block_table
+        prefill_meta: list[PrefillRowMeta] = []
+        first_chunks: list[int] = []
         sample_rows: list[int] = []
         sample_steps: list[int] = []
         logits_idx: list[int] = []
-        context_tokens = 0
-        max_blocks_used = 0
-
-        if nd:
-            rows = np.fromiter((self._refresh(r.request) for r in decode), dtype=np.int64, count=nd)
-            pos = np.fromiter((r.start for r in decode), dtype=np.int64, count=nd)
-            nblocks = pos // bs + 1
-            max_blocks_used = int(nblocks.max())
-            staging.positions[:nd] = pos
-            staging.slot_mapping[:nd] = self.block_table[rows, pos // bs] * bs + pos % bs
-            staging.token_is_output[:nd] = True
-            staging.token_owner_row[:nd] = rows
-            staging.decode_token_rows[:nd] = rows
-            staging.decode_block_tables[:nd, :max_blocks_used] = self.block_table[rows, :max_blocks_used]
-            staging.decode_context_lens[:nd] = pos + 1
-            context_tokens += int(pos.sum()) + nd
-            sample_rows.extend(rows.tolist())
-            sample_steps.extend(r.request.num_scheduled_outputs - 1 for r in decode)
-            logits_idx.extend(range(nd))
-
-        prefill_meta: list[PrefillRowMeta] = []
-        first_chunks: list[int] = []
         t = nd
-        for row_index, row in enumerate(plan.rows[nd:]):
-            request = row.request
-            ts = self._refresh(request)
+        for row_index, row in enumerate(plan.prefill):
+            request, ts = row.request, row.token_row
             n, start = row.num_tokens, row.start
             end = start + n
             prompt_len = len(request.prompt_token_ids)
             tokens = request.prompt_token_ids[start:end] if end <= prompt_len else request.all_token_ids()[start:end]
-            pos = np.arange(start, end, dtype=np.int64)
+            pos = np.arange(start, end, dtype=np.int64)  # [n]
             staging.input_ids[t:t + n] = tokens
             staging.positions[t:t + n] = pos
-            staging.slot_mapping[t:t + n] = self.block_table[ts, pos // bs] * bs + pos % bs
+            staging.slot_mapping[t:t + n] = table[ts, pos // bs] * bs + pos % bs
             staging.token_is_output[t:t + n] = pos >= prompt_len
             staging.token_owner_row[t:t + n] = ts
-            nb = -(-end // bs)
-            staging.prefill_block_tables[row_index, :nb] = self.block_table[ts, :nb]
+            nb = self.blocks.blocks_for(end)
+            staging.prefill_block_tables[row_index, :nb] = table[ts, :nb]
             prefill_meta.append(PrefillRowMeta(t, n, end, ts, nb))
             staging.prefill_row_spans[row_index] = (t, n, end)
             if start == 0:
                 staging.first_chunk_token_rows[len(first_chunks)] = ts
                 first_chunks.append(ts)
             context_tokens += end
+            # Non-sampling chunks of a penalised request must still feed its penalty state.
+            any_penalty = any_penalty or bool(st.uses_penalty[ts])
             if row.samples:
                 sample_rows.append(ts)
-                sample_steps.append(request.num_scheduled_outputs - 1)
+                sample_steps.append(row.sample_step)
                 logits_idx.append(t + n - 1)
             t += n
 
-        r = len(sample_rows)
-        ss = np.asarray(sample_rows, dtype=np.int64)
-        staging.logits_indices[:r] = logits_idx
-        staging.sample_token_rows[:r] = ss
-        staging.sample_step[:r] = sample_steps
-        staging.sample_seed[:r] = self._seed[ss]
-        top_k = self._top_k[ss]
-        staging.sample_top_k[:r] = top_k
-        temps = self._temperature[ss]
-        staging.sample_temperature[:r] = temps
-        top_p, min_p = self._top_p[ss], self._min_p[ss]
-        staging.sample_top_p[:r] = top_p
-        staging.sample_min_p[:r] = min_p
-        staging.sample_presence[:r] = self._presence[ss]
-        staging.sample_frequency[:r] = self._frequency[ss]
-        staging.sample_repetition[:r] = self._repetition[ss]
-        random_rows = temps > 0
+        r = nd + len(sample_rows)
+        if sample_rows:
+            ss = np.asarray(sample_rows, dtype=np.int64)  # [P]
+            staging.logits_indices[nd:r] = logits_idx
+            staging.sample_token_rows[nd:r] = ss
+            staging.sample_step[nd:r] = sample_steps
+            self._write_sampling_constants(staging, nd, r, ss)
+            temps, top_k = st.temperature[ss], st.top_k[ss]
+            random_rows = temps > 0
+            any_random = any_random or bool(random_rows.any())
+            any_filter = any_filter or bool((random_rows & ((top_k > 0) | (st.top_p[ss] < 1)
+                                                            | (st.min_p[ss] > 0))).any())
         return StepMeta(
             step_id=plan.step_id,
             staging=staging,
@@ -170,10 +157,64 @@ class StepMetadataWriter:
             prefill_rows=prefill_meta,
             num_sampled=r,
             context_tokens=context_tokens,
-            all_greedy=not bool(random_rows.any()),
-            any_filter=bool((random_rows & ((top_k > 0) | (top_p < 1) | (min_p > 0))).any()),
-            # Non-sampling prefill chunks of a penalised request must still feed its penalty state.
-            any_penalty=bool(self._uses_penalty[ss].any()) or any(self._uses_penalty[p.token_row]
-                                                                  for p in prefill_meta),
+            all_greedy=not any_random,
+            any_filter=any_filter,
+            any_penalty=any_penalty,
             first_chunk_rows=first_chunks,
         )
+
+    def _write_decode(self, plan: StepPlan, staging: StagingBuffer) -> int:
+        """Decode rows ``[:nd]`` of every per-token and per-sample array; returns the widest block count."""
+        nd = plan.num_decode
+        rows, pos = plan.decode_rows, plan.decode_positions  # [D]
+        staging.positions[:nd] = pos
+        # The input token lies in the row's newest block (the scheduler allocated it).
+        np.add(self.blocks.decode_slot_base[rows], pos, out=staging.slot_mapping[:nd])
+        np.add(pos, 1, out=staging.decode_context_lens[:nd])
+        staging.sample_step[:nd] = plan.decode_steps
+        max_blocks = int(pos.max()) // self.block_size + 1
+        grown = self._blocks_since_last_write(plan, staging)
+        if grown is None:
+            staging.token_is_output[:nd] = True
+            staging.token_owner_row[:nd] = rows
+            staging.decode_token_rows[:nd] = rows
+            staging.sample_token_rows[:nd] = rows
+            staging.logits_indices[:nd] = self._arange[:nd]
+            staging.decode_block_tables[:nd, :max_blocks] = self.blocks.block_table[rows, :max_blocks]
+            self._write_sampling_constants(staging, 0, nd, rows)
+        else:  # the buffer holds these rows' tables but for the blocks added since
+            for index, column in grown:
+                staging.decode_block_tables[index, column] = self.blocks.block_table[rows[index], column]
+        return max_blocks
+
+    def _blocks_since_last_write(self, plan: StepPlan,
+                                 staging: StagingBuffer) -> list[tuple[np.ndarray, np.ndarray]] | None:
+        """(decode row indices, block columns) given since ``staging`` last held these rows, one pair per plan
+        since; None when the buffer must be rewritten."""
+        last = self._written.get(id(staging))
+        if last is None or last[0] is not staging or last[1] != plan.decode_version:
+            return None
+        since = [(version, grew, columns) for step, version, grew, columns in self._recent if step > last[2]]
+        if len(since) != plan.step_id - last[2] or any(version != plan.decode_version for version, _, _ in since):
+            return None  # a plan in between is not on record, or decoded other rows
+        return [(grew, columns) for _, grew, columns in since if len(grew)]
+
+    def _write_sampling_constants(self, staging: StagingBuffer, lo: int, hi: int, rows: np.ndarray) -> None:
+        st = self.rows
+        staging.sample_seed[lo:hi] = st.seed[rows]
+        staging.sample_top_k[lo:hi] = st.top_k[rows]
+        staging.sample_temperature[lo:hi] = st.temperature[rows]
+        staging.sample_top_p[lo:hi] = st.top_p[rows]
+        staging.sample_min_p[lo:hi] = st.min_p[rows]
+        staging.sample_presence[lo:hi] = st.presence[rows]
+        staging.sample_frequency[lo:hi] = st.frequency[rows]
+        staging.sample_repetition[lo:hi] = st.repetition[rows]
+
+    def _decode_flags(self, plan: StepPlan) -> _DecodeFlags:
+        if self._flags.version != plan.decode_version:
+            st, rows = self.rows, plan.decode_rows
+            random_rows = st.temperature[rows] > 0  # [D]
+            any_filter = random_rows & ((st.top_k[rows] > 0) | (st.top_p[rows] < 1) | (st.min_p[rows] > 0))
+            self._flags = _DecodeFlags(plan.decode_version, bool(random_rows.any()), bool(any_filter.any()),
+                                       bool(st.uses_penalty[rows].any()))
+        return self._flags

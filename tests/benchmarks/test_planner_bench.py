@@ -1,14 +1,16 @@
-"""Planner cost per step at 16 to 512 running requests, and KV block allocation.
+"""Planner cost per step at 16 to 2048 running requests, and KV block allocation.
 
 The planner step is what the planner thread does between two launches in the
 decode phase: ``Scheduler.schedule``, ``StepMetadataWriter.write`` into a host
-staging, ``release_drained``, and applying the step's sampled tokens (what
-``EngineCore._apply`` does to the requests). No device is involved, so this is
-the CPU cost overlap mode must hide behind each device step.
+staging buffer, ``release_drained``, and ``Scheduler.apply`` of the step's
+sampled tokens. No device is involved, so this is the CPU cost overlap mode
+must hide behind each device step. ``scripts/bench_planner.py`` measures the
+same path against an older commit, side by side.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from asyncbatch.engine.block_manager import BlockManager
@@ -28,30 +30,28 @@ class PlannerRig:
 
     def __init__(self, n: int) -> None:
         budget = max(2048, n)
-        self.blocks = BlockManager(n * MAX_BLOCKS_PER_SEQ // 4, BLOCK_SIZE)
-        self.scheduler = Scheduler(self.blocks, n, budget)
-        self.writer = StepMetadataWriter(n, MAX_BLOCKS_PER_SEQ, BLOCK_SIZE)
+        self.blocks = BlockManager(n * MAX_BLOCKS_PER_SEQ // 4, BLOCK_SIZE, n, MAX_BLOCKS_PER_SEQ)
+        self.scheduler = Scheduler(self.blocks, budget)
+        self.writer = StepMetadataWriter(self.scheduler.rows, self.blocks)
         self.staging = StagingPair(budget, n, MAX_BLOCKS_PER_SEQ, pinned=False)
+        self.tokens, self.finite = np.full(n, 7, dtype=np.int64), np.ones(n, dtype=bool)
         params = SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
-        self.requests = [Request(f"r{i}", i, [5] * (50 + i % 100), params, i, 0.0) for i in range(n)]
-        for request in self.requests:
-            self.scheduler.add(request)
-        while any(r.in_prefill or r.token_row is None for r in self.requests):
-            self.step()
+        for i in range(n):
+            self.scheduler.add(Request(f"r{i}", i, [5] * (50 + i % 100), params, i, 0.0))
+        while self.step().num_decode < n:
+            pass
 
     def step(self) -> StepPlan:
         plan = self.scheduler.schedule()
         assert plan is not None
-        self.writer.write(plan, self.staging.next_buffer())
+        meta = self.writer.write(plan, self.staging.next_buffer())
         self.scheduler.release_drained(plan)
-        for row in plan.rows:  # the tokens come back: what EngineCore._apply does per sampled row
-            if row.samples:
-                row.request.num_pending -= 1
-                row.request.output_token_ids.append(7)
+        r = meta.num_sampled
+        self.scheduler.apply(plan, self.tokens[:r], self.finite[:r])
         return plan
 
 
-@pytest.mark.parametrize("num_running", [16, 64, 256, 512])
+@pytest.mark.parametrize("num_running", [16, 64, 256, 512, 1024, 2048])
 def test_planner_step(benchmark, num_running):
     rig = PlannerRig(num_running)
     benchmark.group = "planner step (decode)"
@@ -61,18 +61,16 @@ def test_planner_step(benchmark, num_running):
     rig.scheduler.check_integrity()
 
 
-@pytest.mark.parametrize("num_running", [16, 256])
+@pytest.mark.parametrize("num_running", [16, 256, 2048])
 def test_schedule_only(benchmark, num_running):
-    """``Scheduler.schedule`` alone: the part that is pure Python per request."""
+    """``Scheduler.schedule`` and ``apply`` without the metadata writer."""
     rig = PlannerRig(num_running)
-    benchmark.group = "schedule only (decode)"
+    benchmark.group = "schedule + apply (decode)"
 
     def schedule_and_apply() -> None:
         plan = rig.scheduler.schedule()
         rig.scheduler.release_drained(plan)
-        for row in plan.rows:
-            row.request.num_pending -= 1
-            row.request.output_token_ids.append(7)
+        rig.scheduler.apply(plan, rig.tokens[:plan.num_sampled], rig.finite[:plan.num_sampled])
 
     benchmark.pedantic(schedule_and_apply, rounds=ROUNDS, warmup_rounds=10, iterations=1)
     rig.scheduler.check_integrity()
@@ -80,19 +78,17 @@ def test_schedule_only(benchmark, num_running):
 
 @pytest.mark.parametrize("blocks_per_request", [1, 8])
 def test_block_allocate_and_free(benchmark, blocks_per_request):
-    """256 requests each take ``blocks_per_request`` blocks, then all are freed: one round."""
-    manager = BlockManager(256 * blocks_per_request + 1, BLOCK_SIZE)
-    params = SamplingParams(max_tokens=1)
-    requests = [Request(f"r{i}", i, [5], params, i, 0.0) for i in range(256)]
+    """256 token rows each take ``blocks_per_request`` blocks, then all are freed: one round."""
+    manager = BlockManager(256 * blocks_per_request + 1, BLOCK_SIZE, 256, blocks_per_request)
     tokens = blocks_per_request * BLOCK_SIZE
-    benchmark.group = "block allocation (256 requests)"
+    benchmark.group = "block allocation (256 rows)"
 
     def cycle() -> None:
-        for request in requests:
-            manager.allocate(request, tokens)
-        for request in requests:
-            manager.free(request)
+        for row in range(256):
+            manager.allocate(row, tokens)
+        for row in range(256):
+            manager.free(row)
 
     benchmark(cycle)
     assert manager.num_free_blocks == manager.num_usable_blocks
-    manager.check_integrity(requests)
+    manager.check_integrity(np.zeros(0, dtype=np.int64))

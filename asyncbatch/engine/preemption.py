@@ -1,0 +1,98 @@
+"""Making room for KV blocks: which running request is preempted, and how it comes back.
+
+When a request needs a block and none is free, the most recently admitted
+running request not yet scheduled in this step is preempted; if there is none,
+the request itself is. A preempted request gives back its blocks and token
+row, re-enters the queue at its arrival position (admission stays FIFO), and
+is recomputed later from its prompt and the outputs it had (copied out of its
+row's history here); it is re-admitted only once every token sampled for it by
+launched steps is back (``num_pending == 0``).
+
+The decode phase normally needs no Python per row (``Scheduler._schedule_decode``
+gives every crossing row a block at once); when the crossing rows need more
+blocks than are free, ``_decode_under_pressure`` replays the pass one row at a
+time so that victims are chosen exactly as a sequential pass would.
+``Preemptor`` is that half of ``Scheduler``, in its own file as ``StepApplier`` is.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+
+from asyncbatch.engine.block_manager import BlockManager
+from asyncbatch.engine.request import Request, RequestStatus
+from asyncbatch.engine.row_state import NO_ROWS, RowState
+
+_RUNNING = RequestStatus.RUNNING
+
+
+class Preemptor:
+    """Victim choice and preemption for ``Scheduler`` (which sets these attributes)."""
+
+    rows: RowState
+    blocks: BlockManager
+    waiting: deque[Request]
+    running: dict[int, Request]  # seq -> request, admission order
+    num_preemptions: int
+    _owners: list[Request | None]
+
+    def _release(self, request: Request) -> None:
+        raise NotImplementedError
+
+    def _decode_under_pressure(self, rows: np.ndarray, preempted: list[Request]) -> tuple[np.ndarray, np.ndarray]:
+        """The decode pass one row at a time, as blocks run out: returns the kept mask ``[D]`` and the
+        indices (into the kept rows) of those given a block."""
+        st, blocks = self.rows, self.blocks
+        kept = np.ones(len(rows), dtype=bool)
+        grew: list[int] = []
+        scheduled: set[int] = set()
+        for i, row in enumerate(rows.tolist()):
+            request = self._owners[row]
+            if request is None or request.status is not _RUNNING or request.token_row != row:
+                kept[i] = False  # preempted earlier in this pass
+                continue
+            end = int(st.num_computed[row]) + 1
+            if end > int(blocks.num_row_blocks[row]) * blocks.block_size:
+                if not self._reserve(request, end, lambda r: r.arrival_seq in scheduled, preempted):
+                    kept[i] = False
+                    continue
+                grew.append(i)
+            scheduled.add(request.arrival_seq)
+        # Indices into the kept rows: subtract the dropped rows before each.
+        dropped_before = np.cumsum(~kept)  # [D]
+        grew_array = np.asarray(grew, dtype=np.int64)
+        return kept, grew_array - dropped_before[grew_array] if len(grew) else NO_ROWS
+
+    def _reserve(self, request: Request, num_tokens: int, is_scheduled: Callable[[Request], bool],
+                 preempted: list[Request]) -> bool:
+        """Make room for ``num_tokens`` of KV, preempting newer unscheduled requests if needed."""
+        need = self.blocks.extra_blocks_needed(request.token_row, num_tokens)
+        while not self.blocks.can_allocate(need):
+            victim = next((r for r in reversed(self.running.values())
+                           if r is not request and r.status is _RUNNING and not is_scheduled(r)), None)
+            self._preempt(victim or request)
+            preempted.append(victim or request)
+            if victim is None:
+                return False
+        self.blocks.allocate(request.token_row, num_tokens)
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        """Back to the queue, to be recomputed; the caller records it in the plan's ``preempted``."""
+        self.num_preemptions += 1
+        request.num_preemptions += 1
+        request.output_token_ids = self.rows.outputs(request.token_row)
+        self._release(request)
+        del self.running[request.arrival_seq]
+        request.status = RequestStatus.WAITING
+        # Back into the queue at its arrival position, so admission stays FIFO.
+        index = 0
+        for index, other in enumerate(self.waiting):
+            if other.arrival_seq > request.arrival_seq:
+                break
+        else:
+            index = len(self.waiting)
+        self.waiting.insert(index, request)

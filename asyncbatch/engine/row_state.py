@@ -1,0 +1,163 @@
+"""Per-request scheduling state in numpy arrays indexed by token row (vLLM V1's persistent input batch).
+
+A running request's row in the device token buffer (``Request.token_row``,
+``0 .. max_num_seqs - 1``) also indexes every array here, so a decode step of
+the same requests is a handful of gathers and scatters, never a Python object
+per request. A row's values are written when a request is admitted into it and
+updated by array operations while it runs; when the row is released its
+counters are copied back into the ``Request`` (``Scheduler._release``) and the
+row is free for the next admission.
+
+``DecodeSet`` caches the rows in the decode phase, in admission order, as one
+int64 array that is rebuilt only when the set changes (a prefill completes,
+a request finishes, drains or is preempted).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from asyncbatch.engine.request import Request
+
+NO_SEQ = -1  # ``RowState.seq`` of a row no request holds
+
+NO_ROWS = np.zeros(0, dtype=np.int64)  # an empty, read-only set of token rows
+NO_ROWS.flags.writeable = False
+
+
+class RowState:
+    """Arrays ``[S]`` (``S = max_num_seqs``) describing the request in each token row.
+
+    Invariants while row ``r`` is held (``seq[r] != NO_SEQ``): ``num_outputs[r] <= num_scheduled[r] <=
+    max_tokens[r]``, and ``num_scheduled[r] - num_outputs[r]`` tokens are in flight; ``decoding[r]`` once
+    ``num_computed[r]`` reached ``prefill_len[r]`` (the request then has one token more than it has
+    computed: its newest, the next input, waits in the device token buffer); ``history[r, :num_outputs[r]]``
+    are its outputs. A free row's values are stale until the next ``admit``.
+    """
+
+    def __init__(self, max_num_seqs: int, max_outputs: int) -> None:
+        s = max_num_seqs
+        self.seq = np.full(s, NO_SEQ, dtype=np.int64)  # [S] owner's arrival_seq
+        self.admit_key = np.zeros(s, dtype=np.int64)  # [S] admission counter: orders the decode rows
+        self.num_computed = np.zeros(s, dtype=np.int64)  # [S] tokens whose KV is scheduled (launched included)
+        self.prefill_len = np.zeros(s, dtype=np.int64)  # [S] prompt (+ outputs after a preemption) to compute
+        self.num_scheduled = np.zeros(s, dtype=np.int64)  # [S] outputs received + outputs in flight
+        self.num_outputs = np.zeros(s, dtype=np.int64)  # [S] outputs received
+        self.max_tokens = np.zeros(s, dtype=np.int64)  # [S]
+        self.ignore_eos = np.zeros(s, dtype=bool)  # [S]
+        self.has_stop_ids = np.zeros(s, dtype=bool)  # [S] apply checks stop ids in Python for these rows only
+        self.decoding = np.zeros(s, dtype=bool)  # [S] running and past its prefill: a member of the DecodeSet
+        # Sampling constants, gathered per sampled row by the metadata writer.
+        self.seed = np.zeros(s, dtype=np.int64)  # [S]
+        self.top_k = np.zeros(s, dtype=np.int64)  # [S] 0 = off
+        self.temperature = np.zeros(s, dtype=np.float32)  # [S]
+        self.top_p = np.ones(s, dtype=np.float32)  # [S]
+        self.min_p = np.zeros(s, dtype=np.float32)  # [S]
+        self.presence = np.zeros(s, dtype=np.float32)  # [S]
+        self.frequency = np.zeros(s, dtype=np.float32)  # [S]
+        self.repetition = np.ones(s, dtype=np.float32)  # [S]
+        self.uses_penalty = np.zeros(s, dtype=bool)  # [S]
+        # Output ids by output index, kept for the recompute after a preemption. np.zeros maps pages
+        # lazily, so memory grows with the outputs actually written, not with S * max_outputs.
+        self.history = np.zeros((s, max_outputs), dtype=np.int32)  # [S, max_outputs]
+        self._history_flat = self.history.reshape(-1)  # [S * max_outputs] view
+        self.max_outputs = max_outputs
+
+    def admit(self, row: int, request: Request, admit_key: int, prefill_len: int) -> None:
+        """Fill ``row`` for ``request`` (new, or preempted and now recomputed)."""
+        p = request.params
+        n = request.num_outputs
+        self.seq[row] = request.arrival_seq
+        self.admit_key[row] = admit_key
+        self.num_computed[row] = 0
+        self.prefill_len[row] = prefill_len
+        self.num_scheduled[row] = n
+        self.num_outputs[row] = n
+        if n:
+            self.history[row, :n] = request.output_token_ids
+        self.max_tokens[row] = p.max_tokens
+        self.ignore_eos[row] = p.ignore_eos
+        self.has_stop_ids[row] = bool(p.stop_token_ids)
+        self.decoding[row] = False
+        self.seed[row] = request.seed
+        self.top_k[row] = max(p.top_k, 0)
+        self.temperature[row] = p.temperature
+        self.top_p[row] = p.top_p
+        self.min_p[row] = p.min_p
+        self.presence[row] = p.presence_penalty
+        self.frequency[row] = p.frequency_penalty
+        self.repetition[row] = p.repetition_penalty
+        self.uses_penalty[row] = p.uses_penalties
+
+    def append_outputs(self, rows: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
+        """Append one output to each of ``rows`` (distinct); returns their new output counts ``[R]``."""
+        n = self.num_outputs[rows]  # [R]
+        self._history_flat[rows * self.max_outputs + n] = token_ids
+        n += 1
+        self.num_outputs[rows] = n
+        return n
+
+    def outputs(self, row: int) -> list[int]:
+        return self.history[row, :int(self.num_outputs[row])].tolist()
+
+
+class DecodeSet:
+    """Token rows of the requests in the decode phase, in admission order, as a cached int64 array.
+
+    ``rows``, ``seqs`` and ``keys`` are read-only arrays replaced (never mutated) when the set changes, so a
+    plan may keep them. ``version`` names one content: equal versions mean equal ``rows``, which lets the
+    metadata writer skip rewriting what a staging buffer already holds.
+    """
+
+    def __init__(self) -> None:
+        self.rows = NO_ROWS  # [D] int64 token rows
+        self.seqs = NO_ROWS  # [D] int64 their requests' seqs
+        self.keys = NO_ROWS  # [D] int64 their admission keys, ascending
+        self.version = 0
+        self._added: list[tuple[int, int]] = []  # (row, admit key) that completed their prefill
+        self._dirty = False
+
+    def add(self, row: int, admit_key: int) -> None:
+        """``row`` completed its prefill; the caller has set ``RowState.decoding[row]``."""
+        self._added.append((row, admit_key))
+        self._dirty = True
+
+    def mark_removed(self) -> None:
+        """A member left (the caller has cleared ``RowState.decoding`` for it)."""
+        self._dirty = True
+
+    def new_version(self) -> int:
+        self.version += 1
+        return self.version
+
+    def refresh(self, state: RowState) -> None:
+        """Rebuild the cached arrays if the set changed since the last call."""
+        if not self._dirty:
+            return
+        rows, keys = self.rows, self.keys
+        # A member is current while its row is decoding under the same admission.
+        keep = state.decoding[rows] & (state.admit_key[rows] == keys)  # [D]
+        rows, keys = rows[keep], keys[keep]
+        if self._added:
+            new = np.asarray(self._added, dtype=np.int64)  # [A, 2] (row, key)
+            new = new[state.decoding[new[:, 0]] & (state.admit_key[new[:, 0]] == new[:, 1])]
+            new = new[np.argsort(new[:, 1], kind="stable")]
+            self._added.clear()
+            # Merge two key-sorted lists: the i-th new member lands after the i members before it.
+            at = np.searchsorted(keys, new[:, 1]) + np.arange(len(new))  # [A]
+            old = np.ones(len(rows) + len(new), dtype=bool)  # [D']
+            old[at] = False
+            merged_rows, merged_keys = np.empty(len(old), dtype=np.int64), np.empty(len(old), dtype=np.int64)
+            merged_rows[old], merged_rows[at] = rows, new[:, 0]
+            merged_keys[old], merged_keys[at] = keys, new[:, 1]
+            rows, keys = merged_rows, merged_keys
+        seqs = state.seq[rows]
+        for array in (rows, keys, seqs):
+            array.flags.writeable = False
+        self.rows, self.keys, self.seqs = rows, keys, seqs
+        self._dirty = False
+        self.new_version()
+
+    @property
+    def dirty(self) -> bool:
+        return self._dirty

@@ -1,0 +1,141 @@
+"""Applying one step's sampled tokens: masks over the sampled rows, Python only for the rows that end.
+
+Token ``i`` belongs to sampled row ``i`` of the plan (``StepPlan.sample_rows``).
+A row is on the array path when its request still holds the row
+(``RowState.seq[row] == plan.sample_seqs[i]``) and its logits were finite:
+the token is appended to the row's history and its finish code computed by
+masks (EOS, else a stop token id, else ``max_tokens`` reached). Python runs only
+for rows that end, rows with stop token ids, and rows whose request left its
+row after the plan (drained, preempted or finished since; ``Scheduler._off_row``):
+
+- a finished request's token is dropped (the one-step-late finish of overlap
+  mode: never emitted, never counted);
+- non-finite logits end the request with an error and no token;
+- a drained or preempted request gets the token on its ``Request`` counters.
+
+Every request that ends here has been through ``Scheduler.finish`` (row and
+blocks freed) before ``apply`` returns. ``StepApplier`` is the results half of
+``Scheduler`` (a base class, so the two halves sit in files of one concept
+each without importing each other).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from asyncbatch.engine.messages import AppliedStep, Finish
+from asyncbatch.engine.request import Request, RequestStatus
+from asyncbatch.engine.row_state import RowState
+from asyncbatch.engine.step_plan import StepPlan
+from asyncbatch.sampling_params import SamplingParams
+
+_EMPTY_I64 = np.zeros(0, dtype=np.int64)
+_EMPTY_I8 = np.zeros(0, dtype=np.int8)
+# Plain ints: an IntEnum member lookup costs more than the array operation it feeds.
+_NONE, _EOS, _STOP_TOKEN, _LENGTH = int(Finish.NONE), int(Finish.EOS), int(Finish.STOP_TOKEN), int(Finish.LENGTH)
+
+
+def finish_code(token: int, params: SamplingParams, num_outputs: int, eos_token_id: int | None) -> Finish:
+    """The per-request rule that the masks in ``apply_step`` compute for many rows at once."""
+    if token == eos_token_id and not params.ignore_eos:
+        return Finish.EOS
+    if params.stop_token_ids and token in params.stop_token_ids:
+        return Finish.STOP_TOKEN
+    if num_outputs >= params.max_tokens:
+        return Finish.LENGTH
+    return Finish.NONE
+
+
+class StepApplier:
+    """``Scheduler.apply`` and what it needs from the scheduler (set by ``Scheduler.__init__``)."""
+
+    rows: RowState
+    eos_token_id: int | None
+    num_releases: int  # token rows given back so far
+    _owners: list[Request | None]  # token row -> request holding it
+    _off_row: dict[int, Request]  # seq -> request without a row whose tokens are in flight
+
+    def finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
+        raise NotImplementedError
+
+    def apply(self, plan: StepPlan, token_ids: np.ndarray, finite: np.ndarray) -> AppliedStep:
+        """Append step ``plan``'s tokens (one per sampled row, in plan order) and end requests on EOS, a stop
+        token id, ``max_tokens`` or non-finite logits. Returns the kept rows (plan order) with their finish
+        codes, and the seqs ended by errors."""
+        st = self.rows
+        rows, seqs = plan.sample_rows, plan.sample_seqs  # [R]
+        r = len(rows)
+        if not r:
+            return AppliedStep(_EMPTY_I64, _EMPTY_I64, _EMPTY_I8, [])
+        tokens = np.asarray(token_ids, dtype=np.int64)  # [R]
+        good = np.asarray(finite, dtype=bool)  # [R]
+        # Rows change hands only when released: without a release since the plan, every row is still its own.
+        on_row = None if self.num_releases == plan.release_epoch else st.seq[rows] == seqs  # [R]
+        fast = good if on_row is None else on_row & good  # [R]
+        all_fast = np.count_nonzero(fast) == r
+        fast_rows, fast_tokens = (rows, tokens) if all_fast else (rows[fast], tokens[fast])  # [F]
+
+        counts = st.append_outputs(fast_rows, fast_tokens)  # [F]
+        codes_fast = (counts >= st.max_tokens[fast_rows]).view(np.int8) * np.int8(_LENGTH)  # [F] LENGTH or NONE
+        with_stop_ids = st.has_stop_ids[fast_rows]  # [F]
+        if np.count_nonzero(with_stop_ids):
+            owners = self._owners
+            for i in with_stop_ids.nonzero()[0].tolist():
+                if int(fast_tokens[i]) in owners[int(fast_rows[i])].params.stop_token_ids:
+                    codes_fast[i] = _STOP_TOKEN
+        eos = self.eos_token_id
+        if eos is not None:
+            hits = (fast_tokens == eos).nonzero()[0]  # [E]
+            if len(hits):
+                codes_fast[hits[~st.ignore_eos[fast_rows[hits]]]] = _EOS
+
+        if all_fast:
+            codes, keep = codes_fast, None
+            special = codes.nonzero()[0]
+        else:
+            codes = np.zeros(r, dtype=np.int8)  # [R]
+            codes[fast] = codes_fast
+            keep = fast.copy()  # [R] rows whose token is kept
+            special = (~fast | (codes != _NONE)).nonzero()[0]
+        if not len(special):
+            return AppliedStep(seqs, tokens, codes, [])
+
+        errored: list[int] = []
+        # In plan order: finishing frees rows and blocks, and their order is the free lists' order.
+        for i in special.tolist():
+            if keep is None or keep[i]:
+                code = Finish(int(codes[i]))
+                stop_reason = int(tokens[i]) if code is Finish.STOP_TOKEN else None
+                self.finish(self._owners[int(rows[i])], code.reason, stop_reason)
+            elif on_row is None or on_row[i]:  # non-finite logits on a held row
+                row = int(rows[i])
+                st.num_scheduled[row] -= 1  # this token never comes
+                errored.append(int(seqs[i]))
+                self.finish(self._owners[row], Finish.ERROR.reason)
+            else:
+                code = self._apply_off_row(self._off_row[int(seqs[i])], int(tokens[i]), bool(good[i]), errored)
+                if code is not None:
+                    keep[i] = True
+                    codes[i] = code
+        if keep is None:
+            return AppliedStep(seqs, tokens, codes, errored)
+        return AppliedStep(seqs[keep], tokens[keep], codes[keep], errored)
+
+    def _apply_off_row(self, request: Request, token: int, good: bool, errored: list[int]) -> Finish | None:
+        """A token for a request that left its row after the plan; returns its code, or None if dropped."""
+        request.num_pending -= 1
+        if request.num_pending == 0:
+            del self._off_row[request.arrival_seq]
+        if request.status is RequestStatus.FINISHED:
+            return None
+        if not good:
+            errored.append(request.arrival_seq)
+            self.finish(request, Finish.ERROR.reason)
+            return None
+        request.num_outputs += 1
+        if request.status is RequestStatus.WAITING:  # preempted: recomputed from these
+            request.output_token_ids.append(token)
+        code = finish_code(token, request.params, request.num_outputs, self.eos_token_id)
+        if code is not Finish.NONE:
+            self.finish(request, code.reason, token if code is Finish.STOP_TOKEN else None)
+        return code

@@ -1,0 +1,61 @@
+"""What the scheduler decides for one step: plain data, no tensors.
+
+The decode part is arrays over token rows (one token each, admission order);
+prefill chunks are a short list of ``ScheduledRow``. Sampled rows, in the order
+the executor returns their tokens, are the decode rows, then the prefill rows
+whose chunk ends their prefill (``ScheduledRow.samples``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from asyncbatch.engine.request import Request
+
+
+@dataclass(slots=True)
+class ScheduledRow:
+    """One prefill chunk: tokens ``start .. start + num_tokens - 1`` of the request's prompt (+ outputs)."""
+
+    request: Request
+    token_row: int
+    start: int  # position of the first token computed in this step
+    num_tokens: int
+    samples: bool  # the chunk ends the prefill, and its last token produces the next output
+    sample_step: int  # outputs scheduled before this one (the seeded-noise counter); 0 when not sampling
+
+
+@dataclass(slots=True)
+class StepPlan:
+    step_id: int
+    decode_rows: np.ndarray  # [D] int64 token rows, admission order (read-only; may be shared across plans)
+    decode_seqs: np.ndarray  # [D] int64 their requests' seqs
+    decode_positions: np.ndarray  # [D] int64 position of each row's input token
+    decode_steps: np.ndarray  # [D] int64 sample step: outputs scheduled before this one
+    decode_grew: np.ndarray  # [G] int64 indices into decode_rows of rows given a block in this step
+    decode_version: int  # equal versions <=> equal decode_rows
+    prefill: list[ScheduledRow]  # chunks in order: running prefills first, then admissions
+    num_tokens: int
+    sample_rows: np.ndarray  # [R] int64 token rows of the sampled rows, in output order
+    sample_seqs: np.ndarray  # [R] int64 their requests' seqs
+    release_epoch: int  # Scheduler.num_releases when planned: unchanged means every row still has its request
+    preempted: list[Request] = field(default_factory=list)
+    drained: list[Request] = field(default_factory=list)
+
+    @property
+    def num_decode(self) -> int:
+        return len(self.decode_rows)
+
+    @property
+    def num_prefill(self) -> int:
+        return len(self.prefill)
+
+    @property
+    def num_sampled(self) -> int:
+        return len(self.sample_rows)
+
+    def first_scheduled_seqs(self) -> np.ndarray:
+        """Requests whose prompt starts (or, after a preemption, restarts) in this step."""
+        return np.asarray([row.request.arrival_seq for row in self.prefill if row.start == 0], dtype=np.int64)
