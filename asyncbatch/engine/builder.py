@@ -22,7 +22,7 @@ import torch
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from asyncbatch.config import EngineConfig
-from asyncbatch.engine.block_manager import BlockManager
+from asyncbatch.engine.block_manager import BlockManager, blocks_for_tokens
 from asyncbatch.engine.core import EngineCore
 from asyncbatch.engine.scheduler import Scheduler
 from asyncbatch.executors.base import Executor
@@ -90,7 +90,7 @@ def choose_num_blocks(config: EngineConfig, device: str, bytes_per_token: int, m
     else:
         budget = 2 * _GIB
     blocks = int(budget // (bytes_per_token * config.block_size))
-    most_useful = config.max_num_seqs * -(-max_len // config.block_size) + 1
+    most_useful = config.max_num_seqs * blocks_for_tokens(max_len, config.block_size) + 1
     return max(2, min(blocks, most_useful))
 
 
@@ -116,7 +116,7 @@ def resolve_model(config: EngineConfig) -> ResolvedModel:
         raise ValueError(f"max_model_len must be <= {model_max} for this model, got {config.max_model_len}")
     max_len = config.max_model_len or model_max
     spec = ModelSpec(path, device, max_len, int(hf_config.vocab_size), _eos_id(tokenizer, hf_config),
-                     -(-max_len // config.block_size), nvtx_enabled())
+                     blocks_for_tokens(max_len, config.block_size), nvtx_enabled())
     return ResolvedModel(spec, hf_config, tokenizer)
 
 
@@ -157,6 +157,6 @@ def build_core(config: EngineConfig, spec: ModelSpec, send: Callable[[object], N
                                     cuda_graph_batch_sizes=config.cuda_graph_batch_sizes)
         else:
             executor = TorchExecutor(model, kv_caches, config.max_num_seqs, torch_device)
-    scheduler = Scheduler(BlockManager(num_blocks, config.block_size), config.max_num_seqs,
-                          config.max_num_batched_tokens, spec.eos_token_id)
+    blocks = BlockManager(num_blocks, config.block_size, config.max_num_seqs, spec.max_blocks_per_seq)
+    scheduler = Scheduler(blocks, config.max_num_batched_tokens, eos_token_id=spec.eos_token_id)
     return EngineCore(config, executor, scheduler, spec.max_blocks_per_seq, send)

@@ -80,7 +80,7 @@ class EngineCore:
         self.config = config
         self.executor = executor
         self.scheduler = scheduler
-        self.writer = StepMetadataWriter(config.max_num_seqs, max_blocks_per_seq, config.block_size)
+        self.writer = StepMetadataWriter(scheduler.rows, scheduler.blocks)
         self.staging = StagingPair(config.max_num_batched_tokens, config.max_num_seqs, max_blocks_per_seq,
                                    pinned=getattr(executor, "is_cuda", False))
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -149,7 +149,7 @@ class EngineCore:
             plan = self.scheduler.schedule()
         if plan is None:
             return None
-        nvtx = step_begin(plan.step_id, plan.num_decode, len(plan.rows) - plan.num_decode, plan.num_tokens)
+        nvtx = step_begin(plan.step_id, plan.num_decode, plan.num_prefill, plan.num_tokens)
         staging = self.staging.next_buffer()
         with stage(record, "fence_start", "fence_end", "wait_staging_fence"):
             staging.fence.wait()
@@ -160,7 +160,7 @@ class EngineCore:
         with stage(record, None, "launch_end", "launch"):
             handle = self.executor.launch(meta)
         record.num_tokens, record.num_decode = plan.num_tokens, plan.num_decode
-        record.num_prefill, record.num_sampled = len(plan.rows) - plan.num_decode, meta.num_sampled
+        record.num_prefill, record.num_sampled = plan.num_prefill, meta.num_sampled
         record.gc_ms = (self._gc_pause - gc_before) * 1e3
         self._last_launched = plan.step_id
         if self.config.debug_check_integrity:

@@ -46,6 +46,7 @@ from typing import NamedTuple
 
 import torch
 
+from asyncbatch.engine.block_manager import blocks_for_tokens
 from asyncbatch.engine.step_metadata import StepMeta
 from asyncbatch.executors.base import Executor, StepHandle, StepResult
 from asyncbatch.executors.decode_graph import DecodeGraphStep, SamplingVariant
@@ -107,7 +108,7 @@ class CudaExecutor(Executor):
         self.forward_hook: Callable[[StepMeta], None] | None = None  # tests inject faults here (eager steps)
         block_size = kv_caches[0][0].shape[1]
         # The engine's block tables are max_model_len / block_size wide; the model's rotary table is max_model_len.
-        self.max_blocks_per_seq = max_blocks_per_seq or -(-model.rope_cos.shape[0] // block_size)
+        self.max_blocks_per_seq = max_blocks_per_seq or blocks_for_tokens(model.rope_cos.shape[0], block_size)
         self.h2d_stream = torch.cuda.Stream(self.device)
         self.compute_stream = torch.cuda.Stream(self.device)
         self.d2h_stream = torch.cuda.Stream(self.device)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncbatch.engine.block_manager import blocks_for_tokens
 from asyncbatch.model.forward_batch import ForwardBatch, PrefillRow
 from asyncbatch.model.llama import CausalLM
 from asyncbatch.sampling.sampler import SamplingTensors, sample
@@ -46,7 +47,7 @@ def profile_step_memory(model: CausalLM, max_num_seqs: int, max_num_batched_toke
     t = max_num_batched_tokens
     r = min(max_num_seqs, t)
     i64 = {"dtype": torch.int64, "device": device}
-    table = torch.ones(-(-t // block_size), **i64)  # every position in scratch block 1
+    table = torch.ones(blocks_for_tokens(t, block_size), **i64)  # every position in scratch block 1
     batch = ForwardBatch(
         input_ids=torch.zeros(t, **i64), positions=torch.arange(t, **i64) % model.rope_cos.shape[0],
         slot_mapping=block_size + torch.arange(t, **i64) % block_size, num_decode=0,
