@@ -26,6 +26,7 @@ from asyncbatch.profiling.marks import mark
 from asyncbatch.profiling.timeline import Timeline
 
 _ENDED_MESSAGES = {Finish.ERROR: NON_FINITE_MESSAGE}
+_NONE, _STOP_TOKEN = int(Finish.NONE), int(Finish.STOP_TOKEN)
 
 
 class OutputProcessor:
@@ -53,13 +54,14 @@ class OutputProcessor:
                     handle = self._handles.get(seq)
                     if handle is not None and handle.metrics.first_scheduled_time is None:
                         handle.metrics.first_scheduled_time = record.plan_end
+            handles = self._handles
             for seq, token, code in zip(out.seqs.tolist(), out.token_ids.tolist(), out.finish.tolist()):
-                handle = self._handles.get(seq)
-                if handle is None or handle.finished:
+                handle = handles.get(seq)
+                if handle is None or handle.done.is_set():
                     continue
                 try:
                     accepted += 1
-                    stopped = self._accept(handle, token, Finish(code), start, finishes)
+                    stopped = self._accept(handle, token, code, start, finishes)
                 except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
                     self._fail(handle, exc, start)
                     ended.append(seq)
@@ -86,32 +88,36 @@ class OutputProcessor:
         if record is not None and self._ack_steps:
             self.send(StepAck(record.step_id))
 
-    def _accept(self, handle: RequestHandle, token: int, code: Finish, now: float, finishes: list) -> bool:
-        """Append one token; True if a stop string ended the request here."""
+    def _accept(self, handle: RequestHandle, token: int, code: int, now: float, finishes: list) -> bool:
+        """Append one token (``code``: its ``Finish`` as a plain int); True if a stop string ended the request.
+
+        The hot path of the frontend: one call per request per step, so it avoids enum construction and
+        per-call allocations where nothing is to be matched.
+        """
         if handle.metrics.first_token_time is None:
             handle.metrics.first_token_time = now
         handle.token_ids.append(token)
         emitted = ""
-        if token not in self._hidden and code is not Finish.STOP_TOKEN:
-            feed = handle.stops.feed(handle.detokenizer.push(token))
-            emitted = feed.emit
-            if feed.stopped:
-                handle.text += emitted
-                self._emit(handle, emitted, [token])
-                finishes.append((handle, ("stop", feed.matched, now)))
-                return True
-        if code is Finish.NONE:
-            handle.text += emitted
+        if code != _STOP_TOKEN and token not in self._hidden:
+            emitted = handle.detokenizer.push(token)
+            if handle.stops.active:
+                feed = handle.stops.feed(emitted)
+                emitted = feed.emit
+                if feed.stopped:
+                    self._emit(handle, emitted, [token])
+                    finishes.append((handle, ("stop", feed.matched, now)))
+                    return True
+        if code == _NONE:
             self._emit(handle, emitted, [token])
         else:
-            stop_reason = token if code is Finish.STOP_TOKEN else None
-            self._flush(handle, emitted, [token], finishes, (code.reason, stop_reason, now))
+            finish = Finish(code)
+            stop_reason = token if finish is Finish.STOP_TOKEN else None
+            self._flush(handle, emitted, [token], finishes, (finish.reason, stop_reason, now))
         return False
 
     def _flush(self, handle: RequestHandle, emitted: str, token_ids: list[int], finishes: list, args: tuple) -> None:
         """The request ends: emit what the detokenizer and the stop matcher still hold, then finish."""
         emitted += handle.stops.feed(handle.detokenizer.finish()).emit + handle.stops.flush()
-        handle.text += emitted
         self._emit(handle, emitted, token_ids)
         finishes.append((handle, args))
 
@@ -123,5 +129,7 @@ class OutputProcessor:
 
     @staticmethod
     def _emit(handle: RequestHandle, text: str, token_ids: list[int]) -> None:
+        if text:
+            handle.text_pieces.append(text)
         if handle.streaming and (text or token_ids):
             handle.deltas.put(StreamDelta(handle.request_id, text, token_ids))

@@ -29,11 +29,15 @@ class RequestHandle:
     simulated: bool = False
     streaming: bool = False
     token_ids: list[int] = field(default_factory=list)
-    text: str = ""
+    text_pieces: list[str] = field(default_factory=list)  # emitted text, joined once at the end
     output: RequestOutput | None = None
     error: BaseException | None = None
     deltas: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     done: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_pieces)
 
     @property
     def finished(self) -> bool:

@@ -75,6 +75,11 @@ class StopStringMatcher:
         self._matched: str | None = None
 
     @property
+    def active(self) -> bool:
+        """False when there is nothing to match: ``feed`` would return its input unchanged."""
+        return bool(self._stops)
+
+    @property
     def stopped(self) -> bool:
         return self._matched is not None
 
