@@ -93,9 +93,12 @@ class EngineConfig:
     cache_dir: str | None = None
     num_threads: int | None = None
     debug_check_integrity: bool = False
-    # The interpreter's thread switch interval while the engine runs. The device
-    # thread waits for the GIL up to this long after each step; CPython's 5 ms
-    # default is longer than a decode step. Process-wide; None leaves it alone.
+    # In-process mode only (engine_process=False): the caller's thread switch interval while the engine
+    # runs. The device thread waits for the GIL up to this long after each step, and CPython's 5 ms
+    # default is longer than a decode step. Process-wide; None leaves it alone. The core process leaves
+    # the interpreter's default: there no caller thread holds the GIL, and shortening it changed nothing
+    # (sim, 256 running, 1 ms steps: busy 94.8 % with 0.2 ms, 95.6 % with the default; in-process the
+    # same run gave 76.5 % vs 47.5 %).
     switch_interval_s: float | None = 2e-4
     sim: SimConfig = field(default_factory=SimConfig)
 

@@ -15,7 +15,6 @@ import contextlib
 import gc
 import importlib
 import signal
-import sys
 import traceback
 from multiprocessing.connection import Connection
 
@@ -44,10 +43,6 @@ def core_main(config: EngineConfig, spec: ModelSpec, conn: Connection) -> None:
     except BaseException as exc:  # noqa: BLE001 - reported to the frontend, which raises it
         conn.send(CoreFailed(repr(exc), traceback.format_exc()))
         return
-    if config.switch_interval_s is not None:
-        # This process holds only the engine's threads, so the interval is ours to choose; the
-        # device thread wants the GIL back right after each step (see EngineConfig.switch_interval_s).
-        sys.setswitchinterval(config.switch_interval_s)
     conn.send(CoreReady(core.scheduler.blocks.num_usable_blocks, core.executor.describe()))
     gc.collect()
     gc.freeze()  # the model and engine objects never become garbage: keep them out of every GC pass
