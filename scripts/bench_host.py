@@ -176,17 +176,7 @@ def steady_window_fn() -> tuple[Callable[[list, int], list], str]:
         from asyncbatch.timeline import steady_decode_window
 
         return steady_decode_window, "asyncbatch.timeline"
-    return _steady_decode_window, "bench_host (own copy)"
-
-
-def _steady_decode_window(records: list, min_decode: int) -> list:
-    last_prefill = max((i for i, r in enumerate(records) if r.num_prefill), default=-1)
-    window = []
-    for record in records[last_prefill + 1:]:
-        if record.num_decode < min_decode:
-            break
-        window.append(record)
-    return window
+    raise ImportError("neither asyncbatch.profiling.timeline nor asyncbatch.timeline has steady_decode_window")
 
 
 # -- workloads ---------------------------------------------------------------------------------------

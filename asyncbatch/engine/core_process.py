@@ -1,8 +1,13 @@
 """The engine core's process: build the engine, then forward the frontend's messages to the planner.
 
     main thread      recv ──► EngineCore.inbox        (until Shutdown, EOF, or the planner has died)
-    planner thread   plan, launch, apply ──► conn.send(StepOutputs | Reply | CoreFailed)
+    planner thread   plan, launch, apply ──► outbox   (never blocks: a slow frontend cannot stall a launch)
+    sender thread    outbox ──► conn.send(StepOutputs | Reply | CoreFailed)   (pickling, the pipe)
     device thread    (cpu / sim backends) runs the steps
+
+A frontend slower than the device (its detokenization, or a caller hogging its
+GIL) makes the outbox grow instead of blocking the planner on a full pipe: the
+device keeps running and the outputs reach the frontend as fast as it reads them.
 
 Importing this module imports the engine (torch, the executors, the model
 code): the fork server preloads it once, so every core after the first starts
@@ -14,7 +19,9 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
+import queue
 import signal
+import threading
 import traceback
 from multiprocessing.connection import Connection
 
@@ -25,25 +32,30 @@ from asyncbatch.engine.builder import ModelSpec, build_core
 from asyncbatch.engine.messages import CoreFailed, CoreReady, Shutdown
 from asyncbatch.profiling.marks import enable_nvtx
 
-_POLL_S = 0.5
+_POLL_S = 0.5  # how often the main thread checks that the planner is still alive
 # transformers imports a model type's config module on first use (about 2 s here): pay it once, in the
 # fork server, for the families the engine runs.
 _CONFIG_MODULES = ("llama", "mistral", "qwen2", "qwen3")
 for _name in _CONFIG_MODULES:
     with contextlib.suppress(ImportError):
-        importlib.import_module(f"transformers.models.{_name}.configuration_{_name}")  # how often the main thread checks that the planner is still alive
+        importlib.import_module(f"transformers.models.{_name}.configuration_{_name}")
 
 
 def core_main(config: EngineConfig, spec: ModelSpec, conn: Connection) -> None:
     """Entry point of the core process (``multiprocessing`` target)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the caller, who closes us
     enable_nvtx(spec.nvtx)
+    outbox: queue.SimpleQueue = queue.SimpleQueue()
+    sender = threading.Thread(target=_send_loop, args=(outbox, conn), name="asyncbatch-core-sender", daemon=True)
+    sender.start()
     try:
-        core = build_core(config, spec, conn.send)
+        core = build_core(config, spec, outbox.put)
     except BaseException as exc:  # noqa: BLE001 - reported to the frontend, which raises it
-        conn.send(CoreFailed(repr(exc), traceback.format_exc()))
+        outbox.put(CoreFailed(repr(exc), traceback.format_exc()))
+        outbox.put(_STOP)
+        sender.join(timeout=10)
         return
-    conn.send(CoreReady(core.scheduler.blocks.num_usable_blocks, core.executor.describe()))
+    outbox.put(CoreReady(core.scheduler.blocks.num_usable_blocks, core.executor.describe()))
     gc.collect()
     gc.freeze()  # the model and engine objects never become garbage: keep them out of every GC pass
     core.start()
@@ -59,3 +71,16 @@ def core_main(config: EngineConfig, spec: ModelSpec, conn: Connection) -> None:
         if isinstance(message, Shutdown):
             break
     core.join(timeout=60)
+    outbox.put(_STOP)  # after everything the planner sent, CoreFailed included
+    sender.join(timeout=10)
+
+
+_STOP = object()
+
+
+def _send_loop(outbox: queue.SimpleQueue, conn: Connection) -> None:
+    while (message := outbox.get()) is not _STOP:
+        try:
+            conn.send(message)
+        except (OSError, EOFError, BrokenPipeError):  # the frontend is gone; the main thread stops the core
+            return
