@@ -30,7 +30,7 @@ from asyncbatch.frontend.request_handle import RequestHandle
 from asyncbatch.frontend.stop_strings import StopStringMatcher
 from asyncbatch.model.loader import resolve_dtype
 from asyncbatch.outputs import RequestMetrics, RequestOutput, StreamDelta
-from asyncbatch.profiling.marks import mark
+from asyncbatch.profiling.marks import RangeCounter, count_ranges, enable_nvtx, mark
 from asyncbatch.profiling.timeline import Timeline
 from asyncbatch.sampling_params import MAX_SEED, SamplingParams
 
@@ -232,6 +232,24 @@ class LLM:
     @property
     def num_free_blocks(self) -> int:
         return self._client.call("num_free_blocks")
+
+    def set_nvtx(self, on: bool) -> None:
+        """NVTX ranges on or off in this process and in the engine core's (for an Nsight session)."""
+        enable_nvtx(on)
+        if self.config.engine_process:
+            self._client.call("set_nvtx", on)
+
+    @contextlib.contextmanager
+    def count_ranges(self) -> Iterator[RangeCounter]:
+        """``profiling.marks.count_ranges`` over the frontend and the engine core: ranges on while counting."""
+        with count_ranges() as counter:
+            if self.config.engine_process:
+                self._client.call("count_ranges_start")
+            try:
+                yield counter
+            finally:
+                if self.config.engine_process:
+                    counter.add_counts(*self._client.call("count_ranges_stop"))
 
     @property
     def executor_info(self) -> dict:

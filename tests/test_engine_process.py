@@ -140,3 +140,14 @@ def test_ctrl_c_in_the_caller_does_not_reach_the_core(make_llm):
     os.kill(pid, signal.SIGINT)  # what a terminal's Ctrl-C sends to the whole process group
     time.sleep(0.2)
     assert llm.generate([[5, 6]], SamplingParams(max_tokens=5), use_tqdm=False)[0].finish_reason
+
+
+def test_nvtx_ranges_are_counted_in_both_processes(make_llm):
+    llm = make_llm(device="sim", sim=FAST_SIM)
+    with llm.count_ranges() as counter:
+        llm.generate([[5, 6, 7]] * 4, SamplingParams(max_tokens=6), use_tqdm=False)
+        llm.timeline.wait_settled(5.0)
+    names = set(counter.by_name)
+    assert {"schedule", "launch", "apply"} <= names, names  # the planner's, in the core process
+    assert {"output", "detokenize"} <= names, names  # the frontend's, here
+    assert counter.step_ranges >= 1

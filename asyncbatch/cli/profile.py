@@ -32,8 +32,6 @@ from asyncbatch.profiling.gap_report import CAUSES, GapReport, gap_report, lifet
 from asyncbatch.profiling.host_info import cpu_name, git_commit
 from asyncbatch.profiling.marks import (
     MarkOverhead,
-    count_ranges,
-    enable_nvtx,
     measure_mark_overhead,
     nvtx_enabled,
 )
@@ -142,11 +140,11 @@ def _run_mode(args: argparse.Namespace, overlap: bool, out_dir: Path | None) -> 
         items = uniform_requests(args.num_requests, _range(args.prompt_len), _range(args.output_len), vocab,
                                  seed=args.seed)
         warmup = uniform_requests(args.warmup_requests, _range(args.prompt_len), (8, 8), vocab, seed=args.seed + 1)
-        with count_ranges() as counter:  # counts the ranges per step (NVTX on only for the warmup)
+        with llm.count_ranges() as counter:  # ranges per step, both processes (NVTX on only for the warmup)
             _generate(llm, warmup, 0.0, args.seed + 1)
             llm.timeline.wait_settled(5.0)
         warm_steps = max(len(llm.timeline.window()), 1)
-        enable_nvtx(args.nvtx or nvtx_was_on)
+        llm.set_nvtx(args.nvtx or nvtx_was_on)
         llm.reset_stats()
         profiler = _torch_profiler(llm.device) if args.torch_profiler and overlap else None
         start = time.perf_counter()
@@ -154,7 +152,7 @@ def _run_mode(args: argparse.Namespace, overlap: bool, out_dir: Path | None) -> 
             outputs = _generate(llm, items, args.request_rate, args.seed)
         wall = time.perf_counter() - start
         llm.timeline.wait_settled(5.0)
-        enable_nvtx(nvtx_was_on)
+        llm.set_nvtx(nvtx_was_on)
         lifetimes = lifetimes_of(outputs)
         run = ModeRun("overlap" if overlap else "sync", llm.device, llm.simulated, wall, outputs, llm.stats(),
                       gap_report(llm, lifetimes), llm.timeline.window(), lifetimes,

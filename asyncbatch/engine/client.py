@@ -129,13 +129,13 @@ class EngineClient:
             except (OSError, EOFError) as exc:
                 raise EngineDeadError("the engine core is gone") from exc
 
-    def call(self, name: str, timeout: float = 60.0) -> object:
-        """Run ``name`` on the planner thread (between two steps) and return its result."""
+    def call(self, name: str, arg: object = None, timeout: float = 60.0) -> object:
+        """Run ``name`` (with ``arg``) on the planner thread between two steps and return its result."""
         call_id = next(self._call_ids)
         slot: list = [threading.Event()]
         self._calls[call_id] = slot
         try:
-            self.send(Call(call_id, name))
+            self.send(Call(call_id, name, arg))
             if not slot[0].wait(timeout):
                 raise TimeoutError(f"the engine core did not answer {name!r} within {timeout} s")
         finally:

@@ -51,7 +51,7 @@ from asyncbatch.engine.request import Request
 from asyncbatch.engine.scheduler import Scheduler, StepPlan
 from asyncbatch.engine.step_metadata import StepMeta, StepMetadataWriter
 from asyncbatch.executors.base import Executor, StepHandle
-from asyncbatch.profiling.marks import mark, step_begin, step_end
+from asyncbatch.profiling.marks import count_ranges, enable_nvtx, mark, step_begin, step_end
 from asyncbatch.profiling.timeline import StepRecord, stage
 
 _FINISH_REASONS = {Finish.STOP_STRING: "stop", Finish.ERROR: "error", Finish.ABORT: "abort"}
@@ -90,6 +90,8 @@ class EngineCore:
         self._last_launched = 0
         self._gc_pause = 0.0
         self._gc_started = 0.0
+        self._range_count = None  # an open ``count_ranges`` context, between the frontend's start and stop calls
+        self._range_counter = None
         self._thread = threading.Thread(target=self._run, name="asyncbatch-planner", daemon=True)
 
     def start(self) -> None:
@@ -248,6 +250,9 @@ class EngineCore:
 
     def _answer(self, call: Call) -> None:
         calls = {
+            "set_nvtx": lambda: enable_nvtx(bool(call.arg)),
+            "count_ranges_start": self._count_ranges_start,
+            "count_ranges_stop": self._count_ranges_stop,
             "check_integrity": self.scheduler.check_integrity,
             "num_free_blocks": lambda: self.scheduler.blocks.num_free_blocks,
             "num_preemptions": lambda: self.scheduler.num_preemptions,
@@ -259,6 +264,15 @@ class EngineCore:
             self._send(Reply(call.call_id, calls[call.name]()))
         except Exception as exc:  # noqa: BLE001 - the caller re-raises it; the engine goes on
             self._send(Reply(call.call_id, None, f"{type(exc).__name__}: {exc}"))
+
+    def _count_ranges_start(self) -> None:
+        """Count this process's NVTX ranges until ``_count_ranges_stop`` (the frontend's ``count_ranges``)."""
+        self._range_count = count_ranges()
+        self._range_counter = self._range_count.__enter__()
+
+    def _count_ranges_stop(self) -> tuple[int, int, dict[str, int]]:
+        self._range_count.__exit__(None, None, None)
+        return self._range_counter.counts()
 
     def _gc_callback(self, phase: str, info: dict) -> None:
         if threading.current_thread() is not self._thread:

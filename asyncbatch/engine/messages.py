@@ -91,6 +91,7 @@ class Call:
 
     call_id: int
     name: str
+    arg: object = None
 
 
 @dataclass(slots=True)

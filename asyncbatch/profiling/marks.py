@@ -155,6 +155,18 @@ class _NullDomain:
 class RangeCounter:
     """Counts of the ranges opened while ``count_ranges`` was active, per message stem."""
 
+    def add_counts(self, stage_ranges: int, step_ranges: int, by_name: dict[str, int]) -> None:
+        """Fold in counts taken elsewhere (the engine core's process)."""
+        with self._lock:
+            self.stage_ranges += stage_ranges
+            self.step_ranges += step_ranges
+            for name, n in by_name.items():
+                self.by_name[name] = self.by_name.get(name, 0) + n
+
+    def counts(self) -> tuple[int, int, dict[str, int]]:
+        with self._lock:
+            return self.stage_ranges, self.step_ranges, dict(self.by_name)
+
     def __init__(self) -> None:
         self.stage_ranges = 0
         self.step_ranges = 0
