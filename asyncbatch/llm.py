@@ -78,6 +78,7 @@ class LLM:
         processor.send = self._client.send
         self.timeline.last_launched = functools.partial(self._client.call, "last_launched_step")
         self._usable_tokens = self._client.ready.num_usable_blocks * self.config.block_size
+        self._preemptions = 0
 
     @property
     def _core(self):
@@ -212,8 +213,10 @@ class LLM:
     def stats(self) -> dict:
         """Timeline summary of the current window (see ``asyncbatch.profiling.timeline.summarize``)."""
         stats = self.timeline.stats()
+        if self._client.alive:  # after close() or a failure, the last count read stands
+            self._preemptions = self._client.call("num_preemptions")
         stats.update(mode="overlap" if self.config.overlap else "sync", backend=self.device,
-                     simulated=self.simulated, preemptions=self._client.call("num_preemptions"))
+                     simulated=self.simulated, preemptions=self._preemptions)
         return stats
 
     def reset_stats(self) -> None:

@@ -151,3 +151,12 @@ def test_nvtx_ranges_are_counted_in_both_processes(make_llm):
     assert {"schedule", "launch", "apply"} <= names, names  # the planner's, in the core process
     assert {"output", "detokenize"} <= names, names  # the frontend's, here
     assert counter.step_ranges >= 1
+
+
+def test_stats_still_read_after_close(make_llm):
+    llm = make_llm(device="sim", sim=FAST_SIM)
+    llm.generate([[5, 6, 7]] * 3, SamplingParams(max_tokens=6), use_tqdm=False)
+    before = llm.stats()
+    llm.close()
+    after = llm.stats()
+    assert after["steps"] == before["steps"] > 0 and after["preemptions"] == before["preemptions"]

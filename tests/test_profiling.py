@@ -275,6 +275,7 @@ def test_step_ranges_bound_the_message_cache(monkeypatch):
     monkeypatch.setattr(RecordingDomain, "get_registered_string", types.SimpleNamespace(
         cache_clear=lambda: cleared.append(1)), raising=False)
     monkeypatch.setattr(timeline_marks, "_MESSAGE_CACHE_LIMIT", 3)
+    monkeypatch.setattr(timeline_marks, "_messages", 0)  # ranges counted by earlier tests must not shift the count
     enable_nvtx(True)
     for step in range(4):
         timeline_marks.step_end(timeline_marks.step_begin(step, 4, 1, 40))
