@@ -54,8 +54,6 @@ from asyncbatch.executors.base import Executor, StepHandle
 from asyncbatch.profiling.marks import count_ranges, enable_nvtx, mark, step_begin, step_end
 from asyncbatch.profiling.timeline import StepRecord, stage
 
-_FINISH_REASONS = {Finish.STOP_STRING: "stop", Finish.ERROR: "error", Finish.ABORT: "abort"}
-
 
 @dataclass(slots=True)
 class InFlight:
@@ -245,7 +243,7 @@ class EngineCore:
         request = self._requests.pop(seq, None)
         if request is None:
             return False
-        self.scheduler.finish(request, _FINISH_REASONS[code])
+        self.scheduler.finish(request, Finish(code).reason)
         return True
 
     def _answer(self, call: Call) -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
 
 from asyncbatch.sampling_params import SamplingParams
 
@@ -52,7 +51,6 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
-    handle: Any = None  # the caller's RequestHandle, filled only by the output thread
 
     @property
     def finished(self) -> bool:
