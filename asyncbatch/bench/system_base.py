@@ -23,6 +23,7 @@ class BenchSettings:
     model: str | None = None
     device: str = "cpu"
     dtype: str = "float32"
+    quantization: str | None = None  # asyncbatch only: the cpu weight precision (int8, int4, w8a8)
     temperature: float = 0.0
     ignore_eos: bool = True
     max_num_seqs: int = 256

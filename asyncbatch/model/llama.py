@@ -112,11 +112,20 @@ class CausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Set by ``quantization.quantize_model``: the weight precision and the LM head that replaces
+        # ``output_weight``.
+        self.quantization: str | None = None
+        self.quantized_lm_head: nn.Module | None = None
         attn = self.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         cos, sin = rope_cos_sin(config, attn.head_dim, max_positions)
         self.register_buffer("rope_cos", cos, persistent=False)  # [max_positions, head_dim]
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    @property
+    def lm_head_reads_embedding(self) -> bool:
+        """Whether the LM head multiplies by the (tied) embedding table, reading all of it every step."""
+        return self.tie_word_embeddings and self.quantized_lm_head is None
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -125,7 +134,7 @@ class CausalLM(nn.Module):
     def new_kv_caches(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Zeroed key and value caches for every layer, ``[num_blocks, block_size, kv_heads, head_dim]`` each
         (``paged_attention``'s layout), in the weights' dtype and on their device."""
-        weight = self.output_weight
+        weight = self.model.embed_tokens.weight
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
         return [(weight.new_zeros(shape), weight.new_zeros(shape)) for _ in self.model.layers]
 
@@ -136,5 +145,10 @@ class CausalLM(nn.Module):
         sin = self.rope_sin[batch.positions].to(x.dtype)
         for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches):
             x = layer(x, cos, sin, k_cache, v_cache, batch)
-        x = self.model.norm(x[batch.logits_indices])  # [R, hidden]
-        return F.linear(x, self.output_weight).float()  # [R, vocab]
+        return self.compute_logits(self.model.norm(x[batch.logits_indices]))  # [R, hidden] -> [R, vocab]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head: ``[R, hidden]`` final-normed states → ``[R, vocab]`` float32 logits."""
+        if self.quantized_lm_head is not None:
+            return self.quantized_lm_head(hidden).float()
+        return F.linear(hidden, self.output_weight).float()

@@ -1,0 +1,212 @@
+"""Int8 / int4 weights on the CPU: the ``quantization=`` engine argument, applied as a module swap after loading.
+
+Every projection of the decoder layers (q, k, v, o, gate, up, down) and the LM
+head is replaced by a ``QuantizedLinear`` holding its weight in one of these
+forms (the embedding table stays in the model's dtype: a lookup reads only the
+step's rows of it; with tied embeddings the LM head gets its own quantized copy):
+
+``int8``  weight-only: int8 per output channel (symmetric, scale = max|w| / 127).
+          Activations stay float. Below ``INT8_PACKED_MAX_ROWS`` rows a call runs torch's
+          packed kernel ``aten._weight_int8pack_mm`` on bfloat16 activations; from there on
+          the weight is dequantized to float32 for that call and multiplied with
+          float32 activations (on AVX2 the packed kernel falls behind float32 beyond
+          ~8 rows; measured in docs/cpu-precision.md).
+``int4``  weight-only: 4-bit codes with a scale and zero point per group of
+          ``INT4_GROUP_SIZE`` inputs (asymmetric, min/max), torch's packed CPU kernel
+          ``aten._weight_int4pack_mm_for_cpu`` on bfloat16 activations at every row count.
+``w8a8``  int8 weights per output channel and int8 activations quantized per row
+          at each call (dynamic), multiplied in integers by fbgemm (``quantized::linear_dynamic``,
+          AVX2 u8 x s8 dot products). fbgemm quantizes its input with one scale for the
+          whole batch; each row is first divided by its own max|x| and a sentinel row
+          pins the batch's range to [-1, 1], so every row gets its own 7-bit grid
+          (fbgemm's ``reduce_range``) and its result does not depend on the other rows.
+
+A row's result depends only on that row and, for ``int8``, on whether the call had
+fewer than ``INT8_PACKED_MAX_ROWS`` rows (overlap and synchronous mode run the same
+batches, so they sample the same tokens). Private aten ops are checked before use:
+an unsupported combination is a ``ValueError`` naming ``quantization``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asyncbatch.config import QUANTIZATIONS
+
+INT4_GROUP_SIZE = 32
+# int8 weight-only: the packed kernel below this many rows, float32 dequantization from here on
+# (AMD EPYC Zen 3, AVX2, 576 x 1536 layer, one thread: 16 rows packed 916 us vs dequantized 917 us).
+INT8_PACKED_MAX_ROWS = 16
+W8A8_REDUCE_RANGE = True
+_LAYER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _has_op(name: str) -> bool:
+    return hasattr(torch.ops.aten, name)
+
+
+def _fbgemm_available() -> bool:
+    engines = torch.backends.quantized.supported_engines
+    return ("fbgemm" in engines or "x86" in engines) and hasattr(torch.ops.quantized, "linear_dynamic")
+
+
+def unavailable_reason(name: str) -> str | None:
+    """Why this torch build cannot run ``quantization=name`` on the CPU, or None when it can."""
+    if name == "int8" and not _has_op("_weight_int8pack_mm"):
+        return f"torch {torch.__version__} has no aten._weight_int8pack_mm"
+    if name == "int4" and not (_has_op("_weight_int4pack_mm_for_cpu")
+                               and _has_op("_convert_weight_to_int4pack_for_cpu")):
+        return f"torch {torch.__version__} has no aten._weight_int4pack_mm_for_cpu (needs torch >= 2.5)"
+    if name == "w8a8" and not _fbgemm_available():
+        return (f"torch {torch.__version__} on this CPU has no fbgemm quantized engine "
+                f"(supported: {torch.backends.quantized.supported_engines})")
+    return None
+
+
+def check_quantization(name: str | None, device: str, dtype: torch.dtype | None = None) -> None:
+    """``ValueError`` naming ``quantization`` when ``name`` cannot run with this device and dtype."""
+    if name is None:
+        return
+    if name not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be None or one of {list(QUANTIZATIONS)}, got {name!r}")
+    if device != "cpu":
+        raise ValueError(f"quantization={name!r} runs on the cpu device only (torch's packed CPU kernels), "
+                         f"got device={device!r}; use quantization=None there")
+    if dtype is not None and dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"quantization={name!r} needs dtype float32 or bfloat16 activations, got {dtype}")
+    reason = unavailable_reason(name)
+    if reason is not None:
+        raise ValueError(f"quantization={name!r} is not available: {reason}")
+
+
+def _bf16_up(x: torch.Tensor) -> torch.Tensor:
+    """The smallest bfloat16 values >= ``x`` (> 0), back in float32: scales the bfloat16 kernels hold exactly."""
+    y = x.to(torch.bfloat16).float()
+    return torch.where(y < x, torch.nextafter(y.to(torch.bfloat16), torch.tensor(float("inf"),
+                                                                                 dtype=torch.bfloat16)).float(), y)
+
+
+def _int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output row: ``(codes [N, K] int8, scales [N] float32)``. Scales are bfloat16
+    values (the packed kernel reads them in bfloat16), so rounding them adds no error of its own."""
+    w = weight.detach().float()
+    scales = _bf16_up((w.abs().amax(dim=1) / 127.0).clamp(min=1e-30))  # [N]
+    codes = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)  # [N, K]
+    return codes, scales
+
+
+def _int4_groups(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit per group of ``group`` inputs: ``(codes [N, K] int32 in 0..15,
+    scale_and_zero [K / group, N, 2] float32)`` in the layout of ``_weight_int4pack_mm_for_cpu``, which
+    dequantizes ``(code - 8) * scale + zero``."""
+    w = weight.detach().float()
+    n, k = w.shape
+    wg = w.view(n, k // group, group)  # [N, groups, group]
+    low, high = wg.amin(dim=-1), wg.amax(dim=-1)  # [N, groups]
+    # Scale and zero point as the kernel holds them (bfloat16); codes are chosen against those.
+    scale = _bf16_up(((high - low) / 15.0).clamp(min=1e-30))
+    zero = (low + 8.0 * scale).to(torch.bfloat16).float()
+    codes = torch.round((wg - zero[..., None]) / scale[..., None] + 8.0).clamp(0, 15)
+    codes = codes.to(torch.int32).view(n, k)
+    return codes, torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+
+
+class QuantizedLinear(nn.Module):
+    """``y = x W^T + b`` with ``W`` held in int8 or int4 (see the module docstring); ``x`` and ``y`` keep the
+    caller's dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, scheme: str) -> None:
+        super().__init__()
+        if scheme not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {scheme!r}")
+        self.scheme = scheme
+        self.out_features, self.in_features = weight.shape
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+        if scheme == "int8":
+            codes, scales = _int8_per_channel(weight)
+            self.register_buffer("codes", codes)  # [N, K] int8
+            self.register_buffer("scales", scales)  # [N] float32
+            self.register_buffer("scales_bf16", scales.to(torch.bfloat16))
+        elif scheme == "int4":
+            if self.in_features % INT4_GROUP_SIZE:
+                raise ValueError(f"quantization='int4' needs in_features divisible by {INT4_GROUP_SIZE}, "
+                                 f"got a {self.in_features}-input linear")
+            codes, scale_zero = _int4_groups(weight, INT4_GROUP_SIZE)
+            self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+            self.register_buffer("scale_zero", scale_zero.to(torch.bfloat16))  # [K / group, N, 2]
+        else:
+            codes, scales = _int8_per_channel(weight)
+            qweight = torch.quantize_per_channel(codes.float() * scales[:, None], scales.double(),
+                                                 torch.zeros_like(scales, dtype=torch.int64), 0, torch.qint8)
+            # A packed fbgemm handle is not a tensor: kept as an attribute, counted by ``nbytes``.
+            self._packed = torch.ops.quantized.linear_prepack(qweight, None)
+            self._packed_bytes = codes.numel() + 4 * scales.numel()
+            self.register_buffer("sentinel", torch.zeros(1, self.in_features))
+            self.sentinel[0, 0], self.sentinel[0, -1] = 1.0, -1.0  # pins the batch's range to [-1, 1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weight in its stored form (what a call reads), bias included."""
+        total = sum(b.numel() * b.element_size() for b in self.buffers() if b is not getattr(self, "sentinel", None))
+        total += getattr(self, "_packed_bytes", 0)
+        if self.bias is not None:
+            total += self.bias.numel() * 4
+        return total
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape, dtype = x.shape, x.dtype
+        x2 = x.reshape(-1, self.in_features)  # [R, K]
+        rows = x2.shape[0]
+        if self.scheme == "int8":
+            if rows < INT8_PACKED_MAX_ROWS:
+                y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.codes,
+                                                       self.scales_bf16)
+            else:
+                y = F.linear(x2.float(), self.codes.float() * self.scales[:, None])
+        elif self.scheme == "int4":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16).contiguous(), self.packed,
+                                                           INT4_GROUP_SIZE, self.scale_zero)
+        else:
+            xf = x2.float()
+            row_max = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)  # [R, 1]
+            scaled = torch.cat((xf / row_max, self.sentinel))  # [R + 1, K], every row within [-1, 1]
+            y = torch.ops.quantized.linear_dynamic(scaled, self._packed, W8A8_REDUCE_RANGE)[:rows] * row_max
+        if self.bias is not None:
+            y = y.float() + self.bias
+        return y.to(dtype).reshape(*shape[:-1], self.out_features)
+
+
+def quantize_model(model: nn.Module, scheme: str) -> nn.Module:
+    """Swap the decoder layers' projections and the LM head of a loaded ``CausalLM`` for ``QuantizedLinear``
+    (in place; returns the model)."""
+    check_quantization(scheme, "cpu")
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name in _LAYER_LINEARS:
+                linear = getattr(parent, name, None)
+                if isinstance(linear, nn.Linear):
+                    setattr(parent, name, QuantizedLinear(linear.weight, linear.bias, scheme))
+    model.quantized_lm_head = QuantizedLinear(model.output_weight, None, scheme)
+    if not model.tie_word_embeddings:
+        del model.lm_head  # its float weight is no longer read
+    model.quantization = scheme
+    return model
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every weight a forward reads in full (the embedding table counts when the LM head reads it)."""
+    total, seen = 0, set()
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if name.startswith("rope_") or name.endswith("sentinel") or t.data_ptr() in seen:
+            continue
+        if name == "model.embed_tokens.weight" and not model.lm_head_reads_embedding:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    total += sum(getattr(m, "_packed_bytes", 0) for m in model.modules())
+    return total
