@@ -56,15 +56,21 @@ def main(argv: list[str] | None = None) -> int:
         seconds = time.perf_counter() - t0
         reference = reference or result
         row = {"precision": name, "dtype": str(dtype).removeprefix("torch."), "quantization": quant,
-               "top1_agreement": agreement(result, reference), "perplexity": result.perplexity,
-               "seconds": seconds}
+               "top1_agreement": agreement(result, reference),
+               "top1_agreement_margin_0.1": agreement(result, reference, min_margin=0.1),
+               "perplexity": result.perplexity, "seconds": seconds}
         rows.append(row)
-        print(f"{name:<9} top-1 agreement {100 * row['top1_agreement']:6.2f} %  perplexity {row['perplexity']:7.3f}"
+        print(f"{name:<9} top-1 agreement {100 * row['top1_agreement']:6.2f} % (margin > 0.1: "
+              f"{100 * row['top1_agreement_margin_0.1']:6.2f} %)  perplexity {row['perplexity']:7.3f}"
               f"  ({seconds:.0f} s)", file=sys.stderr, flush=True)
     doc = {"model_path": str(path), "text": QUALITY_TEXT.name, "tokens": len(ids), "chunk": args.chunk,
            "threads": torch.get_num_threads(), "results": rows}
-    table = ["| precision | top-1 agreement with float32 | perplexity |", "|---|---|---|"]
-    table += [f"| {r['precision']} | {100 * r['top1_agreement']:.2f} % | {r['perplexity']:.3f} |" for r in rows]
+    confident = 100 * sum(bool(m > 0.1) for m in reference.margin.tolist()) / len(reference.margin)
+    header = ("| precision | top-1 agreement with float32 | same, where float32's top-1 leads its top-2 by > 0.1 "
+              f"({confident:.0f} % of positions) | perplexity |")
+    table = [header, "|---|---|---|---|"]
+    table += [f"| {r['precision']} | {100 * r['top1_agreement']:.2f} % | {100 * r['top1_agreement_margin_0.1']:.2f} % "
+              f"| {r['perplexity']:.3f} |" for r in rows]
     print("\n".join(table))
     if args.out:
         out = Path(args.out)

@@ -34,6 +34,7 @@ class TeacherForced:
 
     argmax: torch.Tensor  # [N - 1] int64
     log_likelihood: torch.Tensor  # [N - 1] float64
+    margin: torch.Tensor  # [N - 1] float64, probability of the top-1 token minus that of the top-2
 
     @property
     def perplexity(self) -> float:
@@ -47,7 +48,7 @@ def teacher_forced(model: CausalLM, token_ids: list[int], chunk: int = 8) -> Tea
     kv = model.new_kv_caches(blocks + 1, BLOCK_SIZE)
     table = torch.arange(1, blocks + 1, dtype=torch.int64)  # block 0 unused, as the engine's dummy block
     ids = torch.tensor(token_ids, dtype=torch.int64)
-    argmax, loglik = [], []
+    argmax, loglik, margin = [], [], []
     with torch.inference_mode():
         for start in range(0, n - 1, chunk):
             end = min(start + chunk, n - 1)
@@ -63,9 +64,13 @@ def teacher_forced(model: CausalLM, token_ids: list[int], chunk: int = 8) -> Tea
             argmax.append(logits.argmax(-1))
             logp = torch.log_softmax(logits, -1)
             loglik.append(logp.gather(1, ids[start + 1:end + 1, None])[:, 0])
-    return TeacherForced(torch.cat(argmax), torch.cat(loglik))
+            top2 = logp.topk(2, dim=-1).values.exp()  # [q_len, 2]
+            margin.append(top2[:, 0] - top2[:, 1])
+    return TeacherForced(torch.cat(argmax), torch.cat(loglik), torch.cat(margin))
 
 
-def agreement(result: TeacherForced, reference: TeacherForced) -> float:
-    """Fraction of positions where both pick the same top-1 token."""
-    return (result.argmax == reference.argmax).double().mean().item()
+def agreement(result: TeacherForced, reference: TeacherForced, min_margin: float = 0.0) -> float:
+    """Fraction of positions where both pick the same top-1 token; with ``min_margin``, only positions where
+    the reference's top-1 probability exceeds its top-2 by more than that (near-ties left out)."""
+    keep = reference.margin > min_margin if min_margin > 0 else torch.ones_like(reference.margin, dtype=torch.bool)
+    return (result.argmax == reference.argmax)[keep].double().mean().item()

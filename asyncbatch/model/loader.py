@@ -145,7 +145,7 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype, device: torch.d
     model.to(device)  # moves the rotary buffers; parameters are already there
     model = model.eval().requires_grad_(False)
     if quantization is not None:
-        quantize_model(model, quantization)
+        quantize_model(model, quantization, path)
     return model
 
 

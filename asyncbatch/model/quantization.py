@@ -13,13 +13,24 @@ step's rows of it; with tied embeddings the LM head gets its own quantized copy)
           ~8 rows; measured in docs/cpu-precision.md).
 ``int4``  weight-only: 4-bit codes with a scale and zero point per group of
           ``INT4_GROUP_SIZE`` inputs (asymmetric, min/max), torch's packed CPU kernel
-          ``aten._weight_int4pack_mm_for_cpu`` on bfloat16 activations at every row count.
+          ``aten._weight_int4pack_mm_for_cpu`` on bfloat16 activations at every row count
+          (its packed layout cannot be dequantized cheaply, so there is no float path for
+          many rows). The LM head is ``int8``, as GGUF files keep it: the default model's
+          layers are Q4_1 (4-bit, groups of 32, scale and minimum: the grid above) and its
+          embedding Q8_0, and an int4 head cost 13 points of top-1 agreement.
 ``w8a8``  int8 weights per output channel and int8 activations quantized per row
           at each call (dynamic), multiplied in integers by fbgemm (``quantized::linear_dynamic``,
           AVX2 u8 x s8 dot products). fbgemm quantizes its input with one scale for the
           whole batch; each row is first divided by its own max|x| and a sentinel row
           pins the batch's range to [-1, 1], so every row gets its own 7-bit grid
           (fbgemm's ``reduce_range``) and its result does not depend on the other rows.
+          A few input channels carry most of the activations' range (outliers), so
+          inputs are smoothed first (SmoothQuant, Xiao et al. 2023): channel ``j`` is
+          divided by ``s_j = sqrt(max|x_j| / max|W[:, j]|)`` and the weight's column
+          multiplied by it, ``max|x_j|`` measured once at load on ``data/calibration_text.txt``
+          (~500 tokens of prose shipped for this; seeded random token ids where the
+          model has no tokenizer). Measured on SmolLM2-135M: top-1 agreement with
+          float32 78.5 % without smoothing, 88.4 % with it.
 
 A row's result depends only on that row and, for ``int8``, on whether the call had
 fewer than ``INT8_PACKED_MAX_ROWS`` rows (overlap and synchronous mode run the same
@@ -28,6 +39,10 @@ an unsupported combination is a ``ValueError`` naming ``quantization``.
 """
 
 from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +55,7 @@ INT4_GROUP_SIZE = 32
 # (AMD EPYC Zen 3, AVX2, 576 x 1536 layer, one thread: 16 rows packed 916 us vs dequantized 917 us).
 INT8_PACKED_MAX_ROWS = 16
 W8A8_REDUCE_RANGE = True
+CALIBRATION_TEXT = Path(__file__).resolve().parent / "data" / "calibration_text.txt"
 _LAYER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -117,7 +133,8 @@ class QuantizedLinear(nn.Module):
     """``y = x W^T + b`` with ``W`` held in int8 or int4 (see the module docstring); ``x`` and ``y`` keep the
     caller's dtype."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, scheme: str) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, scheme: str,
+                 input_absmax: torch.Tensor | None = None) -> None:
         super().__init__()
         if scheme not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {list(QUANTIZATIONS)}, got {scheme!r}")
@@ -133,13 +150,18 @@ class QuantizedLinear(nn.Module):
             if self.in_features % INT4_GROUP_SIZE:
                 raise ValueError(f"quantization='int4' needs in_features divisible by {INT4_GROUP_SIZE}, "
                                  f"got a {self.in_features}-input linear")
-            codes, scale_zero = _int4_groups(weight, INT4_GROUP_SIZE)
+            pad = -self.out_features % 16  # the packing takes output rows in multiples of 16
+            codes, scale_zero = _int4_groups(F.pad(weight.detach().float(), (0, 0, 0, pad)), INT4_GROUP_SIZE)
             self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
             self.register_buffer("scale_zero", scale_zero.to(torch.bfloat16))  # [K / group, N, 2]
         else:
-            codes, scales = _int8_per_channel(weight)
-            qweight = torch.quantize_per_channel(codes.float() * scales[:, None], scales.double(),
-                                                 torch.zeros_like(scales, dtype=torch.int64), 0, torch.qint8)
+            smooth = _smoothing(weight, input_absmax)  # [K]
+            self.register_buffer("inv_smooth", (1.0 / smooth).float())
+            codes, scales = _int8_per_channel(weight.detach().float() * smooth[None, :])
+            with warnings.catch_warnings():  # quantized tensors are deprecated (torch 2.10+), still supported
+                warnings.simplefilter("ignore", UserWarning)
+                qweight = torch.quantize_per_channel(codes.float() * scales[:, None], scales.double(),
+                                                     torch.zeros_like(scales, dtype=torch.int64), 0, torch.qint8)
             # A packed fbgemm handle is not a tensor: kept as an attribute, counted by ``nbytes``.
             self._packed = torch.ops.quantized.linear_prepack(qweight, None)
             self._packed_bytes = codes.numel() + 4 * scales.numel()
@@ -171,8 +193,10 @@ class QuantizedLinear(nn.Module):
         elif self.scheme == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16).contiguous(), self.packed,
                                                            INT4_GROUP_SIZE, self.scale_zero)
+            if y.shape[1] != self.out_features:
+                y = y[:, :self.out_features]
         else:
-            xf = x2.float()
+            xf = x2.float() * self.inv_smooth
             row_max = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)  # [R, 1]
             scaled = torch.cat((xf / row_max, self.sentinel))  # [R + 1, K], every row within [-1, 1]
             y = torch.ops.quantized.linear_dynamic(scaled, self._packed, W8A8_REDUCE_RANGE)[:rows] * row_max
@@ -181,17 +205,82 @@ class QuantizedLinear(nn.Module):
         return y.to(dtype).reshape(*shape[:-1], self.out_features)
 
 
-def quantize_model(model: nn.Module, scheme: str) -> nn.Module:
+def _smoothing(weight: torch.Tensor, input_absmax: torch.Tensor | None) -> torch.Tensor:
+    """SmoothQuant's per-input-channel factors (alpha 0.5); ones without activation statistics."""
+    w = weight.detach().float()
+    if input_absmax is None:
+        return torch.ones(w.shape[1])
+    w_max = w.abs().amax(dim=0).clamp(min=1e-8)  # [K]
+    return (input_absmax.float().clamp(min=1e-5).sqrt() / w_max.sqrt()).clamp(min=1e-5)
+
+
+def calibration_ids(model_path: str | os.PathLike[str] | None, vocab_size: int, n: int = 512) -> list[int]:
+    """Token ids of ``data/calibration_text.txt`` in the model's tokenizer, or seeded random ids without one."""
+    if model_path is not None:
+        try:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(model_path)
+            ids = tokenizer(CALIBRATION_TEXT.read_text())["input_ids"][:n]
+            if ids and max(ids) < vocab_size:
+                return ids
+        except (OSError, ValueError):
+            pass
+    gen = torch.Generator().manual_seed(0)
+    return torch.randint(0, vocab_size, (n,), generator=gen).tolist()
+
+
+def input_absmax(model: nn.Module, token_ids: list[int]) -> dict[str, torch.Tensor]:
+    """max|x| per input channel of every projection and of the LM head, over one prefill of ``token_ids``."""
+    from asyncbatch.model.forward_batch import ForwardBatch, PrefillRow
+
+    stats: dict[str, torch.Tensor] = {}
+
+    def record(name: str, x: torch.Tensor) -> None:
+        a = x.detach().float().abs().reshape(-1, x.shape[-1]).amax(dim=0)
+        stats[name] = torch.maximum(stats[name], a) if name in stats else a
+
+    hooks = [m.register_forward_pre_hook(lambda mod, args, name=name: record(name, args[0]))
+             for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    hooks.append(model.model.norm.register_forward_hook(lambda mod, args, out: record("lm_head", out)))
+    block = 16
+    n = len(token_ids)
+    blocks = -(-n // block)
+    table = torch.arange(1, blocks + 1, dtype=torch.int64)
+    positions = torch.arange(n, dtype=torch.int64)
+    batch = ForwardBatch(input_ids=torch.tensor(token_ids, dtype=torch.int64), positions=positions,
+                         slot_mapping=table[positions // block] * block + positions % block, num_decode=0,
+                         decode_block_tables=torch.zeros(0, 1, dtype=torch.int64),
+                         decode_context_lens=torch.zeros(0, dtype=torch.int64),
+                         prefill_rows=[PrefillRow(0, n, n, table)], logits_indices=torch.arange(n))
+    try:
+        with torch.inference_mode():
+            model(batch, model.new_kv_caches(blocks + 1, block))
+    finally:
+        for h in hooks:
+            h.remove()
+    return stats
+
+
+def quantize_model(model: nn.Module, scheme: str, model_path: str | os.PathLike[str] | None = None) -> nn.Module:
     """Swap the decoder layers' projections and the LM head of a loaded ``CausalLM`` for ``QuantizedLinear``
-    (in place; returns the model)."""
+    (in place; returns the model). ``w8a8`` first measures the inputs' ranges on the calibration text
+    (tokenized with the tokenizer in ``model_path``, if any)."""
     check_quantization(scheme, "cpu")
+    stats: dict[str, torch.Tensor] = {}
+    if scheme == "w8a8":
+        n = min(512, int(model.rope_cos.shape[0]))
+        stats = input_absmax(model, calibration_ids(model_path, int(model.config.vocab_size), n))
+    prefix = {id(m): name for name, m in model.named_modules()}
     for layer in model.model.layers:
         for parent in (layer.self_attn, layer.mlp):
             for name in _LAYER_LINEARS:
                 linear = getattr(parent, name, None)
                 if isinstance(linear, nn.Linear):
-                    setattr(parent, name, QuantizedLinear(linear.weight, linear.bias, scheme))
-    model.quantized_lm_head = QuantizedLinear(model.output_weight, None, scheme)
+                    absmax = stats.get(f"{prefix[id(parent)]}.{name}")
+                    setattr(parent, name, QuantizedLinear(linear.weight, linear.bias, scheme, absmax))
+    head_scheme = "int8" if scheme == "int4" else scheme
+    model.quantized_lm_head = QuantizedLinear(model.output_weight, None, head_scheme, stats.get("lm_head"))
     if not model.tie_word_embeddings:
         del model.lm_head  # its float weight is no longer read
     model.quantization = scheme
