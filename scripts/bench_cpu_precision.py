@@ -79,10 +79,12 @@ def step_sweep(model: str | None, precisions: list[str], rows: list[int], contex
             t = bench.time_steps(r, repeats=repeats, warmup=1)
             floor_ms = (wbytes + bench.kv_bytes(r)) / (bandwidth_gb_s * 1e9) * 1e3
             out.append({"precision": name, "rows": r, "step_ms_median": t.median_ms, "step_ms_min": t.min_ms,
+                        "step_cpu_ms_median": t.cpu_median_ms,
                         "weights_mib": wbytes / 2**20, "kv_mib": bench.kv_bytes(r) / 2**20,
                         "floor_ms": floor_ms, "tokens_per_s": r / t.median_ms * 1e3,
                         "load_average": os.getloadavg()[0]})
-            log(f"  {name:<8} {r:>4} rows: {t.median_ms:8.1f} ms (floor {floor_ms:6.1f} ms)")
+            log(f"  {name:<8} {r:>4} rows: {t.median_ms:8.1f} ms, CPU {t.cpu_median_ms:8.1f} ms "
+                f"(floor {floor_ms:6.1f} ms)")
         del bench
         gc.collect()
     return out
@@ -164,14 +166,16 @@ def markdown(doc: dict) -> str:
         lines.append(f"Skipped: {skipped}")
     lines += ["", (f"## Decode step time vs rows (context {doc['context']} tokens per row; median of "
                    f"{doc['step_repeats']} steps)"), "",
-              "| precision | weights read MiB | " + " | ".join(f"{r} rows ms (floor)" for r in doc["rows"]) + " |",
+              "Each cell: wall ms / CPU ms of this process (all threads) / memory-traffic floor ms.", "",
+              "| precision | weights read MiB | " + " | ".join(f"{r} rows" for r in doc["rows"]) + " |",
               "|---|---|" + "---|" * len(doc["rows"])]
     by = {}
     for s in doc["steps"]:
         by.setdefault(s["precision"], {})[s["rows"]] = s
     for name, per in by.items():
         first = next(iter(per.values()))
-        cells = [f"{per[r]['step_ms_median']:.1f} ({per[r]['floor_ms']:.1f})" if r in per else "-" for r in doc["rows"]]
+        cells = [f"{per[r]['step_ms_median']:.1f} / {per[r]['step_cpu_ms_median']:.1f} / {per[r]['floor_ms']:.1f}"
+                 if r in per else "-" for r in doc["rows"]]
         lines.append(f"| {name} | {first['weights_mib']:.0f} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -228,11 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="1,8,32,128")
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--step-repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: every core)")
     parser.add_argument("--repeats", type=int, default=1, help="throughput repeats per workload")
     parser.add_argument("--no-throughput", action="store_true")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = [int(x) for x in args.rows.split(",")]

@@ -28,10 +28,14 @@ BLOCK_SIZE = 16
 
 @dataclass(slots=True)
 class StepTiming:
+    """Wall time per step, and this process's CPU time per step (all its threads). On a shared machine the
+    CPU time moves far less with other people's jobs; with one torch thread it is the step's own work."""
+
     rows: int
     median_ms: float
     min_ms: float
     samples_ms: list[float]
+    cpu_median_ms: float = 0.0
 
 
 def decode_batch(rows: int, context: int, block_size: int = BLOCK_SIZE, vocab: int = 256,
@@ -79,12 +83,13 @@ class DecodeStepBench:
     def time_steps(self, rows: int, repeats: int = 5, warmup: int = 1) -> StepTiming:
         for _ in range(warmup):
             self.step(rows)
-        samples = []
+        samples, cpu = [], []
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             self.step(rows)
             samples.append((time.perf_counter() - t0) * 1e3)
-        return StepTiming(rows, statistics.median(samples), min(samples), samples)
+            cpu.append((time.process_time() - c0) * 1e3)
+        return StepTiming(rows, statistics.median(samples), min(samples), samples, statistics.median(cpu))
 
     def weight_bytes(self) -> int:
         """Bytes of the weights one decode step reads in full (``quantization.weight_bytes``)."""

@@ -8,9 +8,8 @@ positions whose argmax equals the float32 model's argmax at the same position
 (both read the true text, so one disagreement does not derail the rest);
 perplexity is ``exp`` of the mean negative log-likelihood of the next token.
 
-``chunk`` sets how many rows each linear sees per call; 8 (the default) runs
-the kernels a small decode batch runs (``int8``'s packed kernel is used below 16
-rows, its dequantized path from 16 on).
+``chunk`` sets how many rows each linear sees per call (8 by default, a small
+decode batch; every precision's kernels are the same at any row count).
 """
 
 from __future__ import annotations

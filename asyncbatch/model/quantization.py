@@ -5,12 +5,12 @@ head is replaced by a ``QuantizedLinear`` holding its weight in one of these
 forms (the embedding table stays in the model's dtype: a lookup reads only the
 step's rows of it; with tied embeddings the LM head gets its own quantized copy):
 
-``int8``  weight-only: int8 per output channel (symmetric, scale = max|w| / 127).
-          Activations stay float. Below ``INT8_PACKED_MAX_ROWS`` rows a call runs torch's
-          packed kernel ``aten._weight_int8pack_mm`` on bfloat16 activations; from there on
-          the weight is dequantized to float32 for that call and multiplied with
-          float32 activations (on AVX2 the packed kernel falls behind float32 beyond
-          ~8 rows; measured in docs/cpu-precision.md).
+``int8``  weight-only: int8 per output channel (symmetric, scale = max|w| / 127),
+          torch's packed kernel ``aten._weight_int8pack_mm`` on bfloat16 activations at
+          every row count. (A float path for many rows, dequantizing each weight to
+          float32 per call, was measured and dropped: on AVX2 the packed kernel falls
+          behind float32 beyond ~8 rows, but dequantizing moves 5 bytes per weight
+          through memory and made a 32-row step 1.4x slower still; docs/cpu-precision.md.)
 ``int4``  weight-only: 4-bit codes with a scale and zero point per group of
           ``INT4_GROUP_SIZE`` inputs (asymmetric, min/max), torch's packed CPU kernel
           ``aten._weight_int4pack_mm_for_cpu`` on bfloat16 activations at every row count
@@ -32,9 +32,7 @@ step's rows of it; with tied embeddings the LM head gets its own quantized copy)
           model has no tokenizer). Measured on SmolLM2-135M: top-1 agreement with
           float32 78.5 % without smoothing, 88.4 % with it.
 
-A row's result depends only on that row and, for ``int8``, on whether the call had
-fewer than ``INT8_PACKED_MAX_ROWS`` rows (overlap and synchronous mode run the same
-batches, so they sample the same tokens). Private aten ops are checked before use:
+A row's result depends only on that row, whatever else is in the batch. Private aten ops are checked before use:
 an unsupported combination is a ``ValueError`` naming ``quantization``.
 """
 
@@ -51,12 +49,8 @@ from torch import nn
 from asyncbatch.config import QUANTIZATIONS
 
 INT4_GROUP_SIZE = 32
-# int8 weight-only: the packed kernel below this many rows, float32 dequantization from here on
-# (AMD EPYC Zen 3, AVX2, 576 x 1536 layer, one thread: 16 rows packed 916 us vs dequantized 917 us).
-INT8_PACKED_MAX_ROWS = 16
 W8A8_REDUCE_RANGE = True
 CALIBRATION_TEXT = Path(__file__).resolve().parent / "data" / "calibration_text.txt"
-_LAYER_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def _has_op(name: str) -> bool:
@@ -144,8 +138,7 @@ class QuantizedLinear(nn.Module):
         if scheme == "int8":
             codes, scales = _int8_per_channel(weight)
             self.register_buffer("codes", codes)  # [N, K] int8
-            self.register_buffer("scales", scales)  # [N] float32
-            self.register_buffer("scales_bf16", scales.to(torch.bfloat16))
+            self.register_buffer("scales_bf16", scales.to(torch.bfloat16))  # [N], exact (see _int8_per_channel)
         elif scheme == "int4":
             if self.in_features % INT4_GROUP_SIZE:
                 raise ValueError(f"quantization='int4' needs in_features divisible by {INT4_GROUP_SIZE}, "
@@ -156,7 +149,7 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("scale_zero", scale_zero.to(torch.bfloat16))  # [K / group, N, 2]
         else:
             smooth = _smoothing(weight, input_absmax)  # [K]
-            self.register_buffer("inv_smooth", (1.0 / smooth).float())
+            self.inv_smooth: torch.Tensor | None = (1.0 / smooth).float()  # None once folded into a norm
             codes, scales = _int8_per_channel(weight.detach().float() * smooth[None, :])
             with warnings.catch_warnings():  # quantized tensors are deprecated (torch 2.10+), still supported
                 warnings.simplefilter("ignore", UserWarning)
@@ -185,19 +178,17 @@ class QuantizedLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)  # [R, K]
         rows = x2.shape[0]
         if self.scheme == "int8":
-            if rows < INT8_PACKED_MAX_ROWS:
-                y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.codes,
-                                                       self.scales_bf16)
-            else:
-                y = F.linear(x2.float(), self.codes.float() * self.scales[:, None])
+            y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.codes, self.scales_bf16)
         elif self.scheme == "int4":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16).contiguous(), self.packed,
                                                            INT4_GROUP_SIZE, self.scale_zero)
             if y.shape[1] != self.out_features:
                 y = y[:, :self.out_features]
         else:
-            xf = x2.float() * self.inv_smooth
-            row_max = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)  # [R, 1]
+            xf = x2.float()
+            if self.inv_smooth is not None:
+                xf = xf * self.inv_smooth
+            row_max = torch.linalg.vector_norm(xf, float("inf"), dim=1, keepdim=True).clamp_(min=1e-12)  # [R, 1]
             scaled = torch.cat((xf / row_max, self.sentinel))  # [R + 1, K], every row within [-1, 1]
             y = torch.ops.quantized.linear_dynamic(scaled, self._packed, W8A8_REDUCE_RANGE)[:rows] * row_max
         if self.bias is not None:
@@ -271,20 +262,47 @@ def quantize_model(model: nn.Module, scheme: str, model_path: str | os.PathLike[
     if scheme == "w8a8":
         n = min(512, int(model.rope_cos.shape[0]))
         stats = input_absmax(model, calibration_ids(model_path, int(model.config.vocab_size), n))
-    prefix = {id(m): name for name, m in model.named_modules()}
-    for layer in model.model.layers:
-        for parent in (layer.self_attn, layer.mlp):
-            for name in _LAYER_LINEARS:
-                linear = getattr(parent, name, None)
-                if isinstance(linear, nn.Linear):
-                    absmax = stats.get(f"{prefix[id(parent)]}.{name}")
-                    setattr(parent, name, QuantizedLinear(linear.weight, linear.bias, scheme, absmax))
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        where = f"model.layers.{i}"
+        # q, k and v read the same input, and so do gate and up: one fused linear each (one call instead of
+        # three and two; per-output-row scales make it the same arithmetic as separate ones).
+        attn.qkv_proj = _fused(scheme, [attn.q_proj, attn.k_proj, attn.v_proj],
+                               stats.get(f"{where}.self_attn.q_proj"))
+        mlp.gate_up_proj = _fused(scheme, [mlp.gate_proj, mlp.up_proj], stats.get(f"{where}.mlp.gate_proj"))
+        for parent, names in ((attn, ("q_proj", "k_proj", "v_proj")), (mlp, ("gate_proj", "up_proj"))):
+            for name in names:
+                delattr(parent, name)
+        attn.o_proj = QuantizedLinear(attn.o_proj.weight, attn.o_proj.bias, scheme,
+                                      stats.get(f"{where}.self_attn.o_proj"))
+        mlp.down_proj = QuantizedLinear(mlp.down_proj.weight, mlp.down_proj.bias, scheme,
+                                        stats.get(f"{where}.mlp.down_proj"))
+        # The fused linears' inputs are RMSNorm outputs: their smoothing divides the norms' weights instead.
+        _fold_smoothing(attn.qkv_proj, layer.input_layernorm)
+        _fold_smoothing(mlp.gate_up_proj, layer.post_attention_layernorm)
     head_scheme = "int8" if scheme == "int4" else scheme
     model.quantized_lm_head = QuantizedLinear(model.output_weight, None, head_scheme, stats.get("lm_head"))
     if not model.tie_word_embeddings:
         del model.lm_head  # its float weight is no longer read
     model.quantization = scheme
     return model
+
+
+def _fused(scheme: str, linears: list[nn.Linear], absmax: torch.Tensor | None) -> QuantizedLinear:
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    bias = None
+    if any(lin.bias is not None for lin in linears):
+        bias = torch.cat([lin.bias.detach() if lin.bias is not None else lin.weight.new_zeros(lin.out_features)
+                          for lin in linears])
+    return QuantizedLinear(weight, bias, scheme, absmax)
+
+
+def _fold_smoothing(linear: QuantizedLinear, norm: nn.Module) -> None:
+    inv = getattr(linear, "inv_smooth", None)
+    if inv is not None:
+        with torch.no_grad():
+            norm.weight.mul_(inv.to(norm.weight.dtype))
+        linear.inv_smooth = None
 
 
 def weight_bytes(model: nn.Module) -> int:
