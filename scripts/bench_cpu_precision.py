@@ -158,10 +158,12 @@ def markdown(doc: dict) -> str:
                   "|---|" + "---|" * len(wnames) + "---|"]
         for t in doc["throughput"]:
             cells = [f"{t['workloads'][w]['output_throughput_median']:.1f}" for w in wnames]
+            same = t.get("same_first_tokens_as_float32")
+            cells[0] += "" if same is None else f" ({same})"
             s = t.get("single") or {}
             single = (f"{s['tok_per_s']:.1f} ({s['decode_tok_per_s'] or 0:.1f}), {s['ttft_ms']:.0f} ms" if s else "-")
             lines.append(f"| {t['system']} | " + " | ".join(cells) + f" | {single} |")
-        lines.append("")
+        lines += ["", "In brackets: of the first 16 greedy tokens of 4 requests, how many match asyncbatch float32's.", ""]
     for skipped in doc.get("skipped", []):
         lines.append(f"Skipped: {skipped}")
     lines += ["", (f"## Decode step time vs rows (context {doc['context']} tokens per row; median of "
@@ -232,9 +234,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", default="1,8,32,128")
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--step-repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: every core)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="threads of every system: torch's here and in asyncbatch's engine, llama.cpp's "
+                             "(default: every core)")
     parser.add_argument("--repeats", type=int, default=1, help="throughput repeats per workload")
     parser.add_argument("--no-throughput", action="store_true")
+    parser.add_argument("--no-sweep", action="store_true", help="throughput only")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
@@ -254,8 +259,8 @@ def main(argv: list[str] | None = None) -> int:
                  "step_repeats": args.step_repeats, "skipped": []}
     log("measuring memory bandwidth ...")
     doc["bandwidth"] = measure_bandwidth()
-    doc["steps"] = step_sweep(args.model, precisions, rows, args.context, args.step_repeats,
-                              doc["bandwidth"]["best_gb_s"])
+    doc["steps"] = [] if args.no_sweep else step_sweep(args.model, precisions, rows, args.context,
+                                                       args.step_repeats, doc["bandwidth"]["best_gb_s"])
     doc["throughput"] = []
     if not args.no_throughput:
         path = resolve_model_path(args.model)
@@ -276,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         for kind in kinds:
             dtype, quant = precision_args(kind) if kind in PRECISIONS else ("float32", None)
             settings = BenchSettings(model=args.model, device="cpu", dtype=dtype, quantization=quant,
-                                     max_num_seqs=256, max_num_batched_tokens=2048)
+                                     max_num_seqs=256, max_num_batched_tokens=2048, num_threads=args.threads)
             try:
                 doc["throughput"].append(run_system(kind, settings, workloads, args.repeats, single))
             except Exception as exc:  # an optional baseline that cannot be built is reported
@@ -284,6 +289,13 @@ def main(argv: list[str] | None = None) -> int:
                     raise
                 doc["skipped"].append(f"llama.cpp: {exc}")
                 log(f"skipping llama.cpp: {exc}")
+    ref = next((t for t in doc["throughput"] if t["system"] == "float32"), None)
+    for t in doc["throughput"]:
+        if ref is not None and t is not ref:
+            w = next(iter(t["workloads"]))
+            a, b = ref["workloads"][w]["runs"][0]["first_tokens"], t["workloads"][w]["runs"][0]["first_tokens"]
+            same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+            t["same_first_tokens_as_float32"] = f"{same}/{sum(len(r) for r in a)}"
     doc["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     (out / "precision.json").write_text(json.dumps(doc, indent=1) + "\n")
     text = markdown(doc)

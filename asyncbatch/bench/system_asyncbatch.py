@@ -28,7 +28,7 @@ class AsyncBatchSystem(BenchSystem):
         if settings.quantization:
             self.description += f", {settings.quantization} weights"
         self.llm = LLM(settings.model, device=settings.device, dtype=settings.dtype, overlap=overlap,
-                       quantization=settings.quantization,
+                       quantization=settings.quantization, num_threads=settings.num_threads,
                        max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
                        seed=settings.seed)
         info = self.llm.executor_info  # the engine's own tensors, counted in the core process

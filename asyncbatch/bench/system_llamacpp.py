@@ -68,7 +68,7 @@ class LlamaCppSystem(BenchSystem):
         self.lib = import_llama_cpp()
         self.settings = settings
         self.path = gguf_path(settings.model)
-        self.threads = threads or os.cpu_count() or 1
+        self.threads = threads or settings.num_threads or os.cpu_count() or 1
         lib = self.lib
         lib.llama_backend_init()
         lib.llama_log_set(_silent_log, ctypes.c_void_p(0))
