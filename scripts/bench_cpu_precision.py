@@ -104,6 +104,25 @@ def build(kind: str, settings: BenchSettings) -> BenchSystem:
     return AsyncBatchSystem(settings, overlap=True, name=f"asyncbatch {kind}")
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes so far (all their threads), from /proc."""
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def system_pids(system: BenchSystem) -> list[int]:
+    """This process, and asyncbatch's engine-core process where the system has one."""
+    client = getattr(getattr(system, "llm", None), "_client", None)
+    core = getattr(getattr(client, "process", None), "pid", None)
+    return [os.getpid()] + ([core] if core else [])
+
+
 def run_system(kind: str, settings: BenchSettings, workloads: dict[str, list[WorkItem]], repeats: int,
                single: list[WorkItem]) -> dict:
     log(f"throughput: building {kind} ...")
@@ -114,17 +133,21 @@ def run_system(kind: str, settings: BenchSettings, workloads: dict[str, list[Wor
         result: dict = {"system": kind, "config": system.config(), "workloads": {}}
         for rep in range(repeats):
             for wname, items in workloads.items():
-                load0 = os.getloadavg()[0]
+                load0, cpu0 = os.getloadavg()[0], cpu_seconds(system_pids(system))
                 run = system.run_offline(items)
+                cpu_s = cpu_seconds(system_pids(system)) - cpu0
                 m = run_metrics(run)
                 entry = result["workloads"].setdefault(wname, {"runs": []})
+                out_tokens = sum(r.output_len for r in run.requests)
                 entry["runs"].append({"output_throughput": m["output_throughput"], "duration_s": m["duration_s"],
+                                      "cpu_s": cpu_s, "output_tokens_per_cpu_s": out_tokens / cpu_s if cpu_s else None,
                                       "tpot_p50_ms": (m["tpot_ms"] or {}).get("p50"),
                                       "ttft_p50_ms": (m["ttft_ms"] or {}).get("p50"),
                                       "load_average": [load0, os.getloadavg()[0]],
                                       "first_tokens": [r.token_ids[:16] for r in run.requests[:4]]})
                 log(f"  {kind:<28} {wname:<12} rep {rep + 1}: {m['output_throughput']:7.1f} out tok/s, "
-                    f"{m['duration_s']:6.1f} s, load {load0:.1f}")
+                    f"{out_tokens / cpu_s if cpu_s else 0:7.1f} out tok/CPU-s, {m['duration_s']:6.1f} s, "
+                    f"load {load0:.1f}")
         run = system.run_offline(single)
         rec = run.requests[0]
         decode_tps = (rec.output_len - 1) / (rec.finish - rec.first_token) if rec.output_len > 1 else None
@@ -135,6 +158,8 @@ def run_system(kind: str, settings: BenchSettings, workloads: dict[str, list[Wor
             f"(decode {decode_tps or 0:.1f}), TTFT {result['single']['ttft_ms']:.0f} ms")
         for w in result["workloads"].values():
             w["output_throughput_median"] = statistics.median(r["output_throughput"] for r in w["runs"])
+            per_cpu = [r["output_tokens_per_cpu_s"] for r in w["runs"] if r["output_tokens_per_cpu_s"]]
+            w["output_tokens_per_cpu_s_median"] = statistics.median(per_cpu) if per_cpu else None
         return result
     finally:
         system.close()
@@ -154,10 +179,15 @@ def markdown(doc: dict) -> str:
     if doc["throughput"]:
         wnames = list(doc["throughput"][0]["workloads"])
         lines += ["## Output tok/s (offline, greedy, ignore_eos; median of repeats)", "",
+                  ("Each workload cell: output tok/s (wall clock) / output tokens per CPU-second of the system's "
+                   "processes (asyncbatch: this process and its engine core). On a machine shared with other "
+                   "jobs the second moves far less with their load; with one thread per system it is the "
+                   "throughput one dedicated core would give, memory contention aside."), "",
                   "| system | " + " | ".join(wnames) + " | one request alone: tok/s (decode tok/s), TTFT |",
                   "|---|" + "---|" * len(wnames) + "---|"]
         for t in doc["throughput"]:
-            cells = [f"{t['workloads'][w]['output_throughput_median']:.1f}" for w in wnames]
+            cells = [f"{t['workloads'][w]['output_throughput_median']:.1f} / "
+                     f"{t['workloads'][w]['output_tokens_per_cpu_s_median'] or 0:.1f}" for w in wnames]
             same = t.get("same_first_tokens_as_float32")
             cells[0] += "" if same is None else f" ({same})"
             s = t.get("single") or {}
