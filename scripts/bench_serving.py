@@ -50,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="per step; transformers gets it as --cb-max-batch-tokens")
     target.add_argument("--asyncbatch-args", default="", help="extra arguments for asyncbatch serve (one string)")
     target.add_argument("--transformers-args", default="", help="extra arguments for transformers serve")
+    target.add_argument("--transformers-kv-cache", default="workload", choices=("workload", "match", "auto"),
+                        help="transformers' KV cache: sized for the workload, asyncbatch's capacity, or its own "
+                             "choice from free memory (see asyncbatch/bench/serving_servers.py)")
     target.add_argument("--api-key", default=None)
     target.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for a server to be ready")
 

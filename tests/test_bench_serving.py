@@ -12,6 +12,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from itertools import pairwise
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import pytest
 from fake_openai_server import MODEL, FakeServer
 from tiny_models import save_tiny_model
 
+from asyncbatch.bench.host_load import ServerLoad, process_group_cpu_s
 from asyncbatch.bench.schema import SERVING_SCHEMA, validation_errors
 from asyncbatch.bench.serving_client import (
     OPENAI,
@@ -42,6 +44,7 @@ from asyncbatch.bench.serving_servers import (
     ServerStartError,
     asyncbatch_spec,
     transformers_spec,
+    workload_kv_tokens,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -334,6 +337,20 @@ def test_load_points_and_slices():
 # --- server processes -------------------------------------------------------------------------------------
 
 
+def test_the_cpu_time_of_a_process_group_is_counted():
+    proc = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 0.6\nwhile time.time() < end: pass"],
+                            start_new_session=True)
+    try:
+        with ServerLoad(proc.pid) as load:
+            time.sleep(0.5)
+        result = load.result()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert 0.2 < result["server_cpu_s"] < 1.0
+    assert result["contention"] is not None and process_group_cpu_s(proc.pid) is None  # gone after the kill
+
+
 def _python_server_spec(code: str) -> ServerSpec:
     from fake_openai_server import free_port
     return ServerSpec("test", [sys.executable, "-c", code], free_port(), VLLM, "test")
@@ -382,6 +399,13 @@ def test_server_command_lines():
     assert tf.argv[tf.argv.index("--cb-max-batch-tokens") + 1] == "2048" and tf.dialect is TRANSFORMERS
     with pytest.raises(ValueError, match="real device"):
         transformers_spec("/m", "sim", "float32", 2048, None)
+    assert "--cb-num-blocks" not in transformers_spec("/m", "cpu", "float32", 2048, kv_tokens=None).argv
+
+
+def test_the_peers_cache_is_sized_for_the_largest_point():
+    first = [ServingRequest("a", 155, prompt_len=100), ServingRequest("b", 100, prompt_len=200)]  # 1 + 2 pages
+    second = [ServingRequest([1] * 10, 10)]  # length of the token ids: 1 page
+    assert workload_kv_tokens([first, second], page_size=256) == 3 * 256
 
 
 # --- the script end to end --------------------------------------------------------------------------------
@@ -430,6 +454,9 @@ def test_script_against_a_running_server_writes_a_complete_report(fake, tiny_mod
         assert (s["num_requests"], s["completed"], s["failed"]) == (6, 6, 0)
         assert s["outputs_not_max_tokens"] == 0 and s["goodput"] > 0
         assert point["server"]["available"] and len(point["requests"]) == 6
+        # A server this run did not start: its CPU cannot be told from other processes'.
+        assert point["host"]["server_cpu_s"] is None and point["host"]["contention"] is None
+        assert point["host"]["client_cpu_s"] > 0
     assert doc["settings"]["prompt_format"] == "text" and doc["workload"]["text_prompt_tokens"] > 0
     assert doc["plots"] == ["t_latency_vs_load.png"]
     assert "fake" in proc.stdout and "TTFT p99" in proc.stdout
@@ -465,5 +492,6 @@ def test_script_against_transformers_serve(tiny_model, tmp_path):
     s = point["summary"]
     assert (s["completed"], s["failed"], s["outputs_not_max_tokens"]) == (4, 0, 0)
     assert s["output_tokens_from_usage"] == 4 and not point["server"]["available"]
+    assert point["host"]["server_cpu_s"] > 0 and 0 <= point["host"]["contention"] <= 1
     assert any("generation_config" in n for n in doc["notes"])
     assert (out / "logs" / "tf_transformers.log").exists()

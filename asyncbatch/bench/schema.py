@@ -100,11 +100,12 @@ _SERVING_SUMMARY = {
 }
 _SERVING_POINT = {
     "type": "object",
-    "required": ["load", "summary", "server", "requests"],
+    "required": ["load", "summary", "server", "host", "requests"],
     "properties": {
         "load": {"type": "object", "required": ["request_rate", "max_concurrency", "label"]},
         "summary": _SERVING_SUMMARY,
         "server": {"type": "object", "required": ["available"]},
+        "host": {"type": "object", "required": ["client_cpu_s", "server_cpu_s", "contention"]},
         "requests": {"type": "array", "items": {
             "type": "object", "required": ["index", "success", "error", "output_tokens", "ttft_ms", "e2e_ms"]}},
     },

@@ -76,10 +76,12 @@ DIALECTS = {d.name: d for d in (VLLM, TRANSFORMERS, OPENAI)}
 
 @dataclass(frozen=True, slots=True)
 class ServingRequest:
-    """One request of a workload: a text or token-id prompt and the output tokens asked for."""
+    """One request of a workload: a text or token-id prompt and the output tokens asked for;
+    ``prompt_len``: the prompt's tokens as the model's tokenizer counts them here (None: not counted)."""
 
     prompt: str | list[int]
     max_tokens: int
+    prompt_len: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

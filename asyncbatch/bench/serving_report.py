@@ -116,6 +116,10 @@ def _dist(summary: dict, key: str, stats: tuple[str, ...], digits: int = 0) -> s
     return " / ".join(_f(None if not d else d[s], digits) for s in stats)
 
 
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.0f}%"
+
+
 def _busy(point: dict) -> str:
     server = point["server"]
     if not server.get("available"):
@@ -129,7 +133,8 @@ def _busy(point: dict) -> str:
 def markdown_tables(doc: dict) -> str:
     """Per load point, one row per system side by side; then the ratios."""
     header = ("| load | system | ok / sent | req/s | output tok/s | goodput req/s | TTFT mean / p50 / p90 / p99 (ms) "
-              "| TPOT mean / p50 / p90 / p99 (ms) | ITL p50 / p99 (ms) | E2E p50 / p99 (ms) | device busy % |")
+              "| TPOT mean / p50 / p90 / p99 (ms) | ITL p50 / p99 (ms) | E2E p50 / p99 (ms) | device busy % "
+              "| output tok per server CPU-s | CPU taken by others |")
     rows = [header, "|" + "---|" * (header.count("|") - 1)]
     by_load: dict[str, list[tuple[str, dict]]] = {}
     for system in doc["systems"]:
@@ -143,7 +148,8 @@ def markdown_tables(doc: dict) -> str:
                 f"**{_f(s['output_throughput'])}** | {_f(s['goodput'], 2)} | "
                 f"{_dist(s, 'ttft_ms', ('mean', 'p50', 'p90', 'p99'))} | "
                 f"{_dist(s, 'tpot_ms', ('mean', 'p50', 'p90', 'p99'), 1)} | "
-                f"{_dist(s, 'itl_ms', ('p50', 'p99'), 1)} | {_dist(s, 'e2e_ms', ('p50', 'p99'))} | {_busy(point)} |")
+                f"{_dist(s, 'itl_ms', ('p50', 'p99'), 1)} | {_dist(s, 'e2e_ms', ('p50', 'p99'))} | {_busy(point)} | "
+                f"{_f(point['host'].get('output_tokens_per_server_cpu_s'))} | {_pct(point['host'].get('contention'))} |")
     out = "\n".join(rows)
     if doc["comparisons"]:
         ratio_rows = ["| load | ratio | output tok/s | goodput | P99 TTFT | P99 TPOT |", "|---|---|---|---|---|---|"]
@@ -174,7 +180,7 @@ def markdown_report(doc: dict) -> str:
 def terminal_table(doc: dict) -> str:
     head = (f"{'load':<24} {'system':<13} {'ok/sent':>9} {'req/s':>6} {'out tok/s':>9} {'goodput':>7} "
             f"{'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>8} {'TPOT p99':>8} {'ITL p50':>8} {'E2E p99':>9} "
-            f"{'busy%':>6}")
+            f"{'busy%':>6} {'others%':>7}")
     lines = [head, "-" * len(head)]
     for system in doc["systems"]:
         for point in system["points"]:
@@ -186,7 +192,7 @@ def terminal_table(doc: dict) -> str:
                 f"{s['request_throughput']:>6.2f} {s['output_throughput']:>9.1f} {s['goodput']:>7.2f} "
                 f"{_f(ttft.get('p50'), 0):>9} {_f(ttft.get('p99'), 0):>9} {_f(tpot.get('p50')):>8} "
                 f"{_f(tpot.get('p99')):>8} {_f(itl.get('p50')):>8} {_f(e2e.get('p99'), 0):>9} "
-                f"{_f(None if busy is None else 100 * busy):>6}")
+                f"{_f(None if busy is None else 100 * busy):>6} {_pct(point['host'].get('contention')):>7}")
     for c in doc["comparisons"]:
         lines.append(f"{c['numerator']} / {c['denominator']} at {c['load']}: output tok/s "
                      f"{_f(c['output_throughput_ratio'], 2)}x, P99 TTFT {_f(c['p99_ttft_ratio'], 2)}x, "

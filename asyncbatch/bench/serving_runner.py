@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import httpx
 
 from asyncbatch.bench.arrivals import arrival_offsets
+from asyncbatch.bench.host_load import ServerLoad
 from asyncbatch.bench.serving_client import ClientOptions, Dialect, LoadRun, ServingRequest, replay
 from asyncbatch.bench.serving_metrics import SLO, summarize
 from asyncbatch.bench.serving_prometheus import GaugeSampler, scrape, window
@@ -76,11 +77,11 @@ def point_requests(requests: list[ServingRequest], n: int, num_points: int) -> t
 
 def warmup_requests(requests: list[ServingRequest], count: int) -> list[ServingRequest]:
     """``count`` requests with outputs capped at ``WARMUP_MAX_TOKENS``: every code path once, quickly."""
-    return [ServingRequest(r.prompt, min(r.max_tokens, WARMUP_MAX_TOKENS)) for r in requests[:count]]
+    return [ServingRequest(r.prompt, min(r.max_tokens, WARMUP_MAX_TOKENS), r.prompt_len) for r in requests[:count]]
 
 
 async def _measure(base_url: str, model: str, requests: list[ServingRequest], offsets: list[float],
-                   dialect: Dialect, plan: RunPlan, cap: int | None) -> tuple[LoadRun, dict]:
+                   dialect: Dialect, plan: RunPlan, cap: int | None, pgid: int | None) -> tuple[LoadRun, dict, dict]:
     async with httpx.AsyncClient(base_url=base_url, timeout=30.0, trust_env=False) as metrics_client:
         before, note = await scrape(metrics_client)
         sampler = None
@@ -88,20 +89,27 @@ async def _measure(base_url: str, model: str, requests: list[ServingRequest], of
             sampler = GaugeSampler(metrics_client, plan.sample_interval_s)
             sampler.start()
         try:
-            run = await replay(base_url, model, requests, offsets, dialect, plan.options, cap)
+            with ServerLoad(pgid) as load:
+                run = await replay(base_url, model, requests, offsets, dialect, plan.options, cap)
         finally:
             if sampler is not None:
                 await sampler.stop()
         after, after_note = await scrape(metrics_client) if before is not None else (None, None)
-        return run, window(before, after, sampler, note or after_note)
+        return run, window(before, after, sampler, note or after_note), load.result()
 
 
-def run_point(base_url: str, model: str, dialect: Dialect, plan: RunPlan, index: int) -> dict:
+def run_point(base_url: str, model: str, dialect: Dialect, plan: RunPlan, index: int,
+              server_pgid: int | None = None) -> dict:
+    """One load point; ``server_pgid``: the server's process group, whose CPU time ``host`` reports."""
     point = plan.points[index]
     requests = plan.requests[index]
     offsets = arrival_offsets(len(requests), point.request_rate, plan.burstiness, plan.seed + index)
-    run, server = asyncio.run(_measure(base_url, model, requests, offsets, dialect, plan, point.max_concurrency))
-    return {"load": point.as_dict(), "summary": summarize(run, plan.slo), "server": server,
+    run, server, host = asyncio.run(_measure(base_url, model, requests, offsets, dialect, plan,
+                                             point.max_concurrency, server_pgid))
+    summary = summarize(run, plan.slo)
+    cpu = host["server_cpu_s"]
+    host["output_tokens_per_server_cpu_s"] = summary["output_tokens"] / cpu if cpu else None
+    return {"load": point.as_dict(), "summary": summary, "server": server, "host": host,
             "requests": [r.as_dict() for r in run.results]}
 
 
@@ -115,7 +123,8 @@ def warm_up(base_url: str, model: str, dialect: Dialect, plan: RunPlan) -> dict 
     return {k: summary[k] for k in ("num_requests", "completed", "failed", "failure_reasons", "duration_s")}
 
 
-def run_system(base_url: str, model: str, dialect: Dialect, plan: RunPlan, name: str, log=print) -> dict:
+def run_system(base_url: str, model: str, dialect: Dialect, plan: RunPlan, name: str, log=print,
+               server_pgid: int | None = None) -> dict:
     """Warm-up and every load point against one running server."""
     warm = warm_up(base_url, model, dialect, plan)
     if warm is not None:
@@ -124,7 +133,7 @@ def run_system(base_url: str, model: str, dialect: Dialect, plan: RunPlan, name:
             log(f"  {name}: warm-up failures: {warm['failure_reasons']}")
     points = []
     for i, point in enumerate(plan.points):
-        result = run_point(base_url, model, dialect, plan, i)
+        result = run_point(base_url, model, dialect, plan, i, server_pgid)
         points.append(result)
         log("  " + progress_line(name, point, result))
     return {"warmup": warm, "points": points}
@@ -137,6 +146,8 @@ def progress_line(name: str, point: LoadPoint, result: dict) -> str:
     running = ((server.get("gauges") or {}).get("running") or {}).get("max") if server.get("available") else None
     extra = "" if busy is None else f", device busy {100 * busy:.1f}%"
     extra += "" if running is None else f", max running {running:.0f}"
+    contention = result["host"]["contention"]
+    extra += "" if contention is None else f", others took {100 * contention:.0f}% of the CPUs"
     return (f"{name:<13} {point.label:<24} {s['completed']}/{s['num_requests']} ok, "
             f"{s['output_throughput']:8.1f} out tok/s, TTFT p99 {ttft.get('p99', math.nan):8.1f} ms, "
             f"TPOT p99 {tpot.get('p99', math.nan):7.1f} ms, {s['duration_s']:6.1f} s{extra}")

@@ -42,6 +42,7 @@ from asyncbatch.bench.serving_servers import (
     kv_capacity_tokens,
     served_model,
     transformers_spec,
+    workload_kv_tokens,
 )
 from asyncbatch.bench.workloads import build_workload, describe, sharegpt_params
 from asyncbatch.model.loader import load_config, load_tokenizer, resolve_model_path
@@ -93,7 +94,7 @@ def build_requests(args: argparse.Namespace, model_path: Path, prompt_format: st
                            prompt_range=parse_range(args.prompt_range), output_range=parse_range(args.output_range))
     doc = {"name": args.workload, "seed": args.seed, "params": _workload_params(args), **describe(items)}
     if prompt_format == "token-ids":
-        return [ServingRequest(list(it.prompt_token_ids), it.max_tokens) for it in items], doc
+        return [ServingRequest(list(it.prompt_token_ids), it.max_tokens, len(it.prompt_token_ids)) for it in items], doc
     tokenizer = load_tokenizer(model_path)
     texts = [tokenizer.decode(it.prompt_token_ids, skip_special_tokens=True) for it in items]
     empty = [i for i, t in enumerate(texts) if not t.strip()]
@@ -105,7 +106,7 @@ def build_requests(args: argparse.Namespace, model_path: Path, prompt_format: st
     lengths = [len(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
     doc["text_prompt_tokens"] = sum(lengths)
     doc["text_prompt_len_mean"] = sum(lengths) / len(lengths)
-    return [ServingRequest(t, it.max_tokens) for t, it in zip(texts, items)], doc
+    return [ServingRequest(t, it.max_tokens, n) for t, it, n in zip(texts, items, lengths)], doc
 
 
 def _workload_params(args: argparse.Namespace) -> dict:
@@ -119,15 +120,25 @@ def _workload_params(args: argparse.Namespace) -> dict:
     return {"source": "nano-vllm bench.py"}
 
 
-def server_spec(name: str, args: argparse.Namespace, model_path: Path) -> ServerSpec:
+def transformers_kv_tokens(args: argparse.Namespace, model_path: Path, plan: RunPlan) -> int | None:
+    """``--transformers-kv-cache``: workload (every request of a point at once), match (asyncbatch's
+    capacity) or auto (None: transformers sizes it from free memory)."""
+    if args.transformers_kv_cache == "workload":
+        return workload_kv_tokens(plan.requests)
+    if args.transformers_kv_cache == "match":
+        return kv_capacity_tokens(str(model_path), args.device, args.dtype, args.max_num_seqs,
+                                  args.max_num_batched_tokens)
+    return None
+
+
+def server_spec(name: str, args: argparse.Namespace, model_path: Path, plan: RunPlan) -> ServerSpec:
     extra = shlex.split(getattr(args, f"{name}_args") or "")
     if name == "asyncbatch":
         if args.api_key:
             extra += ["--api-key", args.api_key]
         return asyncbatch_spec(str(model_path), args.device, args.dtype, args.max_num_seqs,
                                args.max_num_batched_tokens, args.seed, extra)
-    kv_tokens = kv_capacity_tokens(str(model_path), args.device, args.dtype, args.max_num_seqs,
-                                   args.max_num_batched_tokens)
+    kv_tokens = transformers_kv_tokens(args, model_path, plan)
     return transformers_spec(str(model_path), args.device, args.dtype, args.max_num_batched_tokens, kv_tokens, extra)
 
 
@@ -139,7 +150,7 @@ def _system_entry(name: str, description: str, dialect: Dialect, base_url: str, 
 
 
 def run_managed(name: str, args: argparse.Namespace, model_path: Path, plan: RunPlan, out: Path) -> dict:
-    spec = server_spec(name, args, model_path)
+    spec = server_spec(name, args, model_path, plan)
     log_path = out / "logs" / f"{args.tag}_{name}.log"
     entry = _system_entry(name, spec.description, spec.dialect, spec.base_url, spec.argv, log_path)
     stderr_log(f"{name}: starting {shlex.join(spec.argv)}")
@@ -149,7 +160,8 @@ def run_managed(name: str, args: argparse.Namespace, model_path: Path, plan: Run
             entry["ready_s"] = server.ready_s
             entry["served_model"] = server.served_model()
             stderr_log(f"{name}: ready in {server.ready_s:.1f} s at {spec.base_url}, model {entry['served_model']!r}")
-            entry.update(run_system(spec.base_url, entry["served_model"], spec.dialect, plan, name, stderr_log))
+            entry.update(run_system(spec.base_url, entry["served_model"], spec.dialect, plan, name, stderr_log,
+                                    server_pgid=server.pgid))
     except ServerStartError as exc:
         entry["error"] = str(exc).splitlines()[0]
         stderr_log(f"{name}: {exc}")
@@ -177,6 +189,12 @@ def notes_for(args: argparse.Namespace, systems: list[dict], prompt_format: str)
                "string.')" if TRANSFORMERS.name in dialects else "")
         notes.append(f"prompts sent as text (the workload's token ids decoded with the model's tokenizer){why}; "
                      "each server tokenizes them; prompt token figures are the servers' own (usage)")
+    if TRANSFORMERS.name in dialects and not args.base_url:
+        setting = {"workload": "sized for the workload (every request of a load point in flight at full length)",
+                   "match": "matched to asyncbatch's capacity in tokens",
+                   "auto": "sized by transformers itself from free memory"}[args.transformers_kv_cache]
+        notes.append(f"transformers serve's KV cache: {setting}; on CPU its steps slow down with the cache's size "
+                     "(see asyncbatch/bench/serving_servers.py), so 'match' measures that, not the server")
     if args.ignore_eos and TRANSFORMERS.name in dialects:
         notes.append("transformers serve rejects vLLM's ignore_eos (HTTP 422 'Unexpected fields'); it got a "
                      "generation_config request field with eos_token_id -1 instead (its continuous batching "

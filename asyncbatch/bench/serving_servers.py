@@ -8,8 +8,13 @@ process exits first), and is stopped by SIGTERM to its group, then SIGKILL after
 exits another way.
 
 Both servers get the same model directory, dtype and device; transformers' continuous batching gets
-asyncbatch's per-step token budget and the same KV-cache capacity in tokens (left alone it sizes its
-cache from free memory), as the in-process baselines do (``hf_common.kv_capacity_tokens``).
+asyncbatch's per-step token budget. Its KV cache (left alone it sizes it from free memory) is by
+default sized for the workload (``workload_kv_tokens``: every request of a load point in flight at
+full length, so capacity never limits it), not matched to asyncbatch's: on CPU its step cost grows
+with the cache's size (it allocates an attention bias of max-batch-tokens x cache tokens; measured
+on SmolLM2-135M, a 125-token prefill took 0.3-0.4 s with 64 blocks of 256 tokens and 5-8 s with
+asyncbatch's 182), which would measure that cliff rather than the server. ``kv_capacity_tokens``
+gives asyncbatch's capacity for the ``match`` setting.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from pathlib import Path
 import httpx
 
 import asyncbatch
-from asyncbatch.bench.serving_client import TRANSFORMERS, VLLM, Dialect
+from asyncbatch.bench.serving_client import TRANSFORMERS, VLLM, Dialect, ServingRequest
 
 _POLL_S = 0.25
 _LOG_TAIL_CHARS = 4000
@@ -106,6 +111,15 @@ def kv_capacity_tokens(model_path: str, device: str, dtype: str, max_num_seqs: i
     return (blocks - 1) * config.block_size
 
 
+def workload_kv_tokens(point_requests: list[list[ServingRequest]], page_size: int = TRANSFORMERS_PAGE_SIZE) -> int:
+    """KV tokens, in whole pages, for every request of the largest load point at once at full length
+    (prompt as counted here, plus one token of slack for a server that adds BOS, plus max_tokens)."""
+    def pages(r: ServingRequest) -> int:
+        length = (r.prompt_len if r.prompt_len is not None else len(r.prompt)) + 1 + r.max_tokens
+        return -(-length // page_size)
+    return max(sum(pages(r) for r in reqs) for reqs in point_requests) * page_size
+
+
 def transformers_spec(model_path: str, device: str, dtype: str, max_num_batched_tokens: int,
                       kv_tokens: int | None, extra_args: list[str] | None = None,
                       port: int | None = None) -> ServerSpec:
@@ -136,6 +150,11 @@ class ManagedServer:
     @property
     def base_url(self) -> str:
         return self.spec.base_url
+
+    @property
+    def pgid(self) -> int | None:
+        """The server's process group (its own session: its pid), None when not running."""
+        return None if self.process is None else self.process.pid
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
