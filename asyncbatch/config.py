@@ -74,6 +74,12 @@ class EngineConfig:
     """
 
     model: str | None = None
+    # A tokenizer directory (or hub-style name already on disk) other than the model's own folder.
+    tokenizer: str | None = None
+    # Token ids in, token ids out: no tokenizer is loaded, text prompts, stop strings and chat are refused.
+    skip_tokenizer_init: bool = False
+    # A Jinja chat template (the text itself, or a path to a file holding it) replacing the tokenizer's.
+    chat_template: str | None = None
     device: str = "auto"
     dtype: str = "auto"
     max_num_seqs: int = 256
@@ -127,6 +133,8 @@ class EngineConfig:
             _positive("num_threads", self.num_threads, upper=1024)
         if self.switch_interval_s is not None and not 1e-6 <= self.switch_interval_s <= 0.1:
             raise ValueError(f"switch_interval_s must be in [1e-6, 0.1] or None, got {self.switch_interval_s}")
+        if self.skip_tokenizer_init and (self.tokenizer is not None or self.chat_template is not None):
+            raise ValueError("skip_tokenizer_init=True loads no tokenizer: tokenizer and chat_template must be None")
         if not isinstance(self.sim, SimConfig):
             raise TypeError(f"sim must be a SimConfig, got {type(self.sim).__name__}")
         if self.cuda_graph_batch_sizes is not None:

@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from asyncbatch.config import EngineConfig
@@ -23,10 +23,10 @@ from asyncbatch.engine.client import EngineClient
 from asyncbatch.engine.gil_tuning import hold_switch_interval, release_switch_interval
 from asyncbatch.engine.messages import AbortRequests, AddRequests, NewRequest
 from asyncbatch.errors import EngineDeadError
-from asyncbatch.frontend.detokenizer import IncrementalDetokenizer
+from asyncbatch.frontend.detokenizer import IncrementalDetokenizer, NullDetokenizer
 from asyncbatch.frontend.output_processor import OutputProcessor
-from asyncbatch.frontend.prompt_validation import check_fits, prompt_token_ids
-from asyncbatch.frontend.request_handle import RequestHandle
+from asyncbatch.frontend.prompt_validation import check_fits, check_needs_no_tokenizer, prompt_token_ids
+from asyncbatch.frontend.request_handle import DeltaSink, RequestHandle
 from asyncbatch.frontend.stop_strings import StopStringMatcher
 from asyncbatch.model.loader import resolve_dtype
 from asyncbatch.outputs import RequestMetrics, RequestOutput, StreamDelta
@@ -89,10 +89,17 @@ class LLM:
 
     # -- submission -----------------------------------------------------------
     def _prepare(self, prompt: Prompt, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
+        return self._check_request(self._prepare_ids(prompt), params)
+
+    def _prepare_ids(self, prompt: Prompt) -> list[int]:
+        return prompt_token_ids(prompt, self.tokenizer, self._spec.vocab_size)
+
+    def _check_request(self, ids: list[int], params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        ids = prompt_token_ids(prompt, self.tokenizer, self._spec.vocab_size)
+        if self.tokenizer is None:
+            check_needs_no_tokenizer(params)
         check_fits(len(ids), params, self.max_model_len, self._usable_tokens)
         return ids, params
 
@@ -100,35 +107,52 @@ class LLM:
         self._client.send(message)
 
     def _submit(self, items: list[tuple[Prompt, list[int], SamplingParams]], request_id: str | None = None,
-                streaming: bool = False) -> list[RequestHandle]:
-        """Register a handle per request, then send them to the core in one message."""
-        if request_id is not None and not isinstance(request_id, str):
-            raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
+                streaming: bool = False, request_ids: list[str] | None = None,
+                make_sink: Callable[[], DeltaSink] | None = None) -> list[RequestHandle]:
+        """Register a handle per request, then send them to the core in one message.
+
+        ``request_ids`` names each item (``request_id`` names a single one); ``make_sink`` gives each
+        streaming handle its delta sink (the asyncio API's), instead of a blocking queue.
+        """
+        names = request_ids if request_ids is not None else [request_id] * len(items)
+        for name in names:
+            if name is not None and not isinstance(name, str):
+                raise TypeError(f"request_id must be a string, got {type(name).__name__}")
         handles, new = [], []
         with mark("submit"), self._lock:
             if self._client.error is not None:
                 raise EngineDeadError("the engine has failed; create a new LLM") from self._client.error
             if len(self._by_id) > 4096:
                 self._by_id = {k: h for k, h in self._by_id.items() if not h.finished}
-            for prompt, ids, params in items:
-                seq = next(self._ids)
-                rid = request_id if request_id is not None else f"req-{seq}"
-                existing = self._by_id.get(rid)
+            for name in names:  # before anything is registered: a refusal leaves no trace
+                existing = self._by_id.get(name) if name is not None else None
                 if existing is not None and not existing.finished:
-                    raise ValueError(f"request_id {rid!r} is already in use by a live request")
+                    raise ValueError(f"request_id {name!r} is already in use by a live request")
+            if len({n for n in names if n is not None}) < sum(n is not None for n in names):
+                raise ValueError("request_ids must be distinct")
+            for name, (prompt, ids, params) in zip(names, items):
+                seq = next(self._ids)
+                rid = name if name is not None else f"req-{seq}"
                 seed = params.seed if params.seed is not None else _derive_seed(self.config.seed, seq)
                 now = time.perf_counter()
                 handle = RequestHandle(
                     seq, rid, prompt if isinstance(prompt, str) else None, ids,
-                    IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens),
+                    self._detokenizer(ids, params),
                     StopStringMatcher(params.stop_strings, params.include_stop_str_in_output),
                     RequestMetrics(arrival_time=now), simulated=self.simulated, streaming=streaming)
+                if make_sink is not None:
+                    handle.deltas = make_sink()
                 self._handles[seq] = handle
                 self._by_id[rid] = handle
                 handles.append(handle)
                 new.append(NewRequest(seq, ids, params, seed, now))
             self._send(AddRequests(new))
         return handles
+
+    def _detokenizer(self, ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | NullDetokenizer:
+        if self.tokenizer is None:
+            return NullDetokenizer()
+        return IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams |
                  Sequence[SamplingParams] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
@@ -178,10 +202,21 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=add_generation_prompt)
-                   for conv in conversations]
-        token_prompts = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        token_prompts = [self.chat_prompt_ids(conv, add_generation_prompt) for conv in conversations]
         return self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs: object
+                        ) -> list[int]:
+        """The token ids of one conversation under the model's chat template (or ``chat_template=``)."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer, but the engine has none (skip_tokenizer_init=True)")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("the tokenizer has no chat template; pass chat_template= (--chat-template)")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt, **template_kwargs)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                request_id: str | None = None) -> Iterator[StreamDelta]:
@@ -202,6 +237,11 @@ class LLM:
         finally:
             if not handle.finished:
                 self.abort(handle.request_id)
+
+    def num_requests(self) -> tuple[int, int]:
+        """(unfinished, not yet scheduled) requests as this process sees them now; asks the core nothing."""
+        handles = list(self._handles.values())
+        return len(handles), sum(h.metrics.first_scheduled_time is None for h in handles)
 
     def abort(self, request_id: str) -> None:
         """Stop a request; it finishes with ``finish_reason="abort"`` within one step."""

@@ -49,10 +49,12 @@ class RequestOutput:
 
 @dataclass(slots=True)
 class StreamDelta:
-    """New text and tokens since the previous delta of the same request."""
+    """New text and tokens since the previous delta of the same request; the last one (``finish_reason``
+    set) carries the whole ``RequestOutput`` as ``output`` (its metrics and token counts)."""
 
     request_id: str
     text: str
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    output: RequestOutput | None = None

@@ -2,5 +2,5 @@
 # Set up, then run the whole test suite (slow tests included; GPU tests skip without CUDA).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup_env.sh
+EXTRAS=dev,serve bash scripts/setup_env.sh
 exec "${VENV:-.venv}/bin/python" -m pytest -q "$@"

@@ -1,4 +1,4 @@
-"""Command line: ``python -m asyncbatch {generate,demo,profile} ...`` (also installed as ``asyncbatch``).
+"""Command line: ``python -m asyncbatch {generate,demo,profile,serve} ...`` (also installed as ``asyncbatch``).
 
 A mistake the user can fix (an empty prompt, a sampling value out of range, a model path that does not
 exist) prints one line naming the option and exits 2, as argparse does for its own errors; a traceback
@@ -15,6 +15,7 @@ import time
 from asyncbatch.cli.args import add_engine_args, add_sampling_args, engine_kwargs, sampling_params
 from asyncbatch.cli.demo import run_demo
 from asyncbatch.cli.profile import add_profile_command
+from asyncbatch.cli.serve import add_serve_command
 
 USAGE_ERROR = 2
 
@@ -75,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--num-requests", type=int, default=32)
     demo.set_defaults(func=cmd_demo)
     add_profile_command(sub, add_engine_args)
+    add_serve_command(sub)
     return parser
 
 
@@ -135,4 +137,5 @@ def _is_user_error(exc: BaseException) -> bool:
 _VALIDATING_MODULES = frozenset({
     "asyncbatch.config", "asyncbatch.sampling_params", "asyncbatch.frontend.prompt_validation",
     "asyncbatch.model.loader", "asyncbatch.cli.main", "asyncbatch.cli.profile", "asyncbatch.llm",
+    "asyncbatch.cli.serve", "asyncbatch.serve.settings", "asyncbatch.serve.server", "asyncbatch.engine.builder",
 })

@@ -53,11 +53,12 @@ class ModelSpec:
 
 @dataclass(slots=True)
 class ResolvedModel:
-    """The frontend's side of the model: its spec, config and tokenizer (no weights)."""
+    """The frontend's side of the model: its spec, config and tokenizer (no weights; no tokenizer with
+    ``skip_tokenizer_init``)."""
 
     spec: ModelSpec
     hf_config: PretrainedConfig
-    tokenizer: PreTrainedTokenizerBase
+    tokenizer: PreTrainedTokenizerBase | None
 
 
 def resolve_device(name: str) -> str:
@@ -94,13 +95,43 @@ def choose_num_blocks(config: EngineConfig, device: str, bytes_per_token: int, m
     return max(2, min(blocks, most_useful))
 
 
-def _eos_id(tokenizer: PreTrainedTokenizerBase, hf_config: PretrainedConfig) -> int | None:
-    eos = tokenizer.eos_token_id
+def _eos_id(tokenizer: PreTrainedTokenizerBase | None, hf_config: PretrainedConfig) -> int | None:
+    eos = tokenizer.eos_token_id if tokenizer is not None else None
     if eos is None:
         eos = getattr(hf_config, "eos_token_id", None)
     if isinstance(eos, (list, tuple)):
         eos = eos[0] if eos else None
     return eos
+
+
+def _tokenizer_for(config: EngineConfig, model_path: Path) -> PreTrainedTokenizerBase | None:
+    """The model's tokenizer, the one ``config.tokenizer`` names, or None with ``skip_tokenizer_init``;
+    a folder without a usable tokenizer is a ``ValueError`` that says what to pass instead."""
+    if config.skip_tokenizer_init:
+        return None
+    path = Path(config.tokenizer).expanduser() if config.tokenizer is not None else model_path
+    if config.tokenizer is not None and not path.exists():
+        raise ValueError(f"tokenizer path {str(path)!r} does not exist")
+    try:
+        tokenizer = load_tokenizer(path)
+    except (ValueError, OSError) as exc:
+        raise ValueError(
+            f"no usable tokenizer in {str(path)!r} ({type(exc).__name__}: {str(exc).splitlines()[0]}); "
+            "pass tokenizer=PATH (--tokenizer) to a folder with tokenizer.json, or skip_tokenizer_init=True "
+            "(--skip-tokenizer-init) to send and receive token ids only") from exc
+    if config.chat_template is not None:
+        tokenizer.chat_template = read_chat_template(config.chat_template)
+    return tokenizer
+
+
+def read_chat_template(template: str) -> str:
+    """A chat template given as a file path or as the Jinja text itself (vLLM's ``--chat-template``)."""
+    candidate = Path(template).expanduser()
+    if "{" not in template and len(template) < 4096:
+        if not candidate.is_file():
+            raise ValueError(f"chat_template {template!r} is neither a file nor a Jinja template")
+        return candidate.read_text()
+    return template
 
 
 def resolve_model(config: EngineConfig) -> ResolvedModel:
@@ -110,7 +141,7 @@ def resolve_model(config: EngineConfig) -> ResolvedModel:
     device = resolve_device(config.device)
     path = resolve_model_path(config.model, config.cache_dir)
     hf_config, _arch = load_config(path)
-    tokenizer = load_tokenizer(path)
+    tokenizer = _tokenizer_for(config, Path(path))
     model_max = max_model_len(hf_config)
     if config.max_model_len is not None and config.max_model_len > model_max:
         raise ValueError(f"max_model_len must be <= {model_max} for this model, got {config.max_model_len}")

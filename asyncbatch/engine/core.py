@@ -86,6 +86,7 @@ class EngineCore:
         self._requests: dict[int, Request] = {}  # live requests by seq
         self._acked = 0  # synchronous mode: the newest step the frontend has processed
         self._last_launched = 0
+        self._idle = False  # the planner blocked for lack of work since the last launched step
         self._gc_pause = 0.0
         self._gc_started = 0.0
         self._range_count = None  # an open ``count_ranges`` context, between the frontend's start and stop calls
@@ -162,6 +163,12 @@ class EngineCore:
         record.num_tokens, record.num_decode = plan.num_tokens, plan.num_decode
         record.num_prefill, record.num_sampled = plan.num_prefill, meta.num_sampled
         record.gc_ms = (self._gc_pause - gc_before) * 1e3
+        scheduler = self.scheduler
+        record.num_running, record.num_waiting = len(scheduler.running), len(scheduler.waiting)
+        blocks = scheduler.blocks
+        record.kv_blocks_usable = blocks.num_usable_blocks
+        record.kv_blocks_used = record.kv_blocks_usable - blocks.num_free_blocks
+        record.after_idle, self._idle = self._idle, False
         self._last_launched = plan.step_id
         if self.config.debug_check_integrity:
             self.scheduler.check_integrity()
@@ -198,7 +205,11 @@ class EngineCore:
     def _serve_inbox(self, block: bool) -> bool:
         """Handle every waiting message (waiting for one if ``block``); False once told to stop."""
         try:
-            message = self.inbox.get() if block else self.inbox.get_nowait()
+            if block:
+                self._idle = True
+                message = self.inbox.get()
+            else:
+                message = self.inbox.get_nowait()
         except queue.Empty:
             return True
         while True:

@@ -257,3 +257,16 @@ def _special_ids(tokenizer: Any) -> frozenset[int] | None:
     except TypeError:  # not weak-referenceable: recomputed per request
         pass
     return found
+
+
+class NullDetokenizer:
+    """The detokenizer of an engine without a tokenizer (``skip_tokenizer_init``): token ids only, no text."""
+
+    __slots__ = ()
+    text = ""
+
+    def push(self, token_id: int) -> str:
+        return ""
+
+    def finish(self) -> str:
+        return ""

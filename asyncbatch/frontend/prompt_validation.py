@@ -13,13 +13,16 @@ from transformers import PreTrainedTokenizerBase
 from asyncbatch.sampling_params import SamplingParams
 
 
-def prompt_token_ids(prompt: object, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> list[int]:
+def prompt_token_ids(prompt: object, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int) -> list[int]:
     """Token ids of a text prompt or a list of token ids, validated against the vocabulary."""
     if prompt is None:
         raise TypeError("prompt must be a string or a list of token ids, got None")
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt must not be empty")
+        if tokenizer is None:
+            raise ValueError("prompt is text but the engine has no tokenizer (skip_tokenizer_init=True): "
+                             "pass a list of token ids")
         ids = tokenizer.encode(prompt, add_special_tokens=True)
         if not ids:
             raise ValueError("prompt encodes to zero tokens")
@@ -35,6 +38,13 @@ def prompt_token_ids(prompt: object, tokenizer: PreTrainedTokenizerBase, vocab_s
             raise ValueError(f"prompt token ids must be in [0, {vocab_size - 1}], got {bad[:5]}")
         return ids
     raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+
+def check_needs_no_tokenizer(params: SamplingParams) -> None:
+    """Without a tokenizer there is no text, so text-matching options cannot work: refuse them."""
+    if params.stop_strings:
+        raise ValueError("SamplingParams.stop needs text, but the engine has no tokenizer "
+                         "(skip_tokenizer_init=True); use stop_token_ids")
 
 
 def check_fits(num_prompt_tokens: int, params: SamplingParams, max_model_len: int, usable_tokens: int) -> None:

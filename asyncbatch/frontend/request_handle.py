@@ -10,11 +10,16 @@ from __future__ import annotations
 import queue
 import threading
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from asyncbatch.errors import RequestFailedError
 from asyncbatch.frontend.detokenizer import IncrementalDetokenizer
 from asyncbatch.frontend.stop_strings import StopStringMatcher
 from asyncbatch.outputs import RequestMetrics, RequestOutput, StreamDelta
+
+
+class DeltaSink(Protocol):
+    def put(self, item: StreamDelta | BaseException) -> None: ...
 
 
 @dataclass(eq=False)
@@ -32,7 +37,9 @@ class RequestHandle:
     text_pieces: list[str] = field(default_factory=list)  # emitted text, joined once at the end
     output: RequestOutput | None = None
     error: BaseException | None = None
-    deltas: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    # Where the output thread puts this request's StreamDeltas (and a failure): a queue for the blocking
+    # API, an ``serve.async_stream.AsyncDeltaStream`` for asyncio callers; anything with a thread-safe ``put``.
+    deltas: DeltaSink = field(default_factory=queue.SimpleQueue)
     done: threading.Event = field(default_factory=threading.Event)
 
     @property
@@ -54,7 +61,7 @@ class RequestHandle:
             if reason == "error":
                 self.deltas.put(RequestFailedError(f"request {self.request_id} failed: {error}"))
             else:
-                self.deltas.put(StreamDelta(self.request_id, "", [], reason, stop_reason))
+                self.deltas.put(StreamDelta(self.request_id, "", [], reason, stop_reason, self.output))
         self.done.set()
 
     def fail(self, error: BaseException) -> None:

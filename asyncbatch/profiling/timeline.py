@@ -45,6 +45,14 @@ class StepRecord:
     output_end: float = 0.0
     output_tokens: int = 0  # tokens accepted for callers (extra tokens after a finish excluded)
     gc_ms: float = 0.0  # Python GC pauses that overlapped the planner's work on this step
+    # The engine's load when the step was planned (the server's gauges read them from the newest record).
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_usable: int = 0
+    # The planner had nothing to do before this step (it blocked waiting for requests), so the device gap
+    # before it is a lack of work, not host overhead: the cumulative busy counters leave that gap out.
+    after_idle: bool = False
 
     @property
     def planner_ms(self) -> float:
@@ -79,16 +87,44 @@ class Timeline:
 
     ``last_launched`` (set by the frontend) asks the engine core for the newest launched step, so
     ``wait_settled`` knows which records are still to come.
+
+    A long-running engine (a server) would grow ``records`` without end, so past ``max_records`` the
+    oldest quarter is dropped (the measurement window shrinks with it). ``busy_s_total`` and
+    ``span_s_total`` count over every step ever added, for rates between two scrapes: the device's
+    busy time, and the wall time from each step's start (or the previous step's end, when the planner
+    was not idle waiting for requests in between) to its end, so ``delta busy / delta span`` is the
+    busy fraction while there was work.
     """
 
     records: list[StepRecord] = field(default_factory=list)
     last_launched: Callable[[], int] | None = None
+    max_records: int = 200_000
+    busy_s_total: float = 0.0
+    span_s_total: float = 0.0
     _window_start: int = 0
+    _last_end: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def add(self, record: StepRecord) -> None:
         with self._lock:
             self.records.append(record)
+            if record.device_end > 0:
+                busy = record.device_end - record.device_start
+                self.busy_s_total += busy
+                if self._last_end > 0 and not record.after_idle:
+                    self.span_s_total += max(record.device_end - self._last_end, busy)
+                else:
+                    self.span_s_total += busy
+                self._last_end = record.device_end
+            if len(self.records) > self.max_records:
+                drop = len(self.records) // 4
+                del self.records[:drop]
+                self._window_start = max(self._window_start - drop, 0)
+
+    def recent(self, n: int) -> list[StepRecord]:
+        """The newest ``n`` completed steps (oldest first)."""
+        with self._lock:
+            return [r for r in self.records[-n:] if r.device_end > 0]
 
     def reset(self) -> None:
         with self._lock:

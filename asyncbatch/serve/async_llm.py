@@ -1,0 +1,185 @@
+"""The asyncio API: ``AsyncLLM``, the same engine as ``LLM`` for event-loop programs (and the HTTP server).
+
+    engine = await AsyncLLM.create(device="cpu")
+    async for delta in engine.generate("Hello", SamplingParams(max_tokens=32), request_id="r1"):
+        print(delta.text, end="")
+
+Cancelling the task that consumes ``generate`` (or leaving the loop early)
+aborts the request: the engine frees its KV blocks within a step. Nothing here
+blocks the event loop: submission is a message to the engine core, long
+prompts are tokenized on a worker thread, and the output thread hands deltas
+over in batches (``async_stream``), so the loop does no per-token work beyond
+taking them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+from asyncbatch.frontend.request_handle import RequestHandle
+from asyncbatch.llm import LLM, Prompt
+from asyncbatch.outputs import RequestOutput, StreamDelta
+from asyncbatch.sampling_params import SamplingParams
+from asyncbatch.serve.async_stream import AsyncDeltaStream, LoopWaker, merge_deltas
+
+# Text prompts longer than this are tokenized on a worker thread (a few ms of tokenizer work would stall
+# every stream on the loop); shorter ones cost less than the thread hop.
+_OFFLOAD_CHARS = 4096
+
+
+class AsyncRequest:
+    """One submitted request: iterate it for its deltas (once); leaving early aborts it."""
+
+    def __init__(self, llm: LLM, handle: RequestHandle, stream: AsyncDeltaStream) -> None:
+        self._llm = llm
+        self._handle = handle
+        self._stream = stream
+
+    @property
+    def request_id(self) -> str:
+        return self._handle.request_id
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self._handle.prompt_token_ids
+
+    @property
+    def output(self) -> RequestOutput | None:
+        """The final output, once the last delta was taken."""
+        return self._handle.output
+
+    @property
+    def finished(self) -> bool:
+        return self._handle.finished
+
+    def abort(self) -> None:
+        if not self._handle.finished:
+            self._llm.abort(self._handle.request_id)
+
+    async def final_output(self) -> RequestOutput | None:
+        """After the iteration was left early (and the request aborted): wait for the output it ended with;
+        None if it failed. Reads what the iteration left in the stream."""
+        while not self._handle.finished or self._stream.items:
+            for item in await self._stream.next_batch():
+                if isinstance(item, BaseException):
+                    return None
+                if item.finish_reason is not None:
+                    return self._handle.output
+        return self._handle.output
+
+    def __aiter__(self) -> AsyncIterator[StreamDelta]:
+        return self._deltas()
+
+    async def _deltas(self) -> AsyncIterator[StreamDelta]:
+        try:
+            while True:
+                batch = await self._stream.next_batch()
+                deltas: list[StreamDelta] = []
+                for item in batch:
+                    if isinstance(item, BaseException):
+                        if deltas:
+                            yield merge_deltas(deltas)
+                        raise item
+                    deltas.append(item)
+                delta = merge_deltas(deltas)
+                yield delta
+                if delta.finish_reason is not None:
+                    return
+        finally:  # cancelled, closed early, or failed: the engine stops working on it
+            self.abort()
+
+
+class AsyncLLM:
+    """An inference engine for asyncio programs; see ``LLM`` for the keywords (``AsyncLLM(model, **kwargs)``).
+
+    Build it with ``await AsyncLLM.create(...)`` inside a running loop (loading takes seconds, on a
+    worker thread), or ``AsyncLLM(...)`` outside one. Methods must be called from one event loop.
+    """
+
+    def __init__(self, model: str | None = None, *, llm: LLM | None = None, **kwargs: object) -> None:
+        self.llm = llm if llm is not None else LLM(model, **kwargs)
+        self._waker: LoopWaker | None = None
+
+    @classmethod
+    async def create(cls, model: str | None = None, **kwargs: object) -> AsyncLLM:
+        return await asyncio.to_thread(cls, model, **kwargs)
+
+    # -- what the engine serves ------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.llm.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.llm.max_model_len
+
+    @property
+    def alive(self) -> bool:
+        return self.llm._client.alive
+
+    # -- requests --------------------------------------------------------------
+    def _sink_factory(self):
+        loop = asyncio.get_running_loop()
+        if self._waker is None or self._waker._loop is not loop:
+            self._waker = LoopWaker(loop)
+        waker = self._waker
+        return lambda: AsyncDeltaStream(waker)
+
+    async def prompt_ids(self, prompt: Prompt) -> list[int]:
+        """Token ids of a prompt, validated (long texts are tokenized off the loop)."""
+        if isinstance(prompt, str) and len(prompt) > _OFFLOAD_CHARS:
+            return await asyncio.to_thread(self.llm._prepare_ids, prompt)
+        return self.llm._prepare_ids(prompt)
+
+    async def submit(self, prompts: Sequence[Prompt], params: Sequence[SamplingParams],
+                     request_ids: Sequence[str | None]) -> list[AsyncRequest]:
+        """Validate every prompt, then submit them all in one message (a refusal submits none).
+
+        Raises ``ValueError``/``TypeError`` naming the field for bad input, ``EngineDeadError`` if the
+        engine failed.
+        """
+        if not len(prompts) == len(params) == len(request_ids):
+            raise ValueError("prompts, params and request_ids must have the same length")
+        items = []
+        for prompt, sp in zip(prompts, params):
+            ids = await self.prompt_ids(prompt)
+            items.append((prompt, *self.llm._check_request(ids, sp)))
+        handles = self.llm._submit(items, streaming=True, request_ids=list(request_ids),
+                                   make_sink=self._sink_factory())
+        return [AsyncRequest(self.llm, h, h.deltas) for h in handles]
+
+    async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[StreamDelta]:
+        """Stream one request's deltas; the last has ``finish_reason`` and the whole ``output``."""
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        (request,) = await self.submit([prompt], [params], [request_id])
+        async for delta in request:
+            yield delta
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request; its stream ends with ``finish_reason="abort"`` within a step."""
+        self.llm.abort(request_id)
+
+    # -- measurement and lifetime ------------------------------------------------
+    async def stats(self) -> dict:
+        return await asyncio.to_thread(self.llm.stats)
+
+    async def check_integrity(self) -> None:
+        await asyncio.to_thread(self.llm.check_integrity)
+
+    def num_requests(self) -> tuple[int, int]:
+        """(unfinished, not yet scheduled) requests, as this process sees them now."""
+        return self.llm.num_requests()
+
+    def close(self) -> None:
+        self.llm.close()
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.llm.close)
+
+    async def __aenter__(self) -> AsyncLLM:  # noqa: PYI034 - not meant to be subclassed
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

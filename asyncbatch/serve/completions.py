@@ -1,0 +1,78 @@
+"""``POST /v1/completions``: text (or token-id) prompts in, completions out, JSON or SSE."""
+
+from __future__ import annotations
+
+import uuid
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from asyncbatch.outputs import StreamDelta
+from asyncbatch.serve.generation import Generation, SSEResponse
+from asyncbatch.serve.openai_errors import OpenAIError
+from asyncbatch.serve.protocol import CompletionRequest
+from asyncbatch.serve.sampling import check_supported, sampling_params
+from asyncbatch.serve.state import ServerState
+
+_OBJECT = "text_completion"
+
+
+def split_prompts(prompt: str | list) -> list[str | list[int]]:
+    """OpenAI's four prompt shapes -> a list of prompts (text or token ids)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise OpenAIError(400, "prompt must not be empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    return list(prompt)
+
+
+async def create_completion(body: CompletionRequest, request: Request, state: ServerState) -> Response:
+    model = state.check_model(body.model)
+    check_supported(body)
+    engine = state.engine
+    prompts = split_prompts(body.prompt)
+    params = sampling_params(body, 16 if body.max_tokens is None else body.max_tokens)
+    state.admit(len(prompts) * body.n)
+    prompt_ids = [await engine.prompt_ids(p) for p in prompts]
+    response_id = f"cmpl-{uuid.uuid4().hex}"
+    flat_ids = [ids for ids in prompt_ids for _ in range(body.n)]
+    requests = await engine.submit(flat_ids, params * len(prompts),
+                                   [f"{response_id}-{k}" for k in range(len(flat_ids))])
+    return_ids = body.return_token_ids if body.return_token_ids is not None else engine.tokenizer is None
+    echo = [_prompt_text(p, engine.tokenizer) if body.echo else "" for p in prompts for _ in range(body.n)]
+    gen = Generation(state, response_id, model, requests, sum(len(ids) for ids in prompt_ids),
+                     include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                     continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats))
+    if body.stream:
+        head = gen.chunk_head(_OBJECT)
+
+        def chunk(index: int, delta: StreamDelta) -> dict:
+            choice = {"index": index, "text": delta.text, "logprobs": None, "finish_reason": delta.finish_reason,
+                      "stop_reason": delta.stop_reason}
+            if return_ids:
+                choice["token_ids"] = delta.token_ids
+            return {**head, "choices": [choice]}
+
+        first = [{**head, "choices": [{"index": k, "text": text, "logprobs": None, "finish_reason": None}]}
+                 for k, text in enumerate(echo) if text]
+        return SSEResponse(gen.sse(_OBJECT, first, chunk))
+    outputs = await gen.collect(request)
+    choices = []
+    for k, output in enumerate(outputs):
+        choice = {"index": k, "text": echo[k] + output.text, "logprobs": None,
+                  "finish_reason": output.finish_reason, "stop_reason": output.stop_reason}
+        if return_ids:
+            choice["token_ids"] = output.token_ids
+            choice["prompt_token_ids"] = output.prompt_token_ids
+        choices.append(choice)
+    return JSONResponse({**gen.chunk_head(_OBJECT), "choices": choices, "usage": gen.usage()})
+
+
+def _prompt_text(prompt: str | list[int], tokenizer) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    if tokenizer is None:
+        raise OpenAIError(400, "echo of a token-id prompt needs a tokenizer", param="echo")
+    return tokenizer.decode(prompt)

@@ -1,0 +1,193 @@
+"""One HTTP generation request: its choices (prompts x ``n``) submitted together, answered as JSON or SSE.
+
+Streaming: every choice's deltas become ``data: {chunk}`` events in arrival
+order, then an optional usage chunk, then ``data: [DONE]``. A client that goes
+away mid-stream ends the response task; the choices' async iterators then close
+and abort their requests, so their KV blocks are freed within a step. A choice
+that fails (``finish_reason == "error"``) or an engine that dies ends the
+stream with an ``{"error": ...}`` event and ``[DONE]``; nothing is cut off
+silently. Non-streaming: the response is built once every choice finished;
+the request is raced against the client's disconnect so a caller that hangs up
+aborts its requests too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from asyncbatch.errors import EngineDeadError, RequestFailedError
+from asyncbatch.outputs import RequestOutput, StreamDelta
+from asyncbatch.serve.async_llm import AsyncRequest
+from asyncbatch.serve.openai_errors import OpenAIError, error_body
+from asyncbatch.serve.state import ServerState
+
+ChunkBuilder = Callable[[int, StreamDelta], dict]
+_background: set[asyncio.Task] = set()  # tasks nobody awaits must be referenced until they finish
+
+
+@dataclass
+class Generation:
+    """The submitted choices of one request, in choice-index order."""
+
+    state: ServerState
+    response_id: str
+    model: str
+    requests: list[AsyncRequest]
+    prompt_tokens: int  # every distinct prompt counted once
+    include_usage: bool = False
+    continuous_usage: bool = False
+
+    def __post_init__(self) -> None:
+        self.created = int(time.time())
+        self.outputs: list[RequestOutput | None] = [None] * len(self.requests)
+
+    def usage(self) -> dict:
+        completion = sum(len(o.token_ids) for o in self.outputs if o is not None)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
+
+    def _finished(self, index: int, delta: StreamDelta) -> None:
+        if delta.output is not None and self.outputs[index] is None:
+            self.outputs[index] = delta.output
+            self.state.finished(delta.output)
+
+    def _record_abandoned(self) -> None:
+        """Choices the response stopped reading (client gone, error) are aborted; log and count how they
+        ended once the engine confirms, off the response's path."""
+        for index, request in enumerate(self.requests):
+            if self.outputs[index] is None:
+                request.abort()
+                task = asyncio.ensure_future(self._await_final(index, request))
+                _background.add(task)
+                task.add_done_callback(_background.discard)
+
+    async def _await_final(self, index: int, request: AsyncRequest) -> None:
+        output = await asyncio.wait_for(request.final_output(), timeout=60.0)
+        if output is not None and self.outputs[index] is None:
+            self.outputs[index] = output
+            self.state.finished(output)
+
+    # -- streaming -------------------------------------------------------------
+    async def events(self) -> AsyncIterator[tuple[int, StreamDelta]]:
+        """(choice index, delta) as deltas arrive, until every choice finished."""
+        if len(self.requests) == 1:
+            async for delta in self.requests[0]:
+                yield 0, delta
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, request: AsyncRequest) -> None:
+            try:
+                async for delta in request:
+                    queue.put_nowait((index, delta))
+            except Exception as exc:  # noqa: BLE001 - handed to the response, which reports it
+                queue.put_nowait((index, exc))
+
+        tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(self.requests)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                index, item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield index, item
+                if item.finish_reason is not None:
+                    remaining -= 1
+        finally:
+            for task in tasks:  # cancelling a pump closes its choice's iterator, which aborts the request
+                task.cancel()
+
+    def chunk_head(self, object_name: str) -> dict:
+        return {"id": self.response_id, "object": object_name, "created": self.created, "model": self.model}
+
+    async def sse(self, object_name: str, first_chunks: list[dict], chunk: ChunkBuilder) -> AsyncIterator[str]:
+        """The ``text/event-stream`` body: ``first_chunks`` (e.g. chat's role), one chunk per delta, usage."""
+        usage_field = {"usage": None} if self.include_usage else {}
+        itl = self.state.metrics.itl
+        last_token_time = [0.0] * len(self.requests)
+        try:
+            for body in first_chunks:
+                yield _event({**body, **usage_field})
+            async for index, delta in self.events():
+                if delta.token_ids:
+                    now = time.perf_counter()
+                    if last_token_time[index]:
+                        itl.observe((now - last_token_time[index]) / len(delta.token_ids))
+                    last_token_time[index] = now
+                if delta.finish_reason is not None:
+                    self._finished(index, delta)
+                body = chunk(index, delta)
+                if self.continuous_usage:
+                    body["usage"] = self.usage()
+                elif usage_field:
+                    body.update(usage_field)
+                yield _event(body)
+            if self.include_usage:
+                yield _event({**self.chunk_head(object_name), "choices": [], "usage": self.usage()})
+        except (RequestFailedError, EngineDeadError) as exc:
+            status = 503 if isinstance(exc, EngineDeadError) else 500
+            yield _event(error_body(status, str(exc), code="engine_dead" if status == 503 else "request_failed"))
+        finally:
+            self._record_abandoned()
+        yield "data: [DONE]\n\n"
+
+    # -- whole responses -------------------------------------------------------
+    async def collect(self, request: Request) -> list[RequestOutput]:
+        """Every choice's final output; aborts them all if the client disconnects first."""
+        async def drain(index: int, choice: AsyncRequest) -> None:
+            async for delta in choice:
+                if delta.finish_reason is not None:
+                    self._finished(index, delta)
+
+        work = asyncio.ensure_future(asyncio.gather(*(drain(i, r) for i, r in enumerate(self.requests))))
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not work.done():
+                work.cancel()
+            gone.cancel()
+        if not work.done() or work.cancelled():
+            self._record_abandoned()
+            raise OpenAIError(499, "the client disconnected before the response was ready")
+        try:
+            work.result()
+        except RequestFailedError as exc:
+            self._record_abandoned()
+            raise OpenAIError(500, str(exc), code="request_failed") from exc
+        return [o for o in self.outputs if o is not None]
+
+
+class SSEResponse(StreamingResponse):
+    """``text/event-stream`` whose body iterator is closed as soon as the response ends, however it ends:
+    a client gone mid-stream aborts its requests now, not whenever the abandoned generator is collected."""
+
+    def __init__(self, body: AsyncIterator[str]) -> None:
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._body = body
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._body.aclose()
+
+
+def _event(body: dict) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'), ensure_ascii=False)}\n\n"
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client hangs up (the body was already read, so only a disconnect can arrive)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,108 @@
+"""Errors as the OpenAI API returns them: ``{"error": {"message", "type", "param", "code"}}`` with a status.
+
+Status by cause: malformed JSON and values out of range 400; missing or bad
+API key 401; unknown model or route 404; body over the size limit 413; unknown
+fields, wrong types and missing fields 422 (the schema); queue full 503 with
+``Retry-After``; an engine that failed 503; anything else 500. A refused request
+never reaches the engine, so every other request keeps running.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse
+
+from asyncbatch.errors import EngineDeadError
+
+log = logging.getLogger("asyncbatch.serve")
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
+          429: "rate_limit_error", 500: "internal_server_error", 503: "service_unavailable_error"}
+
+
+class OpenAIError(Exception):
+    """A refusal with its HTTP status; ``param`` names the offending field where there is one."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _TYPES.get(status, "invalid_request_error"), "param": param,
+                      "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def error_bytes(status: int, message: str, code: str | None = None) -> bytes:
+    """The error object as a JSON body, for the raw ASGI guard (which runs before FastAPI)."""
+    return json.dumps(error_body(status, message, None, code)).encode()
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[int, str, str | None]:
+    errors = exc.errors()
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return 400, "the request body is not valid JSON: " + "; ".join(str(e.get("msg")) for e in errors), None
+    parts, param = [], None
+    for e in errors[:5]:
+        loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+        name = ".".join(loc) or "body"
+        param = param or name
+        if e.get("type") == "extra_forbidden":
+            parts.append(f"unknown field {name!r}")
+        elif e.get("type") == "missing":
+            parts.append(f"missing field {name!r}")
+        else:
+            parts.append(f"{name}: {e.get('msg')} (got {e.get('input')!r})"[:300])
+    return 422, "; ".join(parts), param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def _openai(request: Request, exc: OpenAIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _schema(request: Request, exc: RequestValidationError) -> JSONResponse:
+        status, message, param = _validation_message(exc)
+        return error_response(status, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(ValueError)
+    async def _value(request: Request, exc: ValueError) -> JSONResponse:
+        return error_response(400, str(exc), _param_of(str(exc)))
+
+    @app.exception_handler(TypeError)
+    async def _type(request: Request, exc: TypeError) -> JSONResponse:
+        return error_response(400, str(exc), _param_of(str(exc)))
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(request: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_response(503, f"the engine is not running: {exc}", code="engine_dead")
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error on %s", request.url.path)
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
+
+
+def _param_of(message: str) -> str | None:
+    """``SamplingParams.top_p must be ...`` -> ``top_p`` (the field our ValueErrors name first)."""
+    head = message.split(" ", 1)[0]
+    if head.startswith("SamplingParams."):
+        return head.removeprefix("SamplingParams.")
+    return None

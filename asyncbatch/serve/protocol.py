@@ -1,0 +1,108 @@
+"""The OpenAI-compatible request bodies (pydantic), with vLLM's sampling extras.
+
+Unknown fields are refused (``extra="forbid"``: a misspelt ``max_token`` must
+not silently fall back to a default); wrong types and missing fields too. Both
+are 422 with the OpenAI error object (``openai_errors``). Values out of range
+are checked by ``SamplingParams`` and are 400. OpenAI fields the engine cannot
+honour (``logprobs``, ``logit_bias``, ``tools``, ``suffix``, ``best_of`` > n)
+are accepted by the schema and refused by ``sampling.check_supported`` with a
+400 that names them, instead of being ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(_Body):
+    """Fields both endpoints share: OpenAI's sampling parameters plus vLLM's extras."""
+
+    model: str | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    min_tokens: int = 0
+    # vLLM's: the choice also carries its token ids (and the prompt's); on by default without a tokenizer.
+    return_token_ids: bool | None = None
+
+
+class CompletionRequest(SamplingFields):
+    """``POST /v1/completions``: ``prompt`` is a string, a list of strings, token ids, or lists of token ids."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """A message; extra keys (``name``, ``tool_call_id``) pass through to the chat template."""
+
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[TextPart] | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(_Body):
+    """``POST /tokenize``: a prompt, or chat messages under the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,245 @@
+"""``asyncbatch serve`` on the ``sim`` device: every refusal is an OpenAI error object with the right status
+and the server goes on; a client that leaves mid-request frees its KV blocks; the queue bound, the API key,
+the body limit, token-only engines, and the auxiliary routes."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install -e '.[serve]')")
+
+from asyncbatch.serve.settings import ServeSettings
+from tests.serve_harness import client, serving, wait_idle
+
+GOOD = {"model": "test-model", "prompt": [1, 2, 3, 4], "max_tokens": 4, "ignore_eos": True}
+SIM = {"device": "sim", "max_model_len": 256, "max_num_seqs": 8, "max_num_batched_tokens": 256}
+
+
+def metric(text: str, name: str, label: str = "") -> float:
+    """The first sample of ``name`` (whose labels include ``label``, if given) in Prometheus text."""
+    for line in text.splitlines():
+        if line.startswith((name + "{", name + " ")) and label in line:
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} {label} not in /metrics")
+
+
+@pytest.fixture(scope="module")
+def served():
+    settings = ServeSettings(("test-model", "alias"), max_body_bytes=4096)
+    with serving(settings, **SIM) as pair:
+        yield pair
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"]
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+def assert_good(http: httpx.Client) -> None:
+    response = http.post("/v1/completions", json=GOOD)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 4
+
+
+BAD_REQUESTS = [
+    ("malformed json", {"content": b'{"prompt": [1, 2', "headers": {"content-type": "application/json"}}, 400, None),
+    ("unknown field", {"json": {**GOOD, "max_tokenz": 3}}, 422, "max_tokenz"),
+    ("wrong type", {"json": {**GOOD, "max_tokens": "many"}}, 422, "max_tokens"),
+    ("missing prompt", {"json": {"model": "test-model"}}, 422, "prompt"),
+    ("unknown model", {"json": {**GOOD, "model": "gpt-9"}}, 404, "model"),
+    ("value out of range", {"json": {**GOOD, "top_p": 1.5}}, 400, "top_p"),
+    ("negative max_tokens", {"json": {**GOOD, "max_tokens": -1}}, 400, "max_tokens"),
+    ("beyond the context", {"json": {**GOOD, "max_tokens": 300}}, 400, None),
+    ("token id out of vocabulary", {"json": {**GOOD, "prompt": [1, 10**9]}}, 400, None),
+    ("empty prompt", {"json": {**GOOD, "prompt": ""}}, 400, None),
+    ("logprobs refused", {"json": {**GOOD, "logprobs": 2}}, 400, "logprobs"),
+    ("n out of range", {"json": {**GOOD, "n": 0}}, 400, "n"),
+    ("body too large", {"json": {**GOOD, "prompt": [1] * 3000}}, 413, None),
+]
+
+
+@pytest.mark.parametrize(("case", "kwargs", "status", "param"), BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
+def test_bad_request_then_good(served, case: str, kwargs: dict, status: int, param: str | None) -> None:
+    server, _engine = served
+    with client(server) as http:
+        assert_error(http.post("/v1/completions", **kwargs), status, param)
+        assert_good(http)
+
+
+def test_bad_chat_requests(served) -> None:
+    server, _engine = served
+    chat = {"model": "alias", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    with client(server) as http:
+        assert_error(http.post("/v1/chat/completions", json={**chat, "messages": []}), 422, "messages")
+        assert_error(http.post("/v1/chat/completions", json={**chat, "tools": [{"type": "function"}]}), 400, "tools")
+        assert_error(http.post("/v1/chat/completions", json={**chat, "logprobs": True}), 400, "logprobs")
+        assert_error(http.post("/v1/chat/completions", json={**chat, "max_completion_tokens": 10_000}), 400)
+        ok = http.post("/v1/chat/completions", json=chat)
+        assert ok.status_code == 200 and ok.json()["model"] == "test-model"  # an alias answers with the first name
+        assert ok.json()["usage"]["completion_tokens"] == 3
+        default = http.post("/v1/chat/completions", json={**chat, "max_tokens": None, "ignore_eos": False})
+        assert default.status_code == 200, default.text
+
+
+def sse_events(response: httpx.Response) -> list:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
+def test_stream_n_choices_and_usage(served) -> None:
+    server, _engine = served
+    body = {**GOOD, "n": 3, "max_tokens": 6, "stream": True, "seed": 5, "temperature": 1.0,
+            "stream_options": {"include_usage": True}, "return_token_ids": True}
+    with client(server) as http, http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    usage = events[-2]["usage"]
+    ids = {0: [], 1: [], 2: []}
+    for event in events[:-2]:
+        for choice in event["choices"]:
+            ids[choice["index"]] += choice["token_ids"]
+    assert all(len(v) == 6 for v in ids.values())
+    assert usage == {"prompt_tokens": 4, "completion_tokens": 18, "total_tokens": 22}
+
+
+def test_disconnect_mid_stream_frees_blocks(served) -> None:
+    server, engine = served
+    body = {**GOOD, "max_tokens": 200, "stream": True}
+    with client(server) as http:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            seen = 0
+            for line in response.iter_lines():
+                seen += line.startswith("data: ")
+                if seen >= 3:
+                    break  # leaving the block closes the connection mid-stream
+        wait_idle(engine)
+        engine.llm.check_integrity()
+        metrics = http.get("/metrics").text
+        assert metric(metrics, "asyncbatch:kv_cache_usage_perc") == 0.0
+        assert metric(metrics, "asyncbatch:request_success_total", 'finished_reason="abort"') >= 1
+        assert_good(http)
+
+
+def test_disconnect_while_waiting_for_whole_response(served) -> None:
+    server, engine = served
+    with client(server) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            http.post("/v1/completions", json={**GOOD, "max_tokens": 240}, timeout=0.3)
+        wait_idle(engine)
+        engine.llm.check_integrity()
+        assert_good(http)
+
+
+def test_routes_tokenize_models_health_version(served) -> None:
+    server, engine = served
+    with client(server) as http:
+        ids = http.post("/tokenize", json={"prompt": "Hello world"}).json()
+        assert ids["tokens"] == engine.tokenizer.encode("Hello world") and ids["count"] == len(ids["tokens"])
+        text = http.post("/detokenize", json={"tokens": ids["tokens"]}).json()["prompt"]
+        assert text == engine.tokenizer.decode(ids["tokens"])
+        assert_error(http.post("/detokenize", json={"tokens": [-1]}), 400, "tokens")
+        chat_ids = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
+        assert chat_ids == engine.llm.chat_prompt_ids([{"role": "user", "content": "hi"}])
+        models = http.get("/v1/models").json()
+        assert [m["id"] for m in models["data"]] == ["test-model", "alias"]
+        assert http.get("/health").json() == {"status": "ok"}
+        assert http.get("/version").json()["version"]
+        assert_error(http.get("/v1/nothing"), 404)
+
+
+def test_metrics_after_requests(served) -> None:
+    server, _engine = served
+    with client(server) as http:
+        before = metric(http.get("/metrics").text, "asyncbatch:generation_tokens_total")
+        assert_good(http)
+        text = http.get("/metrics").text
+    assert metric(text, "asyncbatch:generation_tokens_total") == before + 4
+    for name in ("asyncbatch:time_to_first_token_seconds_count", "asyncbatch:e2e_request_latency_seconds_count",
+                 "asyncbatch:time_per_output_token_seconds_count", "asyncbatch:device_busy_seconds_total",
+                 "asyncbatch:device_span_seconds_total", "asyncbatch:num_requests_running",
+                 "asyncbatch:num_requests_waiting", "asyncbatch:device_busy_fraction"):
+        assert metric(text, name) >= 0
+    assert 0 < metric(text, "asyncbatch:device_busy_seconds_total") <= metric(text, "asyncbatch:device_span_seconds_total")
+
+
+def test_api_key() -> None:
+    with serving(ServeSettings(("m",), api_key="s3cret"), **SIM) as (server, _engine), client(server) as http:
+        body = {**GOOD, "model": "m"}
+        error = assert_error(http.post("/v1/completions", json=body), 401)
+        assert error["type"] == "authentication_error"
+        assert_error(http.post("/v1/completions", json=body, headers={"Authorization": "Bearer nope"}), 401)
+        assert http.get("/health").status_code == 200  # probes stay open
+        ok = http.post("/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200
+
+
+def test_queue_bound_answers_503_with_retry_after() -> None:
+    settings = ServeSettings(("m",), max_waiting=2)
+    with serving(settings, **{**SIM, "max_num_seqs": 2}) as (server, engine):
+        long = {**GOOD, "model": "m", "max_tokens": 240, "stream": True}
+        responses: list[httpx.Response] = []
+        with client(server) as http:
+            streams = [http.stream("POST", "/v1/completions", json=long) for _ in range(4)]
+            for stream in streams:
+                responses.append(stream.__enter__())
+            deadline = time.monotonic() + 10
+            while engine.num_requests() != (4, 2) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert engine.num_requests() == (4, 2)  # two running, two waiting
+            refused = http.post("/v1/completions", json={**GOOD, "model": "m"})
+            assert_error(refused, 503)
+            assert refused.headers["retry-after"] == "1"
+            for stream in streams:
+                stream.__exit__(None, None, None)
+            wait_idle(engine)
+            ok = http.post("/v1/completions", json={**GOOD, "model": "m"})
+            assert ok.status_code == 200
+        engine.llm.check_integrity()
+
+
+def test_token_only_engine() -> None:
+    with serving(ServeSettings(("m",)), skip_tokenizer_init=True, **SIM) as (server, engine):
+        assert engine.tokenizer is None
+        with client(server) as http:
+            out = http.post("/v1/completions", json={**GOOD, "model": "m"}).json()
+            assert len(out["choices"][0]["token_ids"]) == 4 and out["choices"][0]["text"] == ""
+            error = assert_error(http.post("/v1/completions", json={**GOOD, "model": "m", "prompt": "text"}), 400)
+            assert "skip_tokenizer_init" in error["message"]
+            assert_error(http.post("/v1/completions", json={**GOOD, "model": "m", "stop": ["x"]}), 400, "stop")
+            chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+            assert_error(http.post("/v1/chat/completions", json=chat), 400)
+            assert_error(http.post("/tokenize", json={"prompt": "hi"}), 400)
+
+
+def test_concurrent_streams_in_threads(served) -> None:
+    """Streams from several connections at once each get their own complete sequence."""
+    server, engine = served
+    results: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        body = {**GOOD, "max_tokens": 20, "stream": True, "seed": i, "return_token_ids": True}
+        with client(server) as http, http.stream("POST", "/v1/completions", json=body) as response:
+            results[i] = [t for e in sse_events(response)[:-1] for c in e["choices"] for t in c["token_ids"]]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(results) == list(range(8)) and all(len(v) == 20 for v in results.values())
+    wait_idle(engine)

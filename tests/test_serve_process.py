@@ -1,0 +1,126 @@
+"""``asyncbatch serve`` as users run it: a child process that drains on SIGTERM and exits 0."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("uvicorn", reason="the serve extra is not installed (pip install -e '.[serve]')")
+
+from asyncbatch.serve.server import bind_socket
+from tests.serve_harness import ROOT, ServeProcess
+
+
+def stream_ids(url: str, body: dict, out: list) -> None:
+    finishes, ids, done = [], [], False
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                for choice in json.loads(line[6:])["choices"]:
+                    ids += choice.get("token_ids", [])
+                    if choice["finish_reason"]:
+                        finishes.append(choice["finish_reason"])
+    out.append((ids, finishes, done))
+
+
+def run_streams(server: ServeProcess, n: int, max_tokens: int) -> tuple[list, list[threading.Thread]]:
+    results: list = []
+    body = {"prompt": [1, 2, 3], "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+            "return_token_ids": True}
+    threads = [threading.Thread(target=stream_ids, args=(server.url, body, results)) for _ in range(n)]
+    for t in threads:
+        t.start()
+    return results, threads
+
+
+def refuses_new_requests(server: ServeProcess, within_s: float) -> bool:
+    """Once the drain began (``/health`` stops answering 200), a new request is refused: 503 while the
+    listening socket closes, or no connection at all."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(server.url + "/health", timeout=2).status_code != 200:
+                break
+        except httpx.HTTPError:
+            break
+        time.sleep(0.02)  # the signal may not have been handled yet
+    else:
+        return False
+    try:
+        response = httpx.post(server.url + "/v1/completions", json={"prompt": [1], "max_tokens": 1}, timeout=2)
+    except httpx.HTTPError:
+        return True
+    return response.status_code == 503
+
+
+def wait_running(server: ServeProcess, n: int, within_s: float = 20) -> None:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        text = httpx.get(server.url + "/metrics", timeout=5).text
+        if f'asyncbatch:num_requests_running{{model_name="smollm2-135m"}} {float(n)}' in text:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{n} requests did not start running within {within_s} s")
+
+
+@pytest.mark.slow
+def test_sigterm_finishes_in_flight_requests_and_exits_0() -> None:
+    server = ServeProcess("--sim-step-ms", "10", "--shutdown-timeout", "30")
+    try:
+        results, threads = run_streams(server, 3, max_tokens=100)  # about 1 s of 10 ms steps
+        wait_running(server, 3)
+        server.proc.send_signal(signal.SIGTERM)
+        assert refuses_new_requests(server, within_s=10)
+        for t in threads:
+            t.join(30)
+        assert server.proc.wait(timeout=30) == 0
+        log = server.kill()
+    finally:
+        server.kill()
+    assert len(results) == 3
+    for ids, finishes, done in results:
+        assert len(ids) == 100 and finishes == ["length"] and done, (len(ids), finishes, done)
+    assert "draining 3 in-flight requests" in log
+    assert log.count("finish=length") == 3  # one request log line each
+
+
+@pytest.mark.slow
+def test_sigterm_aborts_stragglers_after_the_timeout() -> None:
+    server = ServeProcess("--sim-step-ms", "10", "--shutdown-timeout", "1")
+    try:
+        results, threads = run_streams(server, 2, max_tokens=5000)  # 50 s: longer than the timeout
+        wait_running(server, 2)
+        start = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(timeout=20) == 0
+        assert time.monotonic() - start < 10
+        for t in threads:
+            t.join(10)
+        log = server.kill()
+    finally:
+        server.kill()
+    assert len(results) == 2
+    for ids, finishes, done in results:  # ended properly: an abort finish and [DONE], not a cut connection
+        assert 0 < len(ids) < 5000 and finishes == ["abort"] and done
+    assert "aborting 2 in-flight requests" in log
+
+
+def test_busy_port_is_a_one_line_error() -> None:
+    sock = bind_socket("127.0.0.1", 0)
+    sock.listen()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "asyncbatch", "serve", "--device", "sim", "--port",
+                               str(sock.getsockname()[1])], cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    finally:
+        sock.close()
+    assert proc.returncode == 2, proc.stderr
+    assert "cannot listen on" in proc.stderr and "Traceback" not in proc.stderr
