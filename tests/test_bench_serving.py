@@ -200,6 +200,7 @@ def test_streaming_text_and_token_id_prompts(fake):
     assert text.success and ids.success, (text.error, ids.error)
     assert (text.output_tokens, text.prompt_tokens, len(text.chunk_times)) == (5, 2, 5)
     assert (ids.output_tokens, ids.prompt_tokens) == (4, 3)
+    assert text.prompt_len is None  # the tests' requests carry no count of their own
     assert text.saw_done and text.finish_reason == "length" and text.tokens_from_usage
     assert text.sent < text.first_token <= text.finish <= text.end
     assert text.chunk_times == sorted(text.chunk_times)
@@ -495,3 +496,29 @@ def test_script_against_transformers_serve(tiny_model, tmp_path):
     assert point["host"]["server_cpu_s"] > 0 and 0 <= point["host"]["contention"] <= 1
     assert any("generation_config" in n for n in doc["notes"])
     assert (out / "logs" / "tf_transformers.log").exists()
+
+
+@pytest.mark.slow
+def test_script_against_asyncbatch_serve_on_sim(tmp_path):
+    """The real server end to end on the simulated device: exact output lengths, device busy from /metrics,
+    the server's token counters equal to the client's counts, nothing failed."""
+    out = tmp_path / "sim"
+    _run_script(["--systems", "asyncbatch", "--device", "sim", "--workload", "uniform", "--prompt-range", "16,64",
+                 "--output-range", "8,32", "--num-prompts", "20", "--request-rates", "50,inf", "--warmup-requests",
+                 "2", "--metrics-interval", "0.1", "--slo-ttft-ms", "10000", "--startup-timeout", "180",
+                 "--request-timeout", "120", "--out", str(out), "--tag", "sim"], timeout=400)
+    doc = _check_document(out, "sim")
+    [system] = doc["systems"]
+    assert system["error"] is None and system["exit_code"] == 0  # SIGTERM drains and exits 0
+    assert system["served_model"] and system["command"][1:4] == ["-m", "asyncbatch", "serve"]
+    assert doc["settings"]["prompt_format"] == "token-ids" and any("SIMULATED" in n for n in doc["notes"])
+    for point in system["points"]:
+        s, server = point["summary"], point["server"]
+        assert (s["completed"], s["failed"], s["outputs_not_max_tokens"]) == (20, 0, 0)
+        assert s["output_tokens"] == s["requested_output_tokens"] and s["streams_with_done"] == 20
+        # Token-id prompts: the server counts exactly the workload's prompt tokens.
+        assert all(r["prompt_tokens"] == r["prompt_len"] > 0 for r in point["requests"])
+        assert server["available"] and 0 < server["device_busy_fraction"] <= 1 + 1e-9
+        assert server["generation_tokens"] == s["output_tokens"]
+        assert server["prompt_tokens"] == s["prompt_tokens"]
+        assert point["host"]["server_cpu_s"] > 0 and s["ttft_ms"]["p99"] >= s["ttft_ms"]["p50"] > 0

@@ -104,6 +104,7 @@ class RequestResult:
     index: int
     max_tokens: int
     sent: float
+    prompt_len: int | None = None  # the prompt's tokens as counted here (``ServingRequest.prompt_len``)
     end: float | None = None
     success: bool = False
     error: str | None = None
@@ -148,7 +149,7 @@ class RequestResult:
         def ms(value: float | None) -> float | None:
             return None if value is None else 1e3 * value
         return {"index": self.index, "success": self.success, "error": self.error, "max_tokens": self.max_tokens,
-                "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
+                "prompt_len": self.prompt_len, "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
                 "tokens_from_usage": self.tokens_from_usage, "chunks": len(self.chunk_times),
                 "finish_reason": self.finish_reason, "ttft_ms": ms(self.ttft), "tpot_ms": ms(self.tpot),
                 "e2e_ms": ms(self.e2e)}
@@ -225,9 +226,11 @@ def _apply_event(result: RequestResult, event: object, now: float) -> str | None
     return None
 
 
-async def send_request(client: httpx.AsyncClient, path: str, body: dict, index: int) -> RequestResult:
+async def send_request(client: httpx.AsyncClient, path: str, body: dict, index: int,
+                       prompt_len: int | None = None) -> RequestResult:
     """Send one streaming request and time it; never raises for a failure of the request itself."""
-    result = RequestResult(index=index, max_tokens=int(body["max_tokens"]), sent=time.perf_counter())
+    result = RequestResult(index=index, max_tokens=int(body["max_tokens"]), sent=time.perf_counter(),
+                           prompt_len=prompt_len)
     error: str | None = None
     try:
         async with client.stream("POST", path, json=body) as response:
@@ -297,9 +300,9 @@ async def replay(base_url: str, model: str, requests: list[ServingRequest], offs
             if delay > 0:
                 await asyncio.sleep(delay)
             if slots is None:
-                return await send_request(client, path, bodies[i], i)
+                return await send_request(client, path, bodies[i], i, requests[i].prompt_len)
             async with slots:
-                return await send_request(client, path, bodies[i], i)
+                return await send_request(client, path, bodies[i], i, requests[i].prompt_len)
 
         results = await asyncio.gather(*(one(i) for i in range(len(requests))))
         end = max([start, *(r.end for r in results if r.end is not None)])
