@@ -143,16 +143,28 @@ def server_spec(name: str, args: argparse.Namespace, model_path: Path, plan: Run
 
 
 def _system_entry(name: str, description: str, dialect: Dialect, base_url: str, command: list[str] | None,
-                  log: Path | None) -> dict:
+                  log: Path | None, config: dict | None = None) -> dict:
     return {"name": name, "description": description, "dialect": dialect.name, "base_url": base_url,
-            "command": command, "log": None if log is None else str(log), "served_model": None, "ready_s": None,
-            "exit_code": None, "error": None, "warmup": None, "points": []}
+            "command": command, "log": None if log is None else str(log), "config": config or {},
+            "served_model": None, "ready_s": None, "exit_code": None, "error": None, "warmup": None, "points": []}
+
+
+def server_config(name: str, args: argparse.Namespace, model_path: Path, plan: RunPlan) -> dict:
+    """The limits a server runs with, as the report states them (KV capacity in tokens included)."""
+    config = {"max_num_batched_tokens": args.max_num_batched_tokens}
+    if name == "asyncbatch":
+        capacity = kv_capacity_tokens(str(model_path), args.device, args.dtype, args.max_num_seqs,
+                                      args.max_num_batched_tokens)
+        return {**config, "max_num_seqs": args.max_num_seqs, "kv_cache_tokens": capacity}
+    return {**config, "kv_cache": args.transformers_kv_cache,
+            "kv_cache_tokens": transformers_kv_tokens(args, model_path, plan)}
 
 
 def run_managed(name: str, args: argparse.Namespace, model_path: Path, plan: RunPlan, out: Path) -> dict:
     spec = server_spec(name, args, model_path, plan)
     log_path = out / "logs" / f"{args.tag}_{name}.log"
-    entry = _system_entry(name, spec.description, spec.dialect, spec.base_url, spec.argv, log_path)
+    entry = _system_entry(name, spec.description, spec.dialect, spec.base_url, spec.argv, log_path,
+                          server_config(name, args, model_path, plan))
     stderr_log(f"{name}: starting {shlex.join(spec.argv)}")
     server = ManagedServer(spec, log_path, startup_timeout_s=args.startup_timeout)
     try:
