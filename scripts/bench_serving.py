@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--transformers-kv-cache", default="workload", choices=("workload", "match", "auto"),
                         help="transformers' KV cache: sized for the workload, asyncbatch's capacity, or its own "
                              "choice from free memory (see asyncbatch/bench/serving_servers.py)")
+    target.add_argument("--torch-threads", type=int, default=None,
+                        help="torch intra-op threads of every server (OMP_NUM_THREADS; asyncbatch also gets "
+                             "--num-threads); default: each server's own choice (all cores)")
     target.add_argument("--api-key", default=None)
     target.add_argument("--startup-timeout", type=float, default=600.0, help="seconds for a server to be ready")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import signal
 import subprocess
 import sys
 import time
@@ -394,6 +395,10 @@ def test_server_command_lines():
     ab = asyncbatch_spec("/m", "sim", "float32", 256, 2048, 0, ["--sim-step-ms", "1"], port=1234)
     assert ab.argv[1:5] == ["-m", "asyncbatch", "serve", "/m"] and ab.base_url == "http://127.0.0.1:1234"
     assert ab.argv[-2:] == ["--sim-step-ms", "1"] and "--max-num-seqs" in ab.argv and ab.dialect is VLLM
+    assert "--num-threads" not in ab.argv and "OMP_NUM_THREADS" not in ab.env
+    one = asyncbatch_spec("/m", "cpu", "float32", 256, 2048, 0, port=1234, torch_threads=1)
+    assert one.argv[one.argv.index("--num-threads") + 1] == "1" and one.env["OMP_NUM_THREADS"] == "1"
+    assert transformers_spec("/m", "cpu", "float32", 2048, None, torch_threads=1).env == {"OMP_NUM_THREADS": "1"}
     tf = transformers_spec("/m", "cpu", "float32", 2048, kv_tokens=1000, port=4321)
     assert tf.argv[1:3] == ["serve", "--continuous-batching"] and tf.argv[-1] == "/m"
     assert tf.argv[tf.argv.index("--cb-num-blocks") + 1] == "4"  # ceil(1000 / 256)
@@ -461,6 +466,31 @@ def test_script_against_a_running_server_writes_a_complete_report(fake, tiny_mod
     assert doc["settings"]["prompt_format"] == "text" and doc["workload"]["text_prompt_tokens"] > 0
     assert doc["plots"] == ["t_latency_vs_load.png"]
     assert "fake" in proc.stdout and "TTFT p99" in proc.stdout
+
+
+def test_an_interrupted_run_reports_the_points_it_finished(fake, tiny_model, tmp_path):
+    """SIGTERM during the second load point: the first point is in the report, the system says why it
+    stopped, and the exit status is 128 + SIGTERM."""
+    out = tmp_path / "interrupted"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "bench_serving.py"), "--base-url", fake.base_url,
+                             "--model", str(tiny_model), "--num-prompts", "4", "--request-rates", "inf,0.05",
+                             "--output-range", "2,4", "--warmup-requests", "0", "--out", str(out), "--tag", "i"],
+                            cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        for line in proc.stderr:  # the script logs each finished point
+            if "inf req/s" in line or time.monotonic() > deadline:
+                break
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM
+    doc = _check_document(out, "i")
+    [system] = doc["systems"]
+    assert [p["load"]["label"] for p in system["points"]] == ["inf req/s"]
+    assert system["error"].startswith("interrupted") and any("interrupted" in n for n in doc["notes"])
 
 
 def test_prompt_format_and_command_line_lists():

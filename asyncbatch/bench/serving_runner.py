@@ -123,20 +123,20 @@ def warm_up(base_url: str, model: str, dialect: Dialect, plan: RunPlan) -> dict 
     return {k: summary[k] for k in ("num_requests", "completed", "failed", "failure_reasons", "duration_s")}
 
 
-def run_system(base_url: str, model: str, dialect: Dialect, plan: RunPlan, name: str, log=print,
-               server_pgid: int | None = None) -> dict:
-    """Warm-up and every load point against one running server."""
-    warm = warm_up(base_url, model, dialect, plan)
+def run_system(entry: dict, base_url: str, model: str, dialect: Dialect, plan: RunPlan, log=print,
+               server_pgid: int | None = None) -> None:
+    """Warm-up and every load point against one running server, into ``entry["warmup"]`` and
+    ``entry["points"]`` as each finishes (an interrupted run keeps the points it completed)."""
+    name = entry["name"]
+    warm = entry["warmup"] = warm_up(base_url, model, dialect, plan)
     if warm is not None:
         log(f"  {name}: warm-up {warm['completed']}/{warm['num_requests']} ok in {warm['duration_s']:.1f} s")
         if warm["failed"]:
             log(f"  {name}: warm-up failures: {warm['failure_reasons']}")
-    points = []
     for i, point in enumerate(plan.points):
         result = run_point(base_url, model, dialect, plan, i, server_pgid)
-        points.append(result)
+        entry["points"].append(result)
         log("  " + progress_line(name, point, result))
-    return {"warmup": warm, "points": points}
 
 
 def progress_line(name: str, point: LoadPoint, result: dict) -> str:

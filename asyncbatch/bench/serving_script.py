@@ -137,9 +137,10 @@ def server_spec(name: str, args: argparse.Namespace, model_path: Path, plan: Run
         if args.api_key:
             extra += ["--api-key", args.api_key]
         return asyncbatch_spec(str(model_path), args.device, args.dtype, args.max_num_seqs,
-                               args.max_num_batched_tokens, args.seed, extra)
+                               args.max_num_batched_tokens, args.seed, extra, torch_threads=args.torch_threads)
     kv_tokens = transformers_kv_tokens(args, model_path, plan)
-    return transformers_spec(str(model_path), args.device, args.dtype, args.max_num_batched_tokens, kv_tokens, extra)
+    return transformers_spec(str(model_path), args.device, args.dtype, args.max_num_batched_tokens, kv_tokens, extra,
+                             torch_threads=args.torch_threads)
 
 
 def _system_entry(name: str, description: str, dialect: Dialect, base_url: str, command: list[str] | None,
@@ -151,7 +152,7 @@ def _system_entry(name: str, description: str, dialect: Dialect, base_url: str, 
 
 def server_config(name: str, args: argparse.Namespace, model_path: Path, plan: RunPlan) -> dict:
     """The limits a server runs with, as the report states them (KV capacity in tokens included)."""
-    config = {"max_num_batched_tokens": args.max_num_batched_tokens}
+    config = {"max_num_batched_tokens": args.max_num_batched_tokens, "torch_threads": args.torch_threads}
     if name == "asyncbatch":
         capacity = kv_capacity_tokens(str(model_path), args.device, args.dtype, args.max_num_seqs,
                                       args.max_num_batched_tokens)
@@ -160,11 +161,14 @@ def server_config(name: str, args: argparse.Namespace, model_path: Path, plan: R
             "kv_cache_tokens": transformers_kv_tokens(args, model_path, plan)}
 
 
-def run_managed(name: str, args: argparse.Namespace, model_path: Path, plan: RunPlan, out: Path) -> dict:
+def run_managed(name: str, args: argparse.Namespace, model_path: Path, plan: RunPlan, out: Path,
+                systems: list[dict]) -> None:
+    """Start the server, run every point against it, stop it; its entry joins ``systems`` at once."""
     spec = server_spec(name, args, model_path, plan)
     log_path = out / "logs" / f"{args.tag}_{name}.log"
     entry = _system_entry(name, spec.description, spec.dialect, spec.base_url, spec.argv, log_path,
                           server_config(name, args, model_path, plan))
+    systems.append(entry)
     stderr_log(f"{name}: starting {shlex.join(spec.argv)}")
     server = ManagedServer(spec, log_path, startup_timeout_s=args.startup_timeout)
     try:
@@ -172,22 +176,35 @@ def run_managed(name: str, args: argparse.Namespace, model_path: Path, plan: Run
             entry["ready_s"] = server.ready_s
             entry["served_model"] = server.served_model()
             stderr_log(f"{name}: ready in {server.ready_s:.1f} s at {spec.base_url}, model {entry['served_model']!r}")
-            entry.update(run_system(spec.base_url, entry["served_model"], spec.dialect, plan, name, stderr_log,
-                                    server_pgid=server.pgid))
+            run_system(entry, spec.base_url, entry["served_model"], spec.dialect, plan, stderr_log, server.pgid)
     except ServerStartError as exc:
         entry["error"] = str(exc).splitlines()[0]
         stderr_log(f"{name}: {exc}")
-    entry["exit_code"] = server.returncode
-    return entry
+    finally:
+        entry["exit_code"] = server.returncode
 
 
-def run_external(args: argparse.Namespace, plan: RunPlan) -> dict:
+def run_external(args: argparse.Namespace, plan: RunPlan, systems: list[dict]) -> None:
     dialect = DIALECTS[args.base_url_dialect]
     entry = _system_entry(args.base_url_name, f"already running server at {args.base_url}", dialect,
                           args.base_url, None, None)
+    systems.append(entry)
     entry["served_model"] = args.served_model or served_model(args.base_url)
-    entry.update(run_system(args.base_url, entry["served_model"], dialect, plan, args.base_url_name, stderr_log))
-    return entry
+    run_system(entry, args.base_url, entry["served_model"], dialect, plan, stderr_log)
+
+
+def write_report(args: argparse.Namespace, out: Path, settings: dict, workload: dict, plan: RunPlan,
+                 systems: list[dict], prompt_format: str) -> dict:
+    doc = build_document(settings, workload, [p.as_dict() for p in plan.points], systems,
+                         notes_for(args, systems, prompt_format))
+    png = out / f"{args.tag}_latency_vs_load.png"
+    if any(s["points"] for s in systems):
+        doc["plots"] = [plots.latency_vs_load(doc, png).name]
+    json_path = write_json(doc, out / f"{args.tag}.json")
+    (out / f"{args.tag}.md").write_text(markdown_report(doc) + "\n")
+    print(terminal_table(doc), flush=True)
+    stderr_log(f"wrote {json_path}, {args.tag}.md{''.join(', ' + p for p in doc['plots'])}")
+    return doc
 
 
 def notes_for(args: argparse.Namespace, systems: list[dict], prompt_format: str) -> list[str]:
@@ -262,21 +279,25 @@ def run(args: argparse.Namespace) -> int:
                    args.metrics_interval)
     stderr_log(f"serving: {len(points)} load points x {args.num_prompts} prompts ({args.workload}, {prompt_format}), "
                f"model {model_path}, {args.device}/{args.dtype}, systems {names or [args.base_url]}")
-    systems = [run_external(args, plan)] if args.base_url else [run_managed(n, args, model_path, plan, out)
-                                                                  for n in names]
     settings = {"model_path": str(model_path), "device": args.device, "dtype": args.dtype,
                 "temperature": args.temperature, "ignore_eos": args.ignore_eos, "slo": slo.as_dict(),
                 "prompt_format": prompt_format, "endpoint": args.endpoint, "num_prompts": args.num_prompts,
                 "burstiness": args.burstiness, "seed": args.seed, "warmup_requests": warm_n,
                 "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-                "request_timeout_s": args.request_timeout, "metrics_interval_s": args.metrics_interval}
-    doc = build_document(settings, workload, [p.as_dict() for p in points], systems,
-                         notes_for(args, systems, prompt_format))
-    png = out / f"{args.tag}_latency_vs_load.png"
-    if any(s["points"] for s in systems):
-        doc["plots"] = [plots.latency_vs_load(doc, png).name]
-    json_path = write_json(doc, out / f"{args.tag}.json")
-    (out / f"{args.tag}.md").write_text(markdown_report(doc) + "\n")
-    print(terminal_table(doc), flush=True)
-    stderr_log(f"wrote {json_path}, {args.tag}.md{''.join(', ' + p for p in doc['plots'])}")
+                "request_timeout_s": args.request_timeout, "metrics_interval_s": args.metrics_interval,
+                "torch_threads": args.torch_threads}
+    systems: list[dict] = []
+    try:
+        if args.base_url:
+            run_external(args, plan, systems)
+        for name in names:
+            run_managed(name, args, model_path, plan, out, systems)
+    except (KeyboardInterrupt, SystemExit) as exc:
+        # Ctrl-C or SIGTERM (made SystemExit by the script): the servers are down; keep what was measured.
+        for entry in systems:
+            if len(entry["points"]) < len(plan.points) and entry["error"] is None:
+                entry["error"] = f"interrupted ({type(exc).__name__}) after {len(entry['points'])} load points"
+        write_report(args, out, settings, workload, plan, systems, prompt_format)
+        raise
+    write_report(args, out, settings, workload, plan, systems, prompt_format)
     return 1 if any(s.get("error") for s in systems) else 0

@@ -77,14 +77,23 @@ def _python_path_env() -> dict[str, str]:
     return {"PYTHONPATH": root if not rest else f"{root}{os.pathsep}{rest}"}
 
 
+def _threads_env(torch_threads: int | None) -> dict[str, str]:
+    """torch sizes its intra-op pool from OMP_NUM_THREADS at start-up; both servers get the same value."""
+    return {} if torch_threads is None else {"OMP_NUM_THREADS": str(torch_threads)}
+
+
 def asyncbatch_spec(model_path: str, device: str, dtype: str, max_num_seqs: int, max_num_batched_tokens: int,
-                    seed: int, extra_args: list[str] | None = None, port: int | None = None) -> ServerSpec:
+                    seed: int, extra_args: list[str] | None = None, port: int | None = None,
+                    torch_threads: int | None = None) -> ServerSpec:
     port = port or free_port()
     argv = [sys.executable, "-m", "asyncbatch", "serve", model_path, "--host", "127.0.0.1", "--port", str(port),
             "--device", device, "--dtype", dtype, "--max-num-seqs", str(max_num_seqs),
-            "--max-num-batched-tokens", str(max_num_batched_tokens), "--seed", str(seed), *(extra_args or [])]
+            "--max-num-batched-tokens", str(max_num_batched_tokens), "--seed", str(seed)]
+    if torch_threads is not None:
+        argv += ["--num-threads", str(torch_threads)]  # the cpu backend sets its own count otherwise
+    argv += extra_args or []
     return ServerSpec("asyncbatch", argv, port, VLLM, "asyncbatch serve (OpenAI-compatible, engine-core process)",
-                      env=_python_path_env())
+                      env={**_python_path_env(), **_threads_env(torch_threads)})
 
 
 def transformers_cli() -> str:
@@ -122,7 +131,7 @@ def workload_kv_tokens(point_requests: list[list[ServingRequest]], page_size: in
 
 def transformers_spec(model_path: str, device: str, dtype: str, max_num_batched_tokens: int,
                       kv_tokens: int | None, extra_args: list[str] | None = None,
-                      port: int | None = None) -> ServerSpec:
+                      port: int | None = None, torch_threads: int | None = None) -> ServerSpec:
     if device not in ("cpu", "cuda"):
         raise ValueError(f"transformers serve runs on a real device (cpu or cuda), not {device!r}")
     port = port or free_port()
@@ -131,7 +140,8 @@ def transformers_spec(model_path: str, device: str, dtype: str, max_num_batched_
     if kv_tokens is not None:
         argv += ["--cb-num-blocks", str(-(-kv_tokens // TRANSFORMERS_PAGE_SIZE))]
     argv += [*(extra_args or []), model_path]
-    return ServerSpec("transformers", argv, port, TRANSFORMERS, "transformers serve --continuous-batching")
+    return ServerSpec("transformers", argv, port, TRANSFORMERS, "transformers serve --continuous-batching",
+                      env=_threads_env(torch_threads))
 
 
 class ManagedServer:
