@@ -25,9 +25,10 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from pathlib import Path
 
 from asyncbatch.bench.serving_client import DIALECTS, ENDPOINTS
-from asyncbatch.bench.serving_script import UsageError, run
+from asyncbatch.bench.serving_script import UsageError, render, run
 from asyncbatch.bench.workloads import WORKLOADS
 
 
@@ -89,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput SLO on TPOT")
     report.add_argument("--out", required=True, help="directory for the JSON, Markdown, PNG and server logs")
     report.add_argument("--tag", default="serving", help="file name prefix of the outputs")
+    report.add_argument("--render", default=None, metavar="JSON",
+                        help="only redraw <tag>.md and the PNG under --out from this results JSON")
     return p
 
 
@@ -102,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.num_prompts < 1:
         parser.error("--num-prompts must be >= 1")
+    if args.render:
+        render(Path(args.render), Path(args.out), args.tag)
+        return 0
     signal.signal(signal.SIGTERM, _terminate)
     try:
         return run(args)

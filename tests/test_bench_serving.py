@@ -38,7 +38,13 @@ from asyncbatch.bench.serving_metrics import SLO, summarize
 from asyncbatch.bench.serving_prometheus import parse_prometheus, window
 from asyncbatch.bench.serving_report import comparisons
 from asyncbatch.bench.serving_runner import LoadPoint, RunPlan, load_points, point_requests, run_point
-from asyncbatch.bench.serving_script import UsageError, choose_prompt_format, parse_concurrency, parse_systems
+from asyncbatch.bench.serving_script import (
+    UsageError,
+    choose_prompt_format,
+    parse_concurrency,
+    parse_systems,
+    render,
+)
 from asyncbatch.bench.serving_servers import (
     ManagedServer,
     ServerSpec,
@@ -466,6 +472,11 @@ def test_script_against_a_running_server_writes_a_complete_report(fake, tiny_mod
     assert doc["settings"]["prompt_format"] == "text" and doc["workload"]["text_prompt_tokens"] > 0
     assert doc["plots"] == ["t_latency_vs_load.png"]
     assert "fake" in proc.stdout and "TTFT p99" in proc.stdout
+    # The Markdown and the PNG are drawn from the JSON alone, so they can be redrawn from it.
+    redrawn = render(out / "t.json", tmp_path / "redrawn", "r")
+    assert (tmp_path / "redrawn" / "r.md").read_text() == (out / "t.md").read_text()
+    assert (tmp_path / "redrawn" / "r_latency_vs_load.png").read_bytes()[:8] == PNG_MAGIC
+    assert redrawn["plots"] == ["r_latency_vs_load.png"]
 
 
 def test_an_interrupted_run_reports_the_points_it_finished(fake, tiny_model, tmp_path):

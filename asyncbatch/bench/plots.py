@@ -15,7 +15,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # the backend must be chosen before this import
-from matplotlib.ticker import FuncFormatter, NullFormatter, NullLocator
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter, NullLocator
 
 _COLORS = {"asyncbatch-overlap": "#1f77b4", "asyncbatch-sync": "#7fb2de",
            "transformers-generate_batch": "#d62728", "transformers-static": "#ff9f40",
@@ -173,9 +173,10 @@ def latency_vs_load(doc: dict, path: Path) -> Path:
             ax.set_yscale("log")  # light load to overload spans decades
             plain = FuncFormatter(lambda v, _pos: f"{v:g}")
             low, high = ax.get_ylim()
+            ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))  # 100, 200, 500, 1000, ...
             ax.yaxis.set_major_formatter(plain)
-            # Within one decade there may be no major tick at all: label the minor ones then.
-            ax.yaxis.set_minor_formatter(plain if high < 10 * low else NullFormatter())
+            # A narrow range may hold no 1-2-5 tick at all: label the minor ones then.
+            ax.yaxis.set_minor_formatter(plain if high < 3 * low else NullFormatter())
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
     m, s, w = doc["machine"], doc["settings"], doc["workload"]

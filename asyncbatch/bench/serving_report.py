@@ -111,6 +111,10 @@ def _f(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
 def _dist(summary: dict, key: str, stats: tuple[str, ...], digits: int = 0) -> str:
     d = summary.get(key)
     return " / ".join(_f(None if not d else d[s], digits) for s in stats)
@@ -155,8 +159,8 @@ def markdown_tables(doc: dict) -> str:
         ratio_rows = ["| load | ratio | output tok/s | goodput | P99 TTFT | P99 TPOT |", "|---|---|---|---|---|---|"]
         for c in doc["comparisons"]:
             ratio_rows.append(f"| {c['load']} | {c['numerator']} / {c['denominator']} | "
-                              f"{_f(c['output_throughput_ratio'], 2)}x | {_f(c['goodput_ratio'], 2)}x | "
-                              f"{_f(c['p99_ttft_ratio'], 2)}x | {_f(c['p99_tpot_ratio'], 2)}x |")
+                              f"{_x(c['output_throughput_ratio'])} | {_x(c['goodput_ratio'])} | "
+                              f"{_x(c['p99_ttft_ratio'])} | {_x(c['p99_tpot_ratio'])} |")
         out += "\n\n" + "\n".join(ratio_rows)
     return out
 
@@ -195,7 +199,7 @@ def terminal_table(doc: dict) -> str:
                 f"{_f(None if busy is None else 100 * busy):>6} {_pct(point['host'].get('contention')):>7}")
     for c in doc["comparisons"]:
         lines.append(f"{c['numerator']} / {c['denominator']} at {c['load']}: output tok/s "
-                     f"{_f(c['output_throughput_ratio'], 2)}x, P99 TTFT {_f(c['p99_ttft_ratio'], 2)}x, "
-                     f"P99 TPOT {_f(c['p99_tpot_ratio'], 2)}x")
+                     f"{_x(c['output_throughput_ratio'])}, P99 TTFT {_x(c['p99_ttft_ratio'])}, "
+                     f"P99 TPOT {_x(c['p99_tpot_ratio'])}")
     lines += [f"note: {n}" for n in doc["notes"]]
     return "\n".join(lines)

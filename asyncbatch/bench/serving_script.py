@@ -9,6 +9,7 @@ run; the exit status is then 1.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import shlex
 from pathlib import Path
@@ -251,6 +252,18 @@ def notes_for(args: argparse.Namespace, systems: list[dict], prompt_format: str)
         if sums and not any(p["server"].get("available") for p in s["points"]):
             notes.append(f"{s['name']}: no device-busy figure ({s['points'][0]['server'].get('note')})")
     return notes
+
+
+def render(path: Path, out: Path, tag: str) -> dict:
+    """The Markdown and the PNG again from a results JSON (they read nothing else), e.g. after a change
+    to how they are drawn."""
+    doc = json.loads(path.read_text())
+    out.mkdir(parents=True, exist_ok=True)
+    if any(s["points"] for s in doc["systems"]):
+        doc["plots"] = [plots.latency_vs_load(doc, out / f"{tag}_latency_vs_load.png").name]
+    (out / f"{tag}.md").write_text(markdown_report(doc) + "\n")
+    print(terminal_table(doc), flush=True)
+    return doc
 
 
 def run(args: argparse.Namespace) -> int:
