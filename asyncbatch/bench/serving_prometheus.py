@@ -12,9 +12,8 @@ instead of numbers; nothing here fails a benchmark.
 
 from __future__ import annotations
 
-import asyncio
+import threading
 import time
-from dataclasses import dataclass, field
 
 import httpx
 
@@ -49,10 +48,10 @@ def parse_prometheus(text: str) -> dict[str, float]:
     return values
 
 
-async def scrape(client: httpx.AsyncClient) -> tuple[dict[str, float] | None, str | None]:
+def scrape(client: httpx.Client) -> tuple[dict[str, float] | None, str | None]:
     """(metrics, None), or (None, why not)."""
     try:
-        response = await client.get("/metrics")
+        response = client.get("/metrics")
     except httpx.HTTPError as exc:
         return None, f"GET /metrics failed: {type(exc).__name__}: {exc}"
     if response.status_code != 200:
@@ -60,34 +59,35 @@ async def scrape(client: httpx.AsyncClient) -> tuple[dict[str, float] | None, st
     return parse_prometheus(response.text), None
 
 
-@dataclass(slots=True)
 class GaugeSampler:
-    """Polls ``/metrics`` every ``interval_s`` while a load point runs; keeps the gauges' samples."""
+    """Polls ``/metrics`` every ``interval_s`` from a thread of its own while a load point runs, and keeps
+    the gauges' samples. A thread, not a task on the client's event loop: with a thousand streams in
+    flight that loop falls behind, and a task on it would sample seconds apart."""
 
-    client: httpx.AsyncClient
-    interval_s: float = 1.0
-    samples: dict[str, list[float]] = field(default_factory=lambda: {k: [] for k in GAUGES})
-    _task: asyncio.Task | None = None
+    def __init__(self, base_url: str, interval_s: float = 1.0) -> None:
+        self.base_url = base_url
+        self.interval_s = interval_s
+        self.samples: dict[str, list[float]] = {k: [] for k in GAUGES}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="bench-metrics-sampler", daemon=True)
 
-    async def _poll(self) -> None:
-        while True:
-            started = time.perf_counter()
-            values, _ = await scrape(self.client)
-            for key, name in GAUGES.items():
-                if values is not None and PREFIX + name in values:
-                    self.samples[key].append(values[PREFIX + name])
-            await asyncio.sleep(max(self.interval_s - (time.perf_counter() - started), 0.0))
+    def _poll(self) -> None:
+        with httpx.Client(base_url=self.base_url, timeout=30.0, trust_env=False) as client:
+            while not self._stop.is_set():
+                started = time.perf_counter()
+                values, _ = scrape(client)
+                for key, name in GAUGES.items():
+                    if values is not None and PREFIX + name in values:
+                        self.samples[key].append(values[PREFIX + name])
+                self._stop.wait(max(self.interval_s - (time.perf_counter() - started), 0.0))
 
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._poll())
+    def __enter__(self) -> GaugeSampler:  # noqa: PYI034 - not meant to be subclassed
+        self._thread.start()
+        return self
 
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=60)
 
     def summary(self) -> dict:
         out: dict = {"samples": max((len(v) for v in self.samples.values()), default=0),

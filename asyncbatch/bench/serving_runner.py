@@ -4,7 +4,7 @@ Order (one server at a time, so systems never share the machine with each other)
 
     server up ──► warm-up requests ──► point 1 ──► point 2 ──► ... ──► server down
                                        │
-                                       scrape /metrics ─► [sampler polls gauges │ replay requests] ─► scrape
+                                       scrape /metrics ─► [sampler thread polls gauges │ replay] ─► scrape
 
 Every point gets its own slice of the workload (``point_requests``): no prompt reaches a server
 twice, so a prefix cache cannot turn a later point into a cache hit; every system gets the same
@@ -14,6 +14,7 @@ slices in the same order at the same arrival offsets.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import sys
 from dataclasses import dataclass
@@ -80,22 +81,19 @@ def warmup_requests(requests: list[ServingRequest], count: int) -> list[ServingR
     return [ServingRequest(r.prompt, min(r.max_tokens, WARMUP_MAX_TOKENS), r.prompt_len) for r in requests[:count]]
 
 
-async def _measure(base_url: str, model: str, requests: list[ServingRequest], offsets: list[float],
-                   dialect: Dialect, plan: RunPlan, cap: int | None, pgid: int | None) -> tuple[LoadRun, dict, dict]:
-    async with httpx.AsyncClient(base_url=base_url, timeout=30.0, trust_env=False) as metrics_client:
-        before, note = await scrape(metrics_client)
-        sampler = None
-        if before is not None:
-            sampler = GaugeSampler(metrics_client, plan.sample_interval_s)
-            sampler.start()
-        try:
-            with ServerLoad(pgid) as load:
-                run = await replay(base_url, model, requests, offsets, dialect, plan.options, cap)
-        finally:
+def _measure(base_url: str, model: str, requests: list[ServingRequest], offsets: list[float], dialect: Dialect,
+             plan: RunPlan, cap: int | None, pgid: int | None) -> tuple[LoadRun, dict, dict]:
+    """The replay, bracketed by /metrics scrapes and CPU accounting, with the gauges sampled meanwhile."""
+    with httpx.Client(base_url=base_url, timeout=30.0, trust_env=False) as metrics_client:
+        before, note = scrape(metrics_client)
+        sampler = GaugeSampler(base_url, plan.sample_interval_s) if before is not None else None
+        with contextlib.ExitStack() as stack:
             if sampler is not None:
-                await sampler.stop()
-        after, after_note = await scrape(metrics_client) if before is not None else (None, None)
-        return run, window(before, after, sampler, note or after_note), load.result()
+                stack.enter_context(sampler)
+            with ServerLoad(pgid) as load:
+                run = asyncio.run(replay(base_url, model, requests, offsets, dialect, plan.options, cap))
+        after, after_note = scrape(metrics_client) if before is not None else (None, None)
+    return run, window(before, after, sampler, note or after_note), load.result()
 
 
 def run_point(base_url: str, model: str, dialect: Dialect, plan: RunPlan, index: int,
@@ -104,8 +102,8 @@ def run_point(base_url: str, model: str, dialect: Dialect, plan: RunPlan, index:
     point = plan.points[index]
     requests = plan.requests[index]
     offsets = arrival_offsets(len(requests), point.request_rate, plan.burstiness, plan.seed + index)
-    run, server, host = asyncio.run(_measure(base_url, model, requests, offsets, dialect, plan,
-                                             point.max_concurrency, server_pgid))
+    run, server, host = _measure(base_url, model, requests, offsets, dialect, plan, point.max_concurrency,
+                                 server_pgid)
     summary = summarize(run, plan.slo)
     cpu = host["server_cpu_s"]
     host["output_tokens_per_server_cpu_s"] = summary["output_tokens"] / cpu if cpu else None
