@@ -11,9 +11,9 @@ Both servers get the same model directory, dtype and device; transformers' conti
 asyncbatch's per-step token budget. Its KV cache (left alone it sizes it from free memory) is by
 default sized for the workload (``workload_kv_tokens``: every request of a load point in flight at
 full length, so capacity never limits it), not matched to asyncbatch's: on CPU its step cost grows
-with the cache's size (it allocates an attention bias of max-batch-tokens x cache tokens; measured
-on SmolLM2-135M, a 125-token prefill took 0.3-0.4 s with 64 blocks of 256 tokens and 5-8 s with
-asyncbatch's 182), which would measure that cliff rather than the server. ``kv_capacity_tokens``
+with the cache's size (measured on SmolLM2-135M: a 125-token prefill took 0.4-0.7 s with 64 blocks of
+256 tokens and 4.7-8.5 s with asyncbatch's 182; it allocates an attention bias of max-batch-tokens x
+cache tokens, the likely cause), which would measure that cliff rather than the server. ``kv_capacity_tokens``
 gives asyncbatch's capacity for the ``match`` setting.
 """
 
