@@ -322,3 +322,47 @@ def test_check_integrity_sees_broken_counts_and_records():
     rec.tokens = (0,) * len(rec.tokens)
     with pytest.raises(IntegrityError, match="hash of its parent key and tokens"):
         r.sched.check_integrity()
+
+
+# -- the engine on the simulated device --------------------------------------------------------------------------
+def sim_workload(n: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    prompts = [list(p) for p in make_prompts(random.Random(5), n, 3)]
+    params = []
+    for i in range(n):
+        kind = i % 4
+        if kind == 0:
+            params.append(SamplingParams(max_tokens=30, temperature=0.0))
+        elif kind == 1:
+            params.append(SamplingParams(max_tokens=5 + i % 25, temperature=0.8, seed=i, presence_penalty=0.5))
+        elif kind == 2:
+            params.append(SamplingParams(max_tokens=30, temperature=0.0, stop=["e", "ab"]))
+        else:
+            params.append(SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    return prompts, params
+
+
+@pytest.mark.slow
+def test_engine_on_sim_checks_integrity_after_every_step(make_llm):
+    """The engine core checks integrity after every launch and every apply; streams abort mid-way."""
+    from asyncbatch import SimConfig
+
+    sim = SimConfig(step_fixed_ms=0.1, per_token_us=0.0, per_context_token_ns=0.0, output_len_min=4,
+                    output_len_max=40)
+    results = {}
+    for caching in (True, False):
+        llm = make_llm(device="sim", sim=sim, enable_prefix_caching=caching, debug_check_integrity=True,
+                       num_kv_blocks=40, block_size=4, max_num_seqs=8, max_num_batched_tokens=32)
+        prompts, params = sim_workload(160)
+        streams = [llm.stream(p, SamplingParams(max_tokens=30, ignore_eos=True)) for p in prompts[:6]]
+        for i, stream in enumerate(streams):
+            for n, _ in enumerate(stream):
+                if n == i:
+                    break  # leaving the iterator aborts the request, its blocks possibly shared
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results[caching] = ([o.token_ids for o in outs], llm.stats(), llm._client.call("prefix_cache_stats"))
+        llm.check_integrity()
+        assert llm.num_free_blocks == llm.num_usable_blocks
+    (on, on_stats, cache), (off, off_stats, _) = results[True], results[False]
+    assert on == off
+    assert cache["hit_rate"] > 0.2 and cache["evictions"] > 0, cache
+    assert on_stats["preemptions"] > 0 and off_stats["preemptions"] > 0
