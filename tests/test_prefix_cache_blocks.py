@@ -267,9 +267,11 @@ def test_preempted_request_recomputes_from_what_is_still_cached():
 
 def test_eviction_takes_free_blocks_first_then_least_recently_released_tails_first():
     blocks = BlockManager(8, 2, 2, 8, prefix_caching=True)
-    keys = chain_keys([1, 2, 3, 4], 2, [])
+    keys, contents = [], []
+    chain_keys([1, 2, 3, 4], 2, keys, contents)
+    assert contents == [(1, 2), (3, 4)]
     blocks.allocate(0, 4)  # blocks 1, 2
-    blocks.register(0, keys, [1, 2, 3, 4], 2)
+    blocks.register(0, keys, contents, 2)
     blocks.allocate(1, 2)  # block 3
     blocks.free(0)
     blocks.free(1)
@@ -287,8 +289,8 @@ def test_a_hash_collision_costs_a_hit_never_wrong_tokens():
     key = 12345
     assert cache.register(1, key, 0, (1, 2), 0) == 1
     assert cache.register(2, key, 0, (3, 4), 0) is None  # same key, other content: not registered
-    assert cache.match([key], [3, 4], 1) == []  # the key matches, the tokens do not
-    assert cache.match([key], [1, 2], 1)[0].block == 1
+    assert cache.match([key], [(3, 4)], 1) == []  # the key matches, the tokens do not
+    assert cache.match([key], [(1, 2)], 1)[0].block == 1
     assert cache.register(3, key, 0, (1, 2), 7) is None  # same tokens after another prefix
 
 

@@ -42,7 +42,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from asyncbatch.engine.prefix_cache import ROOT_KEY, ROOT_SERIAL, CachedBlock, PrefixCache, block_tokens
+from asyncbatch.engine.prefix_cache import ROOT_KEY, ROOT_SERIAL, CachedBlock, PrefixCache
 
 DUMMY_BLOCK = 0
 
@@ -169,11 +169,11 @@ class BlockManager:
         self.decode_slot_base[rows] = (new - counts) * self.block_size
         self.ref[new] = 1
 
-    def register(self, row: int, keys: Sequence[int], tokens: Sequence[int], num_full: int) -> None:
+    def register(self, row: int, keys: Sequence[int], contents: Sequence[tuple[int, ...]], num_full: int) -> None:
         """Register ``row``'s first ``num_full`` blocks as cached, past those already in its chain.
 
-        The caller vouches that those blocks are full of ``tokens`` (known on the host) and that the step
-        writing the last of them is planned; ``keys`` are the blocks' chain keys (``chain_keys``). A block
+        The caller vouches that those blocks hold the KV of ``contents`` (token tuples known on the host) and
+        that the step writing the last of them is planned; ``keys`` are their chain keys (``chain_keys``). A block
         whose content is cached already stays uncached (the chain takes the existing record); a key owned by
         other content (a collision) stops the chain.
         """
@@ -183,8 +183,8 @@ class BlockManager:
         for j in range(len(chain), num_full):
             parent_key = keys[j - 1] if j else ROOT_KEY
             parent_serial = chain[-1] if chain else ROOT_SERIAL
-            serial = self.prefix.register(int(self.block_table[row, j]), keys[j], parent_key,
-                                          block_tokens(tokens, j, self.block_size), parent_serial)
+            serial = self.prefix.register(int(self.block_table[row, j]), keys[j], parent_key, contents[j],
+                                          parent_serial)
             if serial is None:
                 return
             chain.append(serial)

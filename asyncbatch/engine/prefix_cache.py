@@ -45,18 +45,16 @@ ROOT_KEY = 0x2545F4914F6CDD1D  # parent key of a sequence's first block (any fix
 ROOT_SERIAL = 0  # parent serial of a first block; records get serials from 1
 
 
-def block_tokens(tokens: Sequence[int], j: int, block_size: int) -> tuple[int, ...]:
-    return tuple(tokens[j * block_size:(j + 1) * block_size])
-
-
-def chain_keys(tokens: Sequence[int], block_size: int, keys: list[int]) -> list[int]:
-    """Extend ``keys`` (the keys of the first ``len(keys)`` full blocks of ``tokens``) to every full block of
-    ``tokens``, in place; returns it. Only the new blocks are hashed, so a sequence that grows is hashed once."""
+def chain_keys(tokens: Sequence[int], block_size: int, keys: list[int], contents: list[tuple[int, ...]]) -> None:
+    """Extend ``keys`` and ``contents`` (the keys and token tuples of the first ``len(keys)`` full blocks of
+    ``tokens``) to every full block of ``tokens``, in place. Only new blocks are hashed, so a sequence that
+    grows is hashed once; the tuples are kept for verifying lookups and registering blocks."""
     parent = keys[-1] if keys else ROOT_KEY
     for j in range(len(keys), len(tokens) // block_size):
-        parent = hash((parent, block_tokens(tokens, j, block_size)))
+        content = tuple(tokens[j * block_size:(j + 1) * block_size])
+        parent = hash((parent, content))
         keys.append(parent)
-    return keys
+        contents.append(content)
 
 
 @dataclass(slots=True)
@@ -105,14 +103,15 @@ class PrefixCache:
         return self._by_block[block]
 
     # -- lookups and registration ----------------------------------------------------------
-    def match(self, keys: Sequence[int], tokens: Sequence[int], limit: int) -> list[CachedBlock]:
-        """The cached records of the longest run of the first ``limit`` full blocks of ``tokens`` (whose keys are
-        ``keys``), each verified against the tokens and the record before it."""
+    def match(self, keys: Sequence[int], contents: Sequence[tuple[int, ...]], limit: int) -> list[CachedBlock]:
+        """The cached records of the longest run of the first ``limit`` full blocks with these keys and token
+        tuples (``chain_keys``), each verified against its tokens and the record before it."""
         found: list[CachedBlock] = []
         parent = ROOT_SERIAL
+        by_key = self._by_key
         for j in range(limit):
-            rec = self._by_key.get(keys[j])
-            if rec is None or rec.parent_serial != parent or rec.tokens != block_tokens(tokens, j, self.block_size):
+            rec = by_key.get(keys[j])
+            if rec is None or rec.parent_serial != parent or rec.tokens != contents[j]:
                 break
             found.append(rec)
             parent = rec.serial

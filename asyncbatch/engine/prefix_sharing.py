@@ -80,9 +80,8 @@ class PrefixSharer:
         cache = self.blocks.prefix
         if cache is None:
             return NO_HIT
-        tokens = self._prefill_tokens(request)
-        keys = chain_keys(tokens, self.blocks.block_size, request.block_keys)
-        cached = cache.match(keys, tokens, (prefill_len - 1) // self.blocks.block_size)
+        chain_keys(self._prefill_tokens(request), self.blocks.block_size, request.block_keys, request.block_contents)
+        cached = cache.match(request.block_keys, request.block_contents, (prefill_len - 1) // self.blocks.block_size)
         if not cached:
             return NO_HIT
         reclaimed = sum(1 for rec in cached if self.blocks.ref[rec.block] == 0)
@@ -111,7 +110,7 @@ class PrefixSharer:
             row = request.token_row
             num_full = int(self.rows.num_computed[row]) // bs
             if num_full > len(blocks.chains[row]):
-                blocks.register(row, request.block_keys, self._prefill_tokens(request), num_full)
+                blocks.register(row, request.block_keys, request.block_contents, num_full)
         self._to_register.clear()
 
     def _register_known(self, request: Request, row: int) -> None:
@@ -124,9 +123,10 @@ class PrefixSharer:
         num_full = min(num_known, int(st.num_computed[row])) // bs
         if num_full <= len(self.blocks.chains[row]):
             return
-        tokens = request.prompt_token_ids + st.history[row, :num_outputs].tolist()
-        chain_keys(tokens, bs, request.block_keys)
-        self.blocks.register(row, request.block_keys, tokens, num_full)
+        if len(request.block_keys) < num_full:
+            tokens = request.prompt_token_ids + st.history[row, :num_outputs].tolist()
+            chain_keys(tokens, bs, request.block_keys, request.block_contents)
+        self.blocks.register(row, request.block_keys, request.block_contents, num_full)
 
     # -- reporting -----------------------------------------------------------------------
     def prefix_cache_stats(self) -> dict:
