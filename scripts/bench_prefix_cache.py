@@ -249,15 +249,20 @@ def main(argv: list[str] | None = None) -> int:
                  "command": "python " + shlex.join(["scripts/bench_prefix_cache.py", *(argv or sys.argv[1:])]),
                  "git_commit": git_commit(mark_dirty=True), "machine": f"{cpu_name()}, {os.cpu_count()} cores",
                  "python": platform.python_version(), "workload_name": args.workload, "args": vars(args)}
+    loads = {"start": os.getloadavg()}
     if not args.skip_model:
         doc["model"] = model_part(args)
+        loads["after model part"] = os.getloadavg()
     if not args.skip_sim:
         doc["sim"] = sim_part(args)
-    contention = doc.get("model", {}).get("on", {}).get("contention")
-    doc["conditions"] = (f"Conditions: a shared {os.cpu_count()}-core VM; took {time.time() - started:.0f} s"
-                         + ("" if contention is None else
-                            f"; other processes took {100 * contention:.0f} % of the CPUs during the model runs")
-                         + ".")
+        loads["after sim part"] = os.getloadavg()
+    doc["load_average"] = loads
+    # bench.host_load's "contention" counts the engine core's child process as another process, so it is
+    # not a measure of other people's load here; the 1/5/15-minute load averages are.
+    doc["conditions"] = (f"Conditions: a {os.cpu_count()}-core VM shared with other engineers' jobs; took "
+                         f"{time.time() - started:.0f} s; load average (1, 5, 15 min) "
+                         + ", ".join(f"{k}: {' / '.join(f'{x:.1f}' for x in v)}" for k, v in loads.items())
+                         + f" (the run itself keeps about {1 if args.skip_model else 2} cores busy).")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "report.json").write_text(json.dumps(doc, indent=1) + "\n")
     text = markdown(doc)

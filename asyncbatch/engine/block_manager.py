@@ -127,23 +127,21 @@ class BlockManager:
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= self.num_free_blocks
 
-    def share(self, row: int, cached: Sequence[CachedBlock]) -> int:
-        """List ``cached`` (a verified chain from ``PrefixCache.match``) as the first blocks of empty ``row``;
-        returns how many of them were evictable (they no longer count as free)."""
+    def share(self, row: int, cached: Sequence[CachedBlock], blocks: np.ndarray, num_idle: int) -> None:
+        """List ``cached`` (a verified chain from ``PrefixCache.match``; ``blocks`` [k] their ids, ``num_idle`` of
+        them evictable) as the first blocks of empty ``row``. The evictable ones no longer count as free."""
         k = len(cached)
         if not k:
-            return 0
+            return
         if self.num_row_blocks[row]:
             raise IntegrityError(f"row {row} shares cached blocks after holding blocks of its own")
-        blocks = np.fromiter((rec.block for rec in cached), dtype=np.int64, count=k)  # [k]
-        idle = blocks[self.ref[blocks] == 0]
-        for block in idle.tolist():
-            self.prefix.reclaim(block)
+        if num_idle:
+            for block in blocks[self.ref[blocks] == 0].tolist():
+                self.prefix.reclaim(block)
         self.ref[blocks] += 1
         self.block_table[row, :k] = blocks
         self.num_row_blocks[row] = k
         self.chains[row] = [rec.serial for rec in cached]
-        return len(idle)
 
     def allocate(self, row: int, num_tokens: int) -> None:
         """Grow ``row``'s blocks to cover ``num_tokens`` tokens."""

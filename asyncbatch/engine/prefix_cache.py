@@ -49,12 +49,20 @@ def chain_keys(tokens: Sequence[int], block_size: int, keys: list[int], contents
     """Extend ``keys`` and ``contents`` (the keys and token tuples of the first ``len(keys)`` full blocks of
     ``tokens``) to every full block of ``tokens``, in place. Only new blocks are hashed, so a sequence that
     grows is hashed once; the tuples are kept for verifying lookups and registering blocks."""
+    chain_tail(tokens[len(keys) * block_size:], block_size, keys, contents)
+
+
+def chain_tail(tail: Sequence[int], block_size: int, keys: list[int], contents: list[tuple[int, ...]]) -> None:
+    """``chain_keys`` given only the tokens after the blocks already in ``keys`` (``tail[0]`` is the first token
+    of block ``len(keys)``): a growing sequence need not be rebuilt to extend its keys."""
+    it = iter(tail[:len(tail) // block_size * block_size])
+    new = list(zip(*[it] * block_size))  # the full blocks as tuples, built in C
     parent = keys[-1] if keys else ROOT_KEY
-    for j in range(len(keys), len(tokens) // block_size):
-        content = tuple(tokens[j * block_size:(j + 1) * block_size])
+    append = keys.append
+    for content in new:
         parent = hash((parent, content))
-        keys.append(parent)
-        contents.append(content)
+        append(parent)
+    contents.extend(new)
 
 
 @dataclass(slots=True)

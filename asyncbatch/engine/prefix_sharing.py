@@ -42,14 +42,17 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
+
 from asyncbatch.engine.block_manager import BlockManager
-from asyncbatch.engine.prefix_cache import CachedBlock, chain_keys
+from asyncbatch.engine.prefix_cache import CachedBlock, chain_keys, chain_tail
 from asyncbatch.engine.request import Request
 from asyncbatch.engine.row_state import RowState
 
 
 class PrefixHit(NamedTuple):
     cached: list[CachedBlock]  # verified chain of cached blocks the request's row lists first
+    blocks: np.ndarray  # [k] int64 their block ids
     num_tokens: int  # tokens they hold: the first chunk starts here
     num_reclaimed: int  # of them, evictable blocks (counted as free until shared)
 
@@ -59,7 +62,7 @@ class PrefixHit(NamedTuple):
         return blocks.blocks_for(self.num_tokens + num_new_tokens) - len(self.cached) + self.num_reclaimed
 
 
-NO_HIT = PrefixHit([], 0, 0)
+NO_HIT = PrefixHit([], np.zeros(0, dtype=np.int64), 0, 0)
 
 
 class PrefixSharer:
@@ -83,14 +86,15 @@ class PrefixSharer:
         cached = cache.match(request.block_keys, request.block_contents, (prefill_len - 1) // self.blocks.block_size)
         if not cached:
             return NO_HIT
-        reclaimed = sum(1 for rec in cached if self.blocks.ref[rec.block] == 0)
-        return PrefixHit(cached, len(cached) * self.blocks.block_size, reclaimed)
+        blocks = np.fromiter((rec.block for rec in cached), dtype=np.int64, count=len(cached))  # [k]
+        reclaimed = len(cached) - int(np.count_nonzero(self.blocks.ref[blocks]))
+        return PrefixHit(cached, blocks, len(cached) * self.blocks.block_size, reclaimed)
 
     def _take_blocks(self, row: int, hit: PrefixHit, prefill_len: int, num_new_tokens: int) -> None:
         """Give ``row`` (just admitted) ``hit``'s blocks, then fresh ones for its first chunk; count the admission."""
         cache = self.blocks.prefix
         if cache is not None:  # shared first: allocating might otherwise evict a block of the hit
-            self.blocks.share(row, hit.cached)
+            self.blocks.share(row, hit.cached, hit.blocks, hit.num_reclaimed)
             cache.stats.prompt_tokens += prefill_len
             cache.stats.cached_tokens += hit.num_tokens
         self.blocks.allocate(row, hit.num_tokens + num_new_tokens)
@@ -122,9 +126,11 @@ class PrefixSharer:
         num_full = min(num_known, int(st.num_computed[row])) // bs
         if num_full <= len(self.blocks.chains[row]):
             return
-        if len(request.block_keys) < num_full:
-            tokens = request.prompt_token_ids + st.history[row, :num_outputs].tolist()
-            chain_keys(tokens, bs, request.block_keys, request.block_contents)
+        hashed = len(request.block_keys) * bs
+        if hashed < num_full * bs:  # hash the new blocks only: the tokens after the hashed ones
+            prompt_len = len(request.prompt_token_ids)
+            tail = request.prompt_token_ids[hashed:] + st.history[row, max(hashed - prompt_len, 0):num_outputs].tolist()
+            chain_tail(tail, bs, request.block_keys, request.block_contents)
         self.blocks.register(row, request.block_keys, request.block_contents, num_full)
 
     # -- reporting -----------------------------------------------------------------------
