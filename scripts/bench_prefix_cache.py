@@ -38,6 +38,21 @@ Expectations, written before anything was measured:
   over all steps, ~1x for the total planner time (the metadata writer copies
   32 instead of 544 prompt tokens per request) and for pure decode steps.
 
+Measured (``profiles/prefix-cache-amd-epyc-2core``, commit cd4ef6e, the 2-core
+VM at load average ~6 from other jobs): model TTFT mean 28.3 s vs 105.6 s
+(3.7x), P99 29.7 s vs 211.8 s (7.1x), 29.5 vs 12.0 output tok/s (2.5x), 88.2 %
+of prompt tokens reused (4 requests, not 3, computed the system prompt: the
+first step's budget also started a fourth), 64/64 greedy outputs identical.
+Less than expected on TTFT and throughput: the first step (3 prompts and part
+of a fourth) and the decode steps are the same with or without caching, and
+load from other jobs stretched every step. Sim: 1.71 vs 0.92 planner ms per step (1.9x:
+NOT within 10 %), but 0.94x the total planner time and 0.95x per scheduled
+row; caching's steps are fewer and fuller (6 prefill steps of ~43 admissions
+instead of 73 of ~4; 246 instead of 109 rows per pure decode step), so the
+all-steps mean compares steps of different sizes. Per admission, caching adds
+~12 us of hashing and ~10 us of verified lookup and sharing (544 tokens), and
+saves staging 512 tokens.
+
 Writes ``report.json`` and ``report.md`` into ``--results-dir``.
 """
 
@@ -134,8 +149,11 @@ def sim_once(args: argparse.Namespace, caching: bool, items: list) -> dict:
         records = llm.timeline.window()
     prefill, decode = [r for r in records if r.num_prefill], [r for r in records if not r.num_prefill]
     ttft = np.array([o.metrics.first_token_time - o.metrics.arrival_time for o in outs]) * 1e3
+    total_ms, rows = float(sum(r.planner_ms for r in records)), sum(r.num_decode + r.num_prefill for r in records)
     return {"planner_ms_per_step": stats["planner_ms_per_step"],
-            "planner_ms_total": float(sum(r.planner_ms for r in records)),
+            "planner_ms_total": total_ms, "rows_per_step": rows / max(len(records), 1),
+            "planner_us_per_row": 1e3 * total_ms / max(rows, 1),
+            "decode_rows_per_decode_step": float(np.mean([r.num_decode for r in decode])) if decode else 0.0,
             "planner_ms_per_prefill_step": summarize(prefill)["planner_ms_per_step"],
             "planner_ms_per_decode_step": summarize(decode)["planner_ms_per_step"],
             "steps": stats["steps"], "prefill_steps": len(prefill), "reused_share": stats["prefix_cache_hit_rate"],
@@ -205,16 +223,24 @@ def markdown(doc: dict) -> str:
         for label, key, digits in (("planner ms per step (all steps)", "planner_ms_per_step", 3),
                                    ("planner ms per prefill step", "planner_ms_per_prefill_step", 3),
                                    ("planner ms per pure decode step", "planner_ms_per_decode_step", 3),
-                                   ("planner ms in total", "planner_ms_total", 1), ("steps", "steps", 0),
-                                   ("steps with prefill", "prefill_steps", 0),
+                                   ("planner ms in total", "planner_ms_total", 1),
+                                   ("planner us per scheduled row (total / rows)", "planner_us_per_row", 2),
+                                   ("steps", "steps", 0), ("steps with prefill", "prefill_steps", 0),
+                                   ("rows per step", "rows_per_step", 1),
+                                   ("rows per pure decode step", "decode_rows_per_decode_step", 1),
                                    ("TTFT mean, simulated (ms)", "ttft_ms_mean_simulated", 1),
                                    ("output tok/s, simulated", "output_tok_s_simulated", 0)):
             lines.append(f"| {label} | {fmt(on[key], digits)} | {fmt(off[key], digits)} | {ratio(on[key], off[key])} |")
         lines.append(f"| prompt tokens reused | {100 * on['reused_share']:.1f} % | {100 * off['reused_share']:.1f} % "
                      f"| |")
         within = on["planner_ms_per_step"] <= 1.1 * off["planner_ms_per_step"]
-        lines += ["", f"Goal: planner ms per step with caching on within 10 % of off: {'met' if within else 'NOT met'}.",
-                  ""]
+        per_row = on["planner_us_per_row"] <= 1.1 * off["planner_us_per_row"]
+        goal = (f"Goal: planner ms per step with caching on within 10 % of off: {'met' if within else 'NOT met'}"
+                f" (per scheduled row: {'met' if per_row else 'NOT met'}). Caching packs the same admissions "
+                "into far fewer steps, and its requests then decode together in full steps, so the all-steps "
+                "mean compares steps of different sizes; total planner time and time per scheduled row compare "
+                "the same work.")
+        lines += ["", goal, ""]
     return "\n".join(lines)
 
 
@@ -236,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup-requests", type=int, default=4)
     p.add_argument("--sim-requests", type=int, default=256)
     p.add_argument("--sim-max-num-seqs", type=int, default=256)
-    p.add_argument("--sim-repeats", type=int, default=3)
+    p.add_argument("--sim-repeats", type=int, default=5)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-model", action="store_true")
     p.add_argument("--skip-sim", action="store_true")
