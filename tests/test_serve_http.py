@@ -177,6 +177,22 @@ def test_metrics_after_requests(served) -> None:
     assert 0 < metric(text, "asyncbatch:device_busy_seconds_total") <= metric(text, "asyncbatch:device_span_seconds_total")
 
 
+def test_prefix_cache_figures(served) -> None:
+    server, _engine = served
+    shared = {**GOOD, "prompt": list(range(100, 164))}  # four full blocks of 16
+    with client(server) as http:
+        before = http.get("/metrics").text
+        for _ in range(2):
+            assert http.post("/v1/completions", json=shared).status_code == 200
+        after = http.get("/metrics").text
+    hits = metric(after, "asyncbatch:prefix_cache_hits_total") - metric(before, "asyncbatch:prefix_cache_hits_total")
+    queries = (metric(after, "asyncbatch:prefix_cache_queries_total")
+               - metric(before, "asyncbatch:prefix_cache_queries_total"))
+    assert queries == 128 and hits >= 48  # the second request reuses at least the first three blocks
+    assert 0 < metric(after, "asyncbatch:prefix_cache_hit_rate") <= 1
+    assert metric(after, "asyncbatch:prefix_cache_blocks") >= 3
+
+
 def test_api_key() -> None:
     with serving(ServeSettings(("m",), api_key="s3cret"), **SIM) as (server, _engine), client(server) as http:
         body = {**GOOD, "model": "m"}
@@ -197,7 +213,7 @@ def test_queue_bound_answers_503_with_retry_after() -> None:
             streams = [http.stream("POST", "/v1/completions", json=long) for _ in range(4)]
             for stream in streams:
                 responses.append(stream.__enter__())
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + 30
             while engine.num_requests() != (4, 2) and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert engine.num_requests() == (4, 2)  # two running, two waiting
