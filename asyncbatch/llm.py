@@ -256,12 +256,17 @@ class LLM:
         stats = self.timeline.stats()
         if self._client.alive:  # after close() or a failure, the last count read stands
             self._preemptions = self._client.call("num_preemptions")
-            self._prefix_cache = self._client.call("prefix_cache_stats")
+            self._prefix_cache = self.prefix_cache_stats()
         stats.update(mode="overlap" if self.config.overlap else "sync", backend=self.device,
                      simulated=self.simulated, preemptions=self._preemptions,
                      prefix_cache_hit_rate=self._prefix_cache["hit_rate"],
                      prefix_cached_blocks=self._prefix_cache["cached_blocks"])
         return stats
+
+    def prefix_cache_stats(self, timeout: float = 60.0) -> dict:
+        """The engine core's prefix-cache counters (``enabled``, ``prompt_tokens``, ``cached_tokens``,
+        ``hit_rate``, ``cached_blocks``, ``evictions``), read now."""
+        return self._client.call("prefix_cache_stats", timeout=timeout)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached KV block no running request uses, and zero the hit counters; True if the cache

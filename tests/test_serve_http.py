@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install -e '.[serve]')")
 
+from asyncbatch.config import SimConfig
 from asyncbatch.serve.settings import ServeSettings
 from tests.serve_harness import client, serving, wait_idle
 
@@ -206,17 +207,21 @@ def test_api_key() -> None:
 
 def test_queue_bound_answers_503_with_retry_after() -> None:
     settings = ServeSettings(("m",), max_waiting=2)
-    with serving(settings, **{**SIM, "max_num_seqs": 2}) as (server, engine):
+    # 20 ms steps: the two running requests (240 tokens) outlast the whole check by seconds
+    slow = SimConfig(step_fixed_ms=20.0)
+    with serving(settings, **{**SIM, "max_num_seqs": 2, "sim": slow}) as (server, engine):
         long = {**GOOD, "model": "m", "max_tokens": 240, "stream": True}
         responses: list[httpx.Response] = []
         with client(server) as http:
             streams = [http.stream("POST", "/v1/completions", json=long) for _ in range(4)]
-            for stream in streams:
-                responses.append(stream.__enter__())
-            deadline = time.monotonic() + 30
-            while engine.num_requests() != (4, 2) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert engine.num_requests() == (4, 2)  # two running, two waiting
+            # the first two are scheduled before the next two arrive: until then they count as waiting
+            for expected, batch in (((2, 0), streams[:2]), ((4, 2), streams[2:])):
+                responses += [stream.__enter__() for stream in batch]
+                deadline = time.monotonic() + 30
+                while engine.num_requests() != expected and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert engine.num_requests() == expected  # at the end: two running, two waiting
+            assert [r.status_code for r in responses] == [200] * 4
             refused = http.post("/v1/completions", json={**GOOD, "model": "m"})
             assert_error(refused, 503)
             assert refused.headers["retry-after"] == "1"
