@@ -72,7 +72,9 @@ class EngineConfig:
     token buffer, one row per request). ``max_num_batched_tokens`` bounds the
     tokens of one step; chunked prefill splits longer prompts. ``num_kv_blocks``
     overrides the memory-budget sizing of the KV cache (tests use it to force
-    preemption).
+    preemption). ``enable_prefix_caching``: full KV blocks are shared between
+    requests with the same prefix (``docs/prefix-caching.md``); on by default,
+    as in vLLM.
     """
 
     model: str | None = None
@@ -104,6 +106,7 @@ class EngineConfig:
     cache_dir: str | None = None
     num_threads: int | None = None
     debug_check_integrity: bool = False
+    enable_prefix_caching: bool = True
     # In-process mode only (engine_process=False): the caller's thread switch interval while the engine
     # runs. The device thread waits for the GIL up to this long after each step, and CPython's 5 ms
     # default is longer than a decode step. Process-wide; None leaves it alone. The core process leaves
@@ -145,6 +148,8 @@ class EngineConfig:
             raise ValueError(f"switch_interval_s must be in [1e-6, 0.1] or None, got {self.switch_interval_s}")
         if self.skip_tokenizer_init and (self.tokenizer is not None or self.chat_template is not None):
             raise ValueError("skip_tokenizer_init=True loads no tokenizer: tokenizer and chat_template must be None")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise TypeError(f"enable_prefix_caching must be a bool, got {type(self.enable_prefix_caching).__name__}")
         if not isinstance(self.sim, SimConfig):
             raise TypeError(f"sim must be a SimConfig, got {type(self.sim).__name__}")
         if self.cuda_graph_batch_sizes is not None:

@@ -79,6 +79,7 @@ class LLM:
         self.timeline.last_launched = functools.partial(self._client.call, "last_launched_step")
         self._usable_tokens = self._client.ready.num_usable_blocks * self.config.block_size
         self._preemptions = 0
+        self._prefix_cache: dict = {"hit_rate": 0.0, "cached_blocks": 0}
 
     @property
     def _core(self):
@@ -255,9 +256,22 @@ class LLM:
         stats = self.timeline.stats()
         if self._client.alive:  # after close() or a failure, the last count read stands
             self._preemptions = self._client.call("num_preemptions")
+            self._prefix_cache = self.prefix_cache_stats()
         stats.update(mode="overlap" if self.config.overlap else "sync", backend=self.device,
-                     simulated=self.simulated, preemptions=self._preemptions)
+                     simulated=self.simulated, preemptions=self._preemptions,
+                     prefix_cache_hit_rate=self._prefix_cache["hit_rate"],
+                     prefix_cached_blocks=self._prefix_cache["cached_blocks"])
         return stats
+
+    def prefix_cache_stats(self, timeout: float = 60.0) -> dict:
+        """The engine core's prefix-cache counters (``enabled``, ``prompt_tokens``, ``cached_tokens``,
+        ``hit_rate``, ``cached_blocks``, ``evictions``), read now."""
+        return self._client.call("prefix_cache_stats", timeout=timeout)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached KV block no running request uses, and zero the hit counters; True if the cache
+        is now empty (False: blocks of running requests stay cached)."""
+        return self._client.call("reset_prefix_cache")
 
     def reset_stats(self) -> None:
         self.timeline.reset()

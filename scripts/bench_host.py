@@ -246,6 +246,9 @@ def run_once(llm: Any, prompts: list, params: list, hog: bool = False) -> RunRes
     start_index = len(before) if before is not None else 0
     gc.collect()  # a collection owed by setup should not land inside the measurement
     llm.reset_stats()
+    reset_cache = getattr(llm, "reset_prefix_cache", None)  # repeats must not reuse each other's prompts
+    if reset_cache is not None:  # (the reference tree may predate prefix caching)
+        reset_cache()
     with GilHog() if hog else contextlib.nullcontext() as spinner:
         t0 = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)

@@ -129,6 +129,7 @@ def run_engine(model: Path, graphs: bool, overlap: bool, prompts, params, args) 
         runs, tokens = [], None
         for _ in range(args.repeats):
             llm.reset_stats()
+            llm.reset_prefix_cache()  # each repeat computes its prompts, not the previous repeat's cache
             start = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             wall = time.perf_counter() - start

@@ -41,6 +41,7 @@ def run_sim(step_ms: float, running: int, overlap: bool, decode_steps: int) -> d
         params = SamplingParams(max_tokens=decode_steps, temperature=0.0)
         llm.generate(prompts[:4], params, use_tqdm=False)
         llm.reset_stats()
+        llm.reset_prefix_cache()  # the warm-up's prompts must not be cached for the timed run
         llm.generate(prompts, params, use_tqdm=False)
         return decode_window_stats(llm, min_decode=max(1, int(running * 0.9)))
 
@@ -91,6 +92,7 @@ def cpu_tiny(repeats: int) -> dict:
             for _ in range(repeats):
                 for mode, llm in engines.items():
                     llm.reset_stats()
+                    llm.reset_prefix_cache()
                     t0 = time.perf_counter()
                     outs = llm.generate(prompts, params, use_tqdm=False)
                     wall = time.perf_counter() - t0

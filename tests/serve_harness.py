@@ -64,7 +64,7 @@ def serving(settings: ServeSettings | None = None, model: str | None = None, **e
         engine.close()
 
 
-def wait_idle(engine: AsyncLLM, timeout: float = 10.0) -> None:
+def wait_idle(engine: AsyncLLM, timeout: float = 30.0) -> None:
     """Until the engine has no unfinished request (aborts land within a step or two)."""
     deadline = time.monotonic() + timeout
     while engine.num_requests()[0] and time.monotonic() < deadline:

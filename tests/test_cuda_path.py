@@ -125,10 +125,19 @@ def engine_workload():
     return prompts, params
 
 
-def run_engine(make_llm, path, **kwargs) -> tuple[list[list[int]], dict]:
+def shared_prefix_workload():
+    """Prompts sharing a 40-token prefix, cut on and off block boundaries, and two that are entirely a prefix."""
+    system = [3 + (j * 29) % 250 for j in range(40)]
+    cuts = [40, 40, 36, 17, 40, 8, 40, 33]
+    prompts = [system[:cut] + [5 + i, 7 + 2 * i] for i, cut in enumerate(cuts)] + [system, system[:36]]
+    _, mixed = engine_workload()
+    return prompts, mixed[:len(prompts)]
+
+
+def run_engine(make_llm, path, workload=engine_workload, **kwargs) -> tuple[list[list[int]], dict]:
     llm = make_llm(str(path), device="cuda", dtype="float32", max_num_seqs=6, max_num_batched_tokens=32,
                    block_size=4, debug_check_integrity=True, **kwargs)
-    prompts, params = engine_workload()
+    prompts, params = workload()
     outs = llm.generate(prompts, params, use_tqdm=False)
     llm.check_integrity()
     assert llm.num_free_blocks == llm.num_usable_blocks
@@ -144,6 +153,18 @@ def test_engine_graphs_and_overlap_agree(make_llm, tiny_path):
     reference = runs[False, False]
     assert all(tokens == reference for tokens in runs.values())
     assert sum(map(len, reference)) > 100
+
+
+def test_engine_prefix_caching_on_and_off_agree(make_llm, tiny_path):
+    """Cached prefixes read by the Triton prefill kernel and by graph-replayed decode steps; penalised and
+    seeded rows after a hit; overlap and sync."""
+    runs = {}
+    for caching in (True, False):
+        for overlap in (True, False):
+            runs[caching, overlap], _ = run_engine(make_llm, tiny_path, shared_prefix_workload,
+                                                   enable_prefix_caching=caching, overlap=overlap)
+    reference = runs[False, False]
+    assert all(tokens == reference for tokens in runs.values())
 
 
 def test_engine_steady_state_has_no_host_sync(make_llm, tiny_path):

@@ -37,7 +37,7 @@ def test_overload_2000_requests_fifo_and_bounded(make_llm, overlap):
         peak["running"] = max(peak["running"], len(scheduler.running))
         peak["waiting"] = max(peak["waiting"], len(scheduler.waiting))
         if plan is not None:
-            admitted.extend(row.request.arrival_seq for row in plan.prefill if row.start == 0
+            admitted.extend(row.request.arrival_seq for row in plan.prefill if row.first
                             and row.request.num_preemptions == 0)
         return plan
 

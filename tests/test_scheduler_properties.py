@@ -48,9 +48,9 @@ def check_plan(plan: StepPlan, sched: Scheduler, budget: int, max_seqs: int, blo
     assert plan.num_sampled == plan.num_decode + sum(row.samples for row in plan.prefill)
 
 
-def drive(specs, block_size, num_blocks, max_seqs, budget, lag):
+def drive(specs, block_size, num_blocks, max_seqs, budget, lag, caching=False):
     max_blocks = blocks_for_tokens(40 + 24, block_size)
-    blocks = BlockManager(num_blocks, block_size, max_seqs, max_blocks)
+    blocks = BlockManager(num_blocks, block_size, max_seqs, max_blocks, prefix_caching=caching)
     sched = Scheduler(blocks, budget)
     capacity = blocks.num_usable_blocks * block_size
     requests = []
@@ -78,7 +78,7 @@ def drive(specs, block_size, num_blocks, max_seqs, budget, lag):
         if plan is not None:
             check_plan(plan, sched, budget, max_seqs, block_size)
             admitted.extend(row.request.arrival_seq for row in plan.prefill
-                            if row.start == 0 and row.request.num_preemptions == 0)
+                            if row.first and row.request.num_preemptions == 0)
             sched.release_drained(plan)
             in_flight.append(plan)
         if in_flight and (len(in_flight) > lag or plan is None):
@@ -104,12 +104,13 @@ def drive(specs, block_size, num_blocks, max_seqs, budget, lag):
 @settings(max_examples=150, deadline=None)
 @given(specs=st.lists(request_spec, min_size=1, max_size=25), block_size=st.sampled_from([1, 2, 4, 16]),
        num_blocks=st.integers(8, 80), max_seqs=st.integers(1, 8), extra_budget=st.integers(0, 40),
-       lag=st.sampled_from([0, 1]))
+       lag=st.sampled_from([0, 1]), caching=st.booleans())
 def test_scheduler_never_violates_budget_or_loses_requests(specs, block_size, num_blocks, max_seqs, extra_budget,
-                                                           lag):
+                                                           lag, caching):
+    """Prompts are ``range(length)``: with prefix caching on, every prompt shares its prefix with the others."""
     budget = max_seqs + extra_budget
     sched, blocks, requests, admitted, outputs, length_finished = drive(specs, block_size, num_blocks, max_seqs,
-                                                                        budget, lag)
+                                                                        budget, lag, caching)
     assert not sched.has_work(), "the scheduler stalled with work left"
     for _, r, stop_at, _ in requests:
         assert r.status is RequestStatus.FINISHED, f"{r.request_id} was lost"

@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install -e '.[serve]')")
 
+from asyncbatch.config import SimConfig
 from asyncbatch.serve.settings import ServeSettings
 from tests.serve_harness import client, serving, wait_idle
 
@@ -177,6 +178,22 @@ def test_metrics_after_requests(served) -> None:
     assert 0 < metric(text, "asyncbatch:device_busy_seconds_total") <= metric(text, "asyncbatch:device_span_seconds_total")
 
 
+def test_prefix_cache_figures(served) -> None:
+    server, _engine = served
+    shared = {**GOOD, "prompt": list(range(100, 164))}  # four full blocks of 16
+    with client(server) as http:
+        before = http.get("/metrics").text
+        for _ in range(2):
+            assert http.post("/v1/completions", json=shared).status_code == 200
+        after = http.get("/metrics").text
+    hits = metric(after, "asyncbatch:prefix_cache_hits_total") - metric(before, "asyncbatch:prefix_cache_hits_total")
+    queries = (metric(after, "asyncbatch:prefix_cache_queries_total")
+               - metric(before, "asyncbatch:prefix_cache_queries_total"))
+    assert queries == 128 and hits >= 48  # the second request reuses at least the first three blocks
+    assert 0 < metric(after, "asyncbatch:prefix_cache_hit_rate") <= 1
+    assert metric(after, "asyncbatch:prefix_cache_blocks") >= 3
+
+
 def test_api_key() -> None:
     with serving(ServeSettings(("m",), api_key="s3cret"), **SIM) as (server, _engine), client(server) as http:
         body = {**GOOD, "model": "m"}
@@ -190,17 +207,21 @@ def test_api_key() -> None:
 
 def test_queue_bound_answers_503_with_retry_after() -> None:
     settings = ServeSettings(("m",), max_waiting=2)
-    with serving(settings, **{**SIM, "max_num_seqs": 2}) as (server, engine):
+    # 20 ms steps: the two running requests (240 tokens) outlast the whole check by seconds
+    slow = SimConfig(step_fixed_ms=20.0)
+    with serving(settings, **{**SIM, "max_num_seqs": 2, "sim": slow}) as (server, engine):
         long = {**GOOD, "model": "m", "max_tokens": 240, "stream": True}
         responses: list[httpx.Response] = []
         with client(server) as http:
             streams = [http.stream("POST", "/v1/completions", json=long) for _ in range(4)]
-            for stream in streams:
-                responses.append(stream.__enter__())
-            deadline = time.monotonic() + 10
-            while engine.num_requests() != (4, 2) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            assert engine.num_requests() == (4, 2)  # two running, two waiting
+            # the first two are scheduled before the next two arrive: until then they count as waiting
+            for expected, batch in (((2, 0), streams[:2]), ((4, 2), streams[2:])):
+                responses += [stream.__enter__() for stream in batch]
+                deadline = time.monotonic() + 30
+                while engine.num_requests() != expected and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert engine.num_requests() == expected  # at the end: two running, two waiting
+            assert [r.status_code for r in responses] == [200] * 4
             refused = http.post("/v1/completions", json={**GOOD, "model": "m"})
             assert_error(refused, 503)
             assert refused.headers["retry-after"] == "1"

@@ -127,6 +127,40 @@ def test_prefill_kernel_matches_reference(dtype, heads, kv_heads, head_dim, bloc
 
 
 @kernel_test
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_prefill_kernel_reads_shared_cached_blocks(dtype):
+    """Prefix-cache hits: rows list the same cached blocks first (written by no row of this launch) and compute
+    only their chunk after them, from a block boundary; one row recomputes just the last block of a prompt
+    that was entirely cached, one computes a single token."""
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    cached = torch.randperm(5, generator=torch.Generator().manual_seed(7)) + 1  # 5 shared blocks, 80 tokens
+    # (cached blocks listed, q_len): the chunk sits at positions cached * block_size .. + q_len - 1.
+    shapes = [(5, 23), (3, 16), (2, 1), (4, 40)]
+    rows, start, tables, needed = [], 0, [], []
+    g = torch.Generator().manual_seed(8)
+    for k, q_len in shapes:
+        ctx = k * block_size + q_len
+        need = -(-ctx // block_size)
+        own = torch.randperm(39 - 6, generator=g)[:need - k] + 6  # fresh blocks, disjoint from the shared ones
+        tables.append(torch.cat([cached[:k], own, torch.full((8 - need,), 39)]))
+        rows.append((start, q_len, ctx))
+        needed.append(need)
+        start += q_len
+    table = torch.stack(tables)
+    assert (table[:, 0] == cached[0]).all()
+    k_cache, v_cache = make_cache(40, block_size, kv_heads, head_dim, dtype, seed=9)
+    q = torch.randn(start, heads, head_dim, generator=torch.Generator().manual_seed(10)).to(dtype)
+    out = torch.full_like(q, POISON).to(DEVICE)
+    meta = torch.tensor(rows, dtype=torch.int64)
+    kernels.prefill_attention(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), table.to(DEVICE),
+                              meta.to(DEVICE), max(n for _, n, _ in rows), head_dim**-0.5, out)
+    for i, (s, n, c) in enumerate(rows):
+        ref = reference.prefill_attention(q[s:s + n].double(), k_cache.double(), v_cache.double(), c,
+                                          table[i, :needed[i]], head_dim**-0.5)
+        assert relative_error(out[s:s + n], ref) < TOLERANCE[dtype], (i, n, c)
+
+
+@kernel_test
 @pytest.mark.parametrize("paged", [True, False], ids=["uploaded-rows", "rows-built-here"])
 def test_mixed_batch_dispatch_matches_reference(paged):
     heads, kv_heads, head_dim, block_size = 4, 2, 16, 4

@@ -11,5 +11,13 @@ One concept per module:
 - ``runner``: repeats, progress bar, correctness check; ``script``: the scripts' common body;
 - ``report``: the JSON document and tables; ``schema``: its schema and validator; ``plots``: PNGs.
 
+Behind ``scripts/bench_serving.py`` (servers over HTTP):
+
+- ``serving_client``: the async streaming client and its per-request records; ``serving_metrics``:
+  throughput, goodput under an SLO, latency percentiles; ``serving_prometheus``: the server's /metrics
+  (device busy, running requests); ``serving_servers``: asyncbatch serve and transformers serve as
+  subprocesses; ``serving_runner``: warm-up and load points against one server; ``serving_report``:
+  the JSON document, tables and ratios; ``serving_script``: the script's body.
+
 Workloads live in ``asyncbatch.bench.workloads``.
 """

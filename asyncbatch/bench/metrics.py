@@ -29,7 +29,7 @@ from asyncbatch.bench.records import RunResult
 PERCENTILES = (50, 90, 99)
 # Engine counters copied from ``LLM.stats()`` into every asyncbatch run.
 ENGINE_KEYS = ("device_busy_fraction", "idle_gap_ms_mean", "idle_gap_ms_p99", "planner_ms_per_step",
-               "device_ms_per_step", "tokens_per_step", "steps", "preemptions")
+               "device_ms_per_step", "tokens_per_step", "steps", "preemptions", "prefix_cache_hit_rate")
 DISTRIBUTIONS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 SCALARS = ("duration_s", "request_throughput", "output_throughput", "total_token_throughput",
            "computed_token_throughput", "peak_memory_mib", "cpu_s", "output_tokens_per_cpu_s", "contention")

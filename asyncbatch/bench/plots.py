@@ -1,4 +1,5 @@
-"""PNG plots from a results document: throughput per system, latency CDFs, throughput versus rate.
+"""PNG plots from a results document: throughput per system, latency CDFs, throughput versus rate, and
+(serving documents) latency versus load.
 
 Plots read only the document (medians, min-max spreads and the stored CDF
 quantiles), so they can be redrawn from a JSON file alone. The Agg backend
@@ -14,10 +15,11 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # the backend must be chosen before this import
-from matplotlib.ticker import NullLocator
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter, NullLocator
 
 _COLORS = {"asyncbatch-overlap": "#1f77b4", "asyncbatch-sync": "#7fb2de",
-           "transformers-generate_batch": "#d62728", "transformers-static": "#ff9f40"}
+           "transformers-generate_batch": "#d62728", "transformers-static": "#ff9f40",
+           "asyncbatch": "#1f77b4", "transformers": "#d62728"}
 _CDF_METRICS = (("ttft_ms", "TTFT (ms)"), ("tpot_ms", "TPOT (ms)"), ("itl_ms", "ITL (ms)"),
                 ("e2e_ms", "end-to-end latency (ms)"))
 
@@ -123,3 +125,63 @@ def throughput_vs_rate(doc: dict, path: Path) -> Path:
     ax2.set_yscale("log")
     ax1.legend(fontsize=8)
     return _save(fig, path, f"Throughput and TTFT versus request rate - {_subtitle(doc)}")
+
+
+def _load_axis(loads: list[dict]) -> tuple[str, list[float], list[str], dict[str, float]]:
+    """x label, ticks, tick labels and each load label's x: the request rate ("inf" at the right edge),
+    or the concurrency cap when the rate is the same at every point and only the cap varies."""
+    rates = [load["request_rate"] for load in loads]
+    caps = [load["max_concurrency"] for load in loads]
+    if len(set(map(str, rates))) == 1 and len(set(caps)) > 1 and None not in caps:
+        xs = {load["label"]: float(load["max_concurrency"]) for load in loads}
+        return "max concurrency (requests in flight)", sorted(set(xs.values())), [f"{x:g}" for x in
+                                                                                 sorted(set(xs.values()))], xs
+    finite = [r for r in rates if isinstance(r, (int, float))]
+    inf_x = max(finite) * 2 if finite else 1.0
+    xs = {load["label"]: inf_x if load["request_rate"] == "inf" else float(load["request_rate"]) for load in loads}
+    ticks = sorted(set(xs.values()))
+    labels = ["inf" if x == inf_x and "inf" in rates else f"{x:g}" for x in ticks]
+    return "request rate (req/s; inf = all at once)", ticks, labels, xs
+
+
+def latency_vs_load(doc: dict, path: Path) -> Path:
+    """A serving document's P50 (dashed) and P99 (solid) TTFT and TPOT, and output tokens/s, per system
+    against the offered load."""
+    xlabel, ticks, labels, xs = _load_axis(doc["loads"])
+    panels = (("ttft_ms", "TTFT (ms)"), ("tpot_ms", "TPOT (ms)"), ("output_throughput", "output tokens/s"))
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, system in enumerate(doc["systems"]):
+        color = _COLORS.get(system["name"], palette[i % len(palette)])  # P50 and P99 of a system share it
+        pts = sorted((xs[p["load"]["label"]], p["summary"]) for p in system["points"])
+        for ax, (key, _label) in zip(axes, panels):
+            if key == "output_throughput":
+                ax.plot([x for x, _ in pts], [s[key] for _, s in pts], marker="o", color=color,
+                        label=system["name"])
+                continue
+            for stat, style in (("p50", "--"), ("p99", "-")):
+                vals = [(x, s[key][stat]) for x, s in pts if s.get(key)]
+                ax.plot([x for x, _ in vals], [v for _, v in vals], style, marker="o", color=color,
+                        label=f"{system['name']} {stat.upper()}")
+    for ax, (key, label) in zip(axes, panels):
+        ax.set_xscale("log")
+        ax.set_xticks(ticks, labels)
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(label)
+        if key != "output_throughput" and ax.has_data():
+            ax.set_yscale("log")  # light load to overload spans decades
+            plain = FuncFormatter(lambda v, _pos: f"{v:g}")
+            low, high = ax.get_ylim()
+            ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))  # 100, 200, 500, 1000, ...
+            ax.yaxis.set_major_formatter(plain)
+            # A narrow range may hold no 1-2-5 tick at all: label the minor ones then.
+            ax.yaxis.set_minor_formatter(plain if high < 3 * low else NullFormatter())
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    m, s, w = doc["machine"], doc["settings"], doc["workload"]
+    model = Path(str(s.get("model_path") or "default")).name
+    simulated = " (SIMULATED device)" if s["device"] == "sim" else ""
+    title = (f"Serving latency versus load - {model}, {s['dtype']}, {s['device']}{simulated}, {m['cpu']} "
+             f"({m['cores']} cores), {w['name']} x{s['num_prompts']} per point")
+    return _save(fig, path, title)

@@ -47,6 +47,11 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--range-ratio", type=float, default=0.0, help="random workload: lengths in len*(1±r)")
     p.add_argument("--prompt-range", default="16,128", help="uniform workload: inclusive prompt length range")
     p.add_argument("--output-range", default="8,128", help="uniform workload: inclusive output length range")
+    p.add_argument("--system-len", type=int, default=512, help="shared_prefix/multiturn: shared system prompt")
+    p.add_argument("--question-len", type=int, default=32, help="shared_prefix/multiturn: tokens per question")
+    p.add_argument("--turns", type=int, default=4, help="multiturn: turns per conversation")
+    p.add_argument("--prefix-caching", default="on", choices=("on", "off"),
+                   help="asyncbatch's prefix cache (emptied before every timed run either way)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (all systems)")
@@ -69,7 +74,8 @@ def settings_from_args(args: argparse.Namespace, ignore_eos: bool) -> BenchSetti
     return BenchSettings(model=args.model, device=args.device, dtype=args.dtype, temperature=args.temperature,
                          ignore_eos=ignore_eos, max_num_seqs=args.max_num_seqs,
                          max_num_batched_tokens=args.max_num_batched_tokens,
-                         static_batch_size=args.static_batch_size, seed=args.seed)
+                         static_batch_size=args.static_batch_size, seed=args.seed,
+                         enable_prefix_caching=args.prefix_caching == "on")
 
 
 @dataclass

@@ -1,4 +1,6 @@
-"""The results JSON's schema (a JSON Schema document) and a dependency-free validator for it.
+"""The results JSONs' schemas (JSON Schema documents) and a dependency-free validator for them.
+
+``RESULTS_SCHEMA``: ``bench_throughput.py`` and ``bench_latency.py``; ``SERVING_SCHEMA``: ``bench_serving.py``.
 
 The validator implements the subset of JSON Schema the schema uses: ``type``
 (one or a list), ``required``, ``properties``, ``additionalProperties`` (a
@@ -74,6 +76,62 @@ RESULTS_SCHEMA: dict = {
         "correctness": {"type": ["object", "null"]},
         "comparisons": {"type": "array", "items": {
             "type": "object", "required": ["request_rate", "numerator", "denominator", "output_throughput_ratio"]}},
+        "plots": {"type": "array", "items": {"type": "string"}},
+    },
+}
+
+SERVING_SCHEMA_ID = "asyncbatch-bench-serving/1"
+_INT0 = {"type": "integer", "minimum": 0}
+_SERVING_SUMMARY = {
+    "type": "object",
+    "required": ["num_requests", "completed", "failed", "failure_reasons", "duration_s", "prompt_tokens",
+                 "output_tokens", "outputs_not_max_tokens", "request_throughput", "output_throughput",
+                 "total_token_throughput", "goodput", "slo_attainment", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"],
+    "properties": {
+        "num_requests": _INT0, "completed": _INT0, "failed": _INT0, "output_tokens": _INT0,
+        "outputs_not_max_tokens": _INT0,
+        "failure_reasons": {"type": "array", "items": {"type": "object", "required": ["error", "count"]}},
+        "duration_s": {"type": "number", "minimum": 0},
+        "request_throughput": {"type": "number", "minimum": 0},
+        "output_throughput": {"type": "number", "minimum": 0},
+        "goodput": {"type": "number", "minimum": 0},
+        "ttft_ms": _DIST, "tpot_ms": _DIST, "itl_ms": _DIST, "e2e_ms": _DIST,
+    },
+}
+_SERVING_POINT = {
+    "type": "object",
+    "required": ["load", "summary", "server", "host", "requests"],
+    "properties": {
+        "load": {"type": "object", "required": ["request_rate", "max_concurrency", "label"]},
+        "summary": _SERVING_SUMMARY,
+        "server": {"type": "object", "required": ["available"]},
+        "host": {"type": "object", "required": ["client_cpu_s", "server_cpu_s", "contention"]},
+        "requests": {"type": "array", "items": {
+            "type": "object", "required": ["index", "success", "error", "output_tokens", "ttft_ms", "e2e_ms"]}},
+    },
+}
+SERVING_SCHEMA: dict = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": SERVING_SCHEMA_ID,
+    "type": "object",
+    "required": ["schema", "kind", "created_utc", "command", "git_commit", "machine", "settings", "workload",
+                 "loads", "systems", "comparisons", "notes", "plots"],
+    "properties": {
+        "schema": {"enum": [SERVING_SCHEMA_ID]},
+        "kind": {"enum": ["serving"]},
+        "machine": {"type": "object", "required": ["cpu", "cores", "torch", "transformers", "device"]},
+        "settings": {"type": "object", "required": ["device", "dtype", "temperature", "ignore_eos", "slo",
+                                                    "prompt_format", "endpoint"]},
+        "workload": {"type": "object", "required": ["name", "num_requests", "prompt_tokens", "output_tokens"]},
+        "loads": {"type": "array", "items": {"type": "object", "required": ["request_rate", "label"]}},
+        "systems": {"type": "array", "items": {
+            "type": "object", "required": ["name", "description", "dialect", "base_url", "command",
+                                           "served_model", "points"],
+            "properties": {"name": {"type": "string"}, "points": {"type": "array", "items": _SERVING_POINT}}}},
+        "comparisons": {"type": "array", "items": {
+            "type": "object", "required": ["load", "numerator", "denominator", "output_throughput_ratio",
+                                           "p99_ttft_ratio", "p99_tpot_ratio"]}},
+        "notes": {"type": "array", "items": {"type": "string"}},
         "plots": {"type": "array", "items": {"type": "string"}},
     },
 }

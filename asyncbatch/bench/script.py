@@ -23,7 +23,7 @@ from asyncbatch.bench.runner import (
     settings_from_args,
     warmup_items,
 )
-from asyncbatch.bench.workloads import build_workload, describe, sharegpt_params
+from asyncbatch.bench.workloads import build_workload, describe, prefix_share, sharegpt_params
 from asyncbatch.model.loader import load_config, resolve_model_path
 
 
@@ -40,6 +40,10 @@ def workload_doc(args: argparse.Namespace, items: list) -> dict:
         params = {"input_len": args.input_len, "output_len": args.output_len, "range_ratio": args.range_ratio}
     elif args.workload == "sharegpt":
         params = sharegpt_params()
+    elif args.workload in ("shared_prefix", "multiturn"):
+        params = {"system_len": args.system_len, "question_len": args.question_len, "output_len": args.output_len,
+                  **({"turns": args.turns, "reply_len": args.output_len} if args.workload == "multiturn" else {}),
+                  "prefix_share": prefix_share(items)}
     elif args.workload == "nanovllm":
         params = {"source": "nano-vllm bench.py (random.seed(0), 256 requests, lengths 100-1024)",
                   "full_size": 256, "published_output_tokens": 133966, "published_prompt_tokens": 142827}
@@ -57,7 +61,8 @@ def run(kind: str, args: argparse.Namespace, rates: list[float | None], ignore_e
     items = build_workload(args.workload, n, int(hf_config.vocab_size), seed=args.seed, input_len=args.input_len,
                            output_len=args.output_len, range_ratio=args.range_ratio,
                            prompt_range=parse_range(args.prompt_range),
-                           output_range=parse_range(args.output_range))
+                           output_range=parse_range(args.output_range), system_len=args.system_len,
+                           question_len=args.question_len, turns=args.turns)
     settings = settings_from_args(args, ignore_eos)
     _log(f"{kind}: {n} requests ({args.workload}), model {path}, {args.device}/{args.dtype}, "
          f"{args.repeats} repeats, rates {rates}")

@@ -31,6 +31,7 @@ class BenchSettings:
     max_num_batched_tokens: int = 2048
     static_batch_size: int = 8
     seed: int = 0
+    enable_prefix_caching: bool = True  # asyncbatch only
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -16,6 +16,18 @@ Workloads:
   256 requests, prompt and output lengths uniform in 100-1024, token ids in
   0-10000 (142,827 prompt and 133,966 output tokens in all), so results can be
   compared with the numbers its README publishes.
+- ``shared_prefix``: every request is one system prompt of ``system_len``
+  tokens followed by its own ``question_len``-token question (prefix caching's
+  best case: all but the first requests can reuse the system prompt).
+- ``multiturn``: conversations that resend their history: turn ``t`` is the
+  system prompt, the ``t - 1`` earlier (question, reply) pairs and a new
+  question. Replies are recorded tokens (a dataset's answers), not this run's
+  outputs, so every turn can be submitted at once; requests are ordered turn
+  by turn (every conversation's first turn, then every second turn, ...), so
+  an earlier turn is usually computed before the turn that extends it.
+
+For the last two, ``prefix_share`` gives the share of prompt tokens a cache of
+whole blocks could reuse at best.
 """
 
 from __future__ import annotations
@@ -26,7 +38,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-WORKLOADS = ("uniform", "random", "sharegpt", "nanovllm")
+WORKLOADS = ("uniform", "random", "sharegpt", "nanovllm", "shared_prefix", "multiturn")
 
 
 @dataclass(slots=True)
@@ -133,10 +145,69 @@ def nanovllm_requests(n: int = 256, vocab_size: int = 10001) -> list[WorkItem]:
     return [WorkItem(p, m) for p, m in zip(prompts[:n], max_tokens[:n])]
 
 
+def shared_prefix_requests(n: int, system_len: int, question_len: int, output_len: int, vocab_size: int,
+                           seed: int = 0, first_token_id: int = 256) -> list[WorkItem]:
+    """``n`` requests: one ``system_len``-token system prompt, then a ``question_len``-token question each."""
+    if system_len < 0 or question_len < 0 or system_len + question_len < 1 or output_len < 1:
+        raise ValueError(f"need system_len, question_len >= 0 with a non-empty prompt and output_len >= 1, got "
+                         f"{system_len}, {question_len}, {output_len}")
+    rng_system, rng_questions = np.random.default_rng(seed).spawn(2)
+    system = _token_ids(rng_system, system_len, vocab_size, first_token_id)
+    return [WorkItem(system + _token_ids(rng_questions, question_len, vocab_size, first_token_id), output_len)
+            for _ in range(n)]
+
+
+def multiturn_requests(n: int, turns: int, system_len: int, question_len: int, reply_len: int, output_len: int,
+                       vocab_size: int, seed: int = 0, first_token_id: int = 256) -> list[WorkItem]:
+    """``n`` requests from ``ceil(n / turns)`` conversations of up to ``turns`` turns, turn by turn.
+
+    Turn ``t`` (from 1) of a conversation is ``system + (q_1 + r_1) + ... + (q_{t-1} + r_{t-1}) + q_t``: the
+    system prompt (shared by every conversation), earlier questions of ``question_len`` tokens with their
+    recorded ``reply_len``-token replies, and a new question.
+    """
+    if turns < 1 or question_len < 1 or system_len < 0 or reply_len < 0 or output_len < 1:
+        raise ValueError(f"need turns, question_len, output_len >= 1 and system_len, reply_len >= 0, got "
+                         f"{turns}, {question_len}, {output_len}, {system_len}, {reply_len}")
+    conversations = -(-n // turns)
+    rng_system, rng_turns = np.random.default_rng(seed).spawn(2)
+    system = _token_ids(rng_system, system_len, vocab_size, first_token_id)
+    histories = [list(system) for _ in range(conversations)]
+    items = []
+    for _ in range(turns):
+        for history in histories:
+            if len(items) == n:
+                return items
+            question = _token_ids(rng_turns, question_len, vocab_size, first_token_id)
+            items.append(WorkItem(history + question, output_len))
+            history += question + _token_ids(rng_turns, reply_len, vocab_size, first_token_id)
+    return items
+
+
+def prefix_share(items: list[WorkItem], block_size: int = 16) -> float:
+    """Share of prompt tokens reusable from earlier requests' prompts, in whole blocks, keeping the last token
+    of each prompt computed: what an unbounded prefix cache that sees the requests in order could reuse."""
+    seen: set[tuple[int, ...]] = set()
+    reusable = total = 0
+    for it in items:
+        ids = it.prompt_token_ids
+        total += len(ids)
+        hit = True
+        for j in range(len(ids) // block_size):
+            prefix = tuple(ids[:(j + 1) * block_size])
+            if hit and prefix in seen and (j + 1) * block_size <= len(ids) - 1:
+                reusable += block_size
+            else:
+                hit = False
+            seen.add(prefix)
+    return reusable / total if total else 0.0
+
+
 def build_workload(name: str, n: int, vocab_size: int, seed: int = 0, input_len: int = 1024,
                    output_len: int = 128, range_ratio: float = 0.0, prompt_range: tuple[int, int] = (16, 128),
-                   output_range: tuple[int, int] = (8, 128)) -> list[WorkItem]:
-    """The named workload; arguments that do not apply to it are ignored."""
+                   output_range: tuple[int, int] = (8, 128), system_len: int = 512, question_len: int = 32,
+                   turns: int = 4) -> list[WorkItem]:
+    """The named workload; arguments that do not apply to it are ignored (``multiturn`` replies are
+    ``output_len`` tokens long, as if each turn's answer were resent)."""
     if name == "uniform":
         return uniform_requests(n, prompt_range, output_range, vocab_size, seed)
     if name == "random":
@@ -145,6 +216,10 @@ def build_workload(name: str, n: int, vocab_size: int, seed: int = 0, input_len:
         return sharegpt_requests(n, vocab_size, seed)
     if name == "nanovllm":
         return nanovllm_requests(n, vocab_size)
+    if name == "shared_prefix":
+        return shared_prefix_requests(n, system_len, question_len, output_len, vocab_size, seed)
+    if name == "multiturn":
+        return multiturn_requests(n, turns, system_len, question_len, output_len, output_len, vocab_size, seed)
     raise ValueError(f"workload must be one of {WORKLOADS}, got {name!r}")
 
 

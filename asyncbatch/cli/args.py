@@ -20,6 +20,8 @@ def add_engine_args(parser: argparse.ArgumentParser, run_options: bool = True) -
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder, when the model's has none")
     parser.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the KV blocks of shared prompt prefixes (default: on)")
     if run_options:
         parser.add_argument("--no-overlap", action="store_true", help="synchronous mode (the ablation)")
         parser.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the run to this path")
@@ -29,7 +31,8 @@ def engine_kwargs(args: argparse.Namespace, overlap: bool) -> dict:
     """``LLM`` keyword arguments from ``add_engine_args``' options."""
     return {"device": args.device, "dtype": args.dtype, "quantization": args.quantization, "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed, "overlap": overlap,
-            "tokenizer": args.tokenizer, "chat_template": args.chat_template}
+            "tokenizer": args.tokenizer, "chat_template": args.chat_template,
+            "enable_prefix_caching": args.enable_prefix_caching}
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

@@ -1,30 +1,50 @@
-"""Paged KV cache accounting: a free list of fixed-size blocks and the block table of every token row.
+"""Paged KV cache accounting: free blocks, reference counts, and the block table of every token row.
 
-KV blocks belong to token rows (a running request's row in the device token
-buffer, ``Request.token_row``). Row ``r`` owns ``block_table[r, :num_row_blocks[r]]``,
+KV blocks are listed by token rows (a running request's row in the device
+token buffer, ``Request.token_row``). Row ``r`` lists ``block_table[r, :num_row_blocks[r]]``,
 in order: block ``j`` of the row holds the keys and values of positions
-``j * block_size .. (j + 1) * block_size - 1``. The table is written once, here,
-when blocks are allocated; the metadata writer only gathers it. Columns past a
-row's block count hold stale ids of earlier owners; every reader is bounded by
-the block count or the context length, so they are never used.
+``j * block_size .. (j + 1) * block_size - 1``. The table is written here, when
+blocks are shared or allocated; the metadata writer only gathers it. Columns
+past a row's block count hold stale ids of earlier rows; every reader is
+bounded by the block count or the context length, so they are never used.
 
-Invariant (``check_integrity``): every usable block is either on the free list
-or in the table prefix of exactly one held row, and ``_owner`` names that row.
-Block 0 is the dummy block: padding rows of a captured CUDA graph write their
-keys and values there, so it is never handed out.
+With prefix caching (``prefix_caching=True``; the engine's default, see
+``EngineConfig.enable_prefix_caching``) full blocks are registered in a
+``PrefixCache`` and may be listed by several rows at once: a row that reuses
+a cached prefix lists the cached blocks first (``share``) and gets fresh
+blocks for the rest. A row only ever writes into blocks it got fresh, past the
+shared ones, so a shared block is read-only. ``ref[b]`` counts the held rows
+listing block ``b``; a block whose count drops to 0 goes to the free stack, or,
+if cached, stays cached as *evictable* until a fresh block is needed and none
+is free (least recently released first).
 
-Freeing is stream-ordered, not fenced: a block freed while planning step N+1
-may be given to another request in step N+1 or later, and the device runs
-steps in order, so the old owner's last use finishes before the new owner's
-first write.
+``num_free_blocks`` counts what ``allocate`` can hand out: free plus evictable
+blocks. After every request ended it equals ``num_usable_blocks`` with caching
+on or off.
+
+Invariant (``check_integrity``): every usable block is on the free stack, or
+evictable, or held (``ref > 0``), exactly one of them; ``ref[b]`` equals the
+number of held rows whose table prefix lists ``b`` (at most once per row); the
+cache's table agrees with its records (``PrefixCache.check``). Block 0 is the
+dummy block: padding rows of a captured CUDA graph write their keys and values
+there, so it is never handed out.
+
+Freeing is stream-ordered, not fenced: a block freed (or evicted) while
+planning step N+1 may be given to another request in step N+1 or later, and
+the device runs steps in order, so the old owner's last use finishes before
+the new owner's first write. The same order makes a block registered while
+planning step N safe to read from step N+1 on (``docs/prefix-caching.md``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
+from asyncbatch.engine.prefix_cache import ROOT_KEY, ROOT_SERIAL, CachedBlock, PrefixCache
+
 DUMMY_BLOCK = 0
-NO_ROW = -1  # owner of a block on the free list (and of the dummy block)
 
 
 class IntegrityError(AssertionError):
@@ -37,12 +57,17 @@ def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
 
 
 class BlockManager:
-    """The free list, and for each of ``max_num_seqs`` token rows the blocks it owns.
+    """The free stack, the reference counts, the prefix cache, and for each of ``max_num_seqs`` token rows the
+    blocks it lists.
 
     ``max_blocks_per_seq`` is the table's width: ``blocks_for_tokens(max_model_len, block_size)``.
+    ``chains[row]`` names the cached content of the row's first full blocks: entry ``j`` is the serial of the
+    ``CachedBlock`` whose tokens and prefix the row's block ``j`` holds (the row's own block, or an equal one
+    registered first); it grows as the row's full blocks are registered and is empty for a row without blocks.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, max_blocks_per_seq: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, max_blocks_per_seq: int, *,
+                 prefix_caching: bool = False) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2 (one is the dummy block), got {num_blocks}")
         self.num_blocks = num_blocks
@@ -53,12 +78,18 @@ class BlockManager:
         # array so that handing out or taking back many blocks is one slice.
         self._free = np.arange(num_blocks - 1, DUMMY_BLOCK, -1, dtype=np.int64)  # [num_blocks - 1]
         self._num_free = num_blocks - 1
-        self._owner = np.full(num_blocks, NO_ROW, dtype=np.int64)  # [num_blocks] token row holding each block
+        self.ref = np.zeros(num_blocks, dtype=np.int64)  # [num_blocks] held rows listing each block
         self.block_table = np.zeros((max_num_seqs, max_blocks_per_seq), dtype=np.int64)  # [S, B]
         self.num_row_blocks = np.zeros(max_num_seqs, dtype=np.int64)  # [S]
         # Slot of position p, for p in the row's newest block: decode_slot_base[row] + p (one gather per
         # decode step instead of a division, a gather from the wide table and a modulo).
         self.decode_slot_base = np.zeros(max_num_seqs, dtype=np.int64)  # [S]
+        self.prefix: PrefixCache | None = PrefixCache(num_blocks, block_size) if prefix_caching else None
+        self.chains: list[list[int]] = [[] for _ in range(max_num_seqs)]
+
+    @property
+    def caching(self) -> bool:
+        return self.prefix is not None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -66,19 +97,25 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return self._num_free
+        """Blocks ``allocate`` can hand out: free, plus cached blocks no row holds (evicted when taken)."""
+        return self._num_free + (self.prefix.num_evictable if self.prefix is not None else 0)
 
     def free_blocks(self) -> list[int]:
-        """The free list, next block to hand out last (for tests and debugging)."""
+        """The free stack, next block to hand out last (for tests and debugging; evictable blocks excluded)."""
         return self._free[:self._num_free].tolist()
 
     def _pop(self, k: int) -> np.ndarray:
-        """The next ``k`` free blocks, in the order k single pops would give them ([k] int64)."""
+        """The next ``k`` fresh blocks ([k] int64): off the free stack in the order k single pops would give
+        them, then, if the stack runs out, evicted cached blocks, least recently released first."""
         top = self._num_free
-        if k > top:
-            raise IntegrityError(f"allocate({k}) with {top} free: the scheduler must check first")
-        self._num_free = top - k
-        return self._free[top - k:top][::-1].copy()
+        if k > self.num_free_blocks:
+            raise IntegrityError(f"allocate({k}) with {self.num_free_blocks} free: the scheduler must check first")
+        if k <= top:
+            self._num_free = top - k
+            return self._free[top - k:top][::-1].copy()
+        self._num_free = 0
+        evicted = np.asarray(self.prefix.evict(k - top), dtype=np.int64)
+        return np.concatenate([self._free[:top][::-1], evicted])
 
     def blocks_for(self, num_tokens: int) -> int:
         return blocks_for_tokens(num_tokens, self.block_size)
@@ -88,7 +125,23 @@ class BlockManager:
         return max(0, self.blocks_for(num_tokens) - int(self.num_row_blocks[row]))
 
     def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= self._num_free
+        return num_blocks <= self.num_free_blocks
+
+    def share(self, row: int, cached: Sequence[CachedBlock], blocks: np.ndarray, num_idle: int) -> None:
+        """List ``cached`` (a verified chain from ``PrefixCache.match``; ``blocks`` [k] their ids, ``num_idle`` of
+        them evictable) as the first blocks of empty ``row``. The evictable ones no longer count as free."""
+        k = len(cached)
+        if not k:
+            return
+        if self.num_row_blocks[row]:
+            raise IntegrityError(f"row {row} shares cached blocks after holding blocks of its own")
+        if num_idle:
+            for block in blocks[self.ref[blocks] == 0].tolist():
+                self.prefix.reclaim(block)
+        self.ref[blocks] += 1
+        self.block_table[row, :k] = blocks
+        self.num_row_blocks[row] = k
+        self.chains[row] = [rec.serial for rec in cached]
 
     def allocate(self, row: int, num_tokens: int) -> None:
         """Grow ``row``'s blocks to cover ``num_tokens`` tokens."""
@@ -102,7 +155,7 @@ class BlockManager:
         self.block_table[row, have:have + need] = new
         self.num_row_blocks[row] = have + need
         self.decode_slot_base[row] = (new[-1] - (have + need - 1)) * self.block_size
-        self._owner[new] = row
+        self.ref[new] = 1
 
     def append_block(self, rows: np.ndarray) -> None:
         """Give each of ``rows`` (distinct, [G] int64) one more block, in order: the decode crossing path."""
@@ -112,46 +165,110 @@ class BlockManager:
         self.block_table[rows, counts] = new
         self.num_row_blocks[rows] = counts + 1
         self.decode_slot_base[rows] = (new - counts) * self.block_size
-        self._owner[new] = rows
+        self.ref[new] = 1
+
+    def register(self, row: int, keys: Sequence[int], contents: Sequence[tuple[int, ...]], num_full: int) -> None:
+        """Register ``row``'s first ``num_full`` blocks as cached, past those already in its chain.
+
+        The caller vouches that those blocks hold the KV of ``contents`` (token tuples known on the host) and
+        that the step writing the last of them is planned; ``keys`` are their chain keys (``chain_keys``). A block
+        whose content is cached already stays uncached (the chain takes the existing record); a key owned by
+        other content (a collision) stops the chain.
+        """
+        if num_full > self.num_row_blocks[row]:
+            raise IntegrityError(f"row {row} registers {num_full} blocks but lists {self.num_row_blocks[row]}")
+        chain = self.chains[row]
+        for j in range(len(chain), num_full):
+            parent_key = keys[j - 1] if j else ROOT_KEY
+            parent_serial = chain[-1] if chain else ROOT_SERIAL
+            serial = self.prefix.register(int(self.block_table[row, j]), keys[j], parent_key, contents[j],
+                                          parent_serial)
+            if serial is None:
+                return
+            chain.append(serial)
 
     def free(self, row: int) -> None:
-        """Return every block of ``row`` to the free list; a second call frees nothing."""
+        """Drop ``row``'s references to its blocks; a second call frees nothing."""
         n = int(self.num_row_blocks[row])
         if n == 0:
             return
         blocks = self.block_table[row, :n]  # [n]
-        if (self._owner[blocks] != row).any():
-            raise IntegrityError(f"row {row} frees blocks it does not own")
-        self._owner[blocks] = NO_ROW
-        top = self._num_free
-        self._free[top:top + n] = blocks[::-1]
-        self._num_free = top + n
+        if (self.ref[blocks] <= 0).any():
+            raise IntegrityError(f"row {row} frees blocks no row holds")
+        self.ref[blocks] -= 1
         self.num_row_blocks[row] = 0
+        self.chains[row] = []
+        idle = blocks[::-1][self.ref[blocks[::-1]] == 0]  # [I] the row's last block first
+        if self.prefix is not None:
+            cached = self.prefix.cached[idle]  # [I]
+            if cached.any():
+                # Newest blocks first into the LRU: a block is worthless without its parent, so it goes first.
+                self.prefix.release(idle[cached].tolist())
+                idle = idle[~cached]
+        top = self._num_free
+        self._free[top:top + len(idle)] = idle
+        self._num_free = top + len(idle)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block no row holds; True if nothing stays cached (no held block was)."""
+        if self.prefix is None:
+            return True
+        dropped = np.asarray(self.prefix.drop_evictable(), dtype=np.int64)[::-1]
+        top = self._num_free
+        self._free[top:top + len(dropped)] = dropped
+        self._num_free = top + len(dropped)
+        self.prefix.reset_counters()
+        return self.prefix.num_cached == 0
 
     def check_integrity(self, held_rows: np.ndarray) -> None:
-        """Raise ``IntegrityError`` unless the free list and the held rows' tables partition the usable blocks."""
+        """Raise ``IntegrityError`` unless free, evictable and held blocks partition the usable blocks, every
+        reference count matches the held rows' tables, and the prefix cache agrees with itself."""
         free = self._free[:self._num_free]  # [F]
         if len(np.unique(free)) != len(free):
             raise IntegrityError("a block is on the free list twice")
         if (free == DUMMY_BLOCK).any():
             raise IntegrityError("the dummy block is on the free list")
-        if (self._owner[free] != NO_ROW).any():
-            raise IntegrityError("a free block has an owner")
         unheld = np.ones(self.max_num_seqs, dtype=bool)
         unheld[held_rows] = False
         if self.num_row_blocks[unheld].any():
-            raise IntegrityError("a row that no request holds owns blocks")
+            raise IntegrityError("a row that no request holds lists blocks")
+        if any(self.chains[row] for row in np.flatnonzero(unheld).tolist()):
+            raise IntegrityError("a row that no request holds has a cache chain")
         counts = self.num_row_blocks[held_rows]  # [H]
         in_prefix = np.arange(self.max_blocks_per_seq) < counts[:, None]  # [H, B]
-        owned = self.block_table[held_rows][in_prefix]  # [sum(counts)]
+        listed = self.block_table[held_rows][in_prefix]  # [sum(counts)]
         owners = np.repeat(held_rows, counts)  # [sum(counts)]
-        if (owned == DUMMY_BLOCK).any():
-            raise IntegrityError("a row holds the dummy block")
-        if (self._owner[owned] != owners).any():
-            raise IntegrityError("a row lists blocks owned by another")
+        if (listed == DUMMY_BLOCK).any():
+            raise IntegrityError("a row lists the dummy block")
+        if len(np.unique(listed * self.max_num_seqs + owners)) != len(listed):
+            raise IntegrityError("a row lists a block twice")
+        listings = np.bincount(listed, minlength=self.num_blocks)  # [num_blocks]
+        if not np.array_equal(listings, self.ref):
+            bad = np.flatnonzero(listings != self.ref)[:5]
+            raise IntegrityError(f"blocks {bad.tolist()} have reference counts {self.ref[bad].tolist()} but are "
+                                 f"listed by {listings[bad].tolist()} rows")
+        evictable = np.zeros(0, dtype=np.int64)
+        if self.prefix is not None:
+            self.prefix.check(self.ref, IntegrityError)
+            evictable = np.asarray(self.prefix.evictable_blocks(), dtype=np.int64)
+            if self.prefix.cached[free].any():
+                raise IntegrityError("a block on the free list is still cached")
+            self._check_chains(held_rows)
         seen = np.zeros(self.num_blocks, dtype=np.int64)
         seen[free] += 1
-        np.add.at(seen, owned, 1)
+        seen[evictable] += 1
+        seen += self.ref > 0
         if (seen[1:] != 1).any():
             bad = np.nonzero(seen[1:] != 1)[0][:5] + 1
-            raise IntegrityError(f"blocks {bad.tolist()} are owned {seen[bad].tolist()} times (expected once)")
+            raise IntegrityError(f"blocks {bad.tolist()} are free, evictable or held {seen[bad].tolist()} times "
+                                 "(expected exactly one)")
+
+    def _check_chains(self, held_rows: np.ndarray) -> None:
+        for row in held_rows.tolist():
+            chain = self.chains[row]
+            if len(chain) > self.num_row_blocks[row]:
+                raise IntegrityError(f"row {row} names more cached blocks than it lists")
+            for j, serial in enumerate(chain):
+                rec = self.prefix.record(int(self.block_table[row, j]))
+                if rec is not None and rec.serial != serial:
+                    raise IntegrityError(f"row {row}'s block {j} is cached as other content than its chain names")

@@ -192,6 +192,7 @@ def build_core(config: EngineConfig, spec: ModelSpec, send: Callable[[object], N
                                     cuda_graph_batch_sizes=config.cuda_graph_batch_sizes)
         else:
             executor = TorchExecutor(model, kv_caches, config.max_num_seqs, torch_device, dtype_choice=dtype_choice)
-    blocks = BlockManager(num_blocks, config.block_size, config.max_num_seqs, spec.max_blocks_per_seq)
+    blocks = BlockManager(num_blocks, config.block_size, config.max_num_seqs, spec.max_blocks_per_seq,
+                          prefix_caching=config.enable_prefix_caching)
     scheduler = Scheduler(blocks, config.max_num_batched_tokens, eos_token_id=spec.eos_token_id)
     return EngineCore(config, executor, scheduler, spec.max_blocks_per_seq, send)

@@ -265,6 +265,8 @@ class EngineCore:
             "check_integrity": self.scheduler.check_integrity,
             "num_free_blocks": lambda: self.scheduler.blocks.num_free_blocks,
             "num_preemptions": lambda: self.scheduler.num_preemptions,
+            "prefix_cache_stats": self.scheduler.prefix_cache_stats,
+            "reset_prefix_cache": self.scheduler.reset_prefix_cache,
             "last_launched_step": lambda: self._last_launched,
             "num_live_requests": lambda: len(self._requests),
             "describe_executor": self.executor.describe,

@@ -51,6 +51,10 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    # Chain keys and token tuples of the full blocks of the tokens known so far (``prefix_cache.chain_keys``):
+    # computed at the first admission with prefix caching on, extended when outputs fill more blocks.
+    block_keys: list[int] = field(default_factory=list)
+    block_contents: list[tuple[int, ...]] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

@@ -18,6 +18,8 @@ drain or are preempted.
 
 When a request needs a block and none is free, the most recently admitted
 running request not yet scheduled in this step is preempted (``preemption``).
+With prefix caching an admission starts after the cached blocks it reuses,
+and full blocks become cached as ``prefix_sharing`` describes.
 
 Requests whose ``max_tokens``-th token is scheduled in this step are
 *drained*: no later step includes them. They keep their blocks and token row
@@ -34,6 +36,7 @@ import numpy as np
 
 from asyncbatch.engine.block_manager import BlockManager, IntegrityError
 from asyncbatch.engine.preemption import Preemptor
+from asyncbatch.engine.prefix_sharing import PrefixSharer
 from asyncbatch.engine.request import Request, RequestStatus
 from asyncbatch.engine.row_state import NO_ROWS, NO_SEQ, DecodeSet, RowState
 from asyncbatch.engine.step_apply import StepApplier
@@ -53,10 +56,11 @@ class _DecodePart(NamedTuple):
     version: int
 
 
-class Scheduler(Preemptor, StepApplier):
+class Scheduler(Preemptor, StepApplier, PrefixSharer):
     """Owns the queue, the running set and the per-row arrays; only the planner thread calls it.
 
-    ``apply`` (a step's sampled tokens) comes from ``StepApplier``, preemption from ``Preemptor``.
+    ``apply`` (a step's sampled tokens) comes from ``StepApplier``, preemption from ``Preemptor``, prefix reuse
+    and registration from ``PrefixSharer``.
 
     ``running`` maps seq -> request in admission order (preemption victims come from the end). Rows are
     held by running requests and by drained ones until ``release_drained``; a request that leaves its row
@@ -78,6 +82,7 @@ class Scheduler(Preemptor, StepApplier):
         self._owners: list[Request | None] = [None] * self.max_num_seqs  # token row -> request holding it
         self._off_row: dict[int, Request] = {}  # seq -> request without a row whose tokens are in flight
         self._unreleased: list[Request] = []  # drained by the last plan, rows not yet released
+        self._to_register: list[Request] = []  # prefilled in the plan being built (prefix caching)
         self._free_rows: list[int] = list(range(self.max_num_seqs - 1, -1, -1))
         self._step_id = 0
         self._admissions = 0
@@ -112,6 +117,7 @@ class Scheduler(Preemptor, StepApplier):
         prefill: list[ScheduledRow] = []
         budget = self._schedule_prefills(prefill, budget, preempted, drained)
         budget = self._admit_waiting(prefill, budget, drained)
+        self._register_planned()
         for request in drained:  # no later step includes them; their rows go once the metadata is written
             del self.running[request.arrival_seq]
             if self.rows.decoding[request.token_row]:
@@ -187,13 +193,14 @@ class Scheduler(Preemptor, StepApplier):
             if request.num_pending:
                 break
             target = len(request.prompt_token_ids) + request.num_outputs
-            n = min(target, budget)
-            if not self.blocks.can_allocate(self.blocks.blocks_for(n)):
+            hit = self._prefix_hit(request, target)
+            n = min(target - hit.num_tokens, budget)
+            if not self.blocks.can_allocate(hit.blocks_needed(self.blocks, n)):
                 break
             self.waiting.popleft()
             row = self._admit(request, target)
-            self.blocks.allocate(row, n)
-            prefill.append(self._advance_prefill(request, row, 0, n, drained))
+            self._take_blocks(row, hit, target, n)
+            prefill.append(self._advance_prefill(request, row, hit.num_tokens, n, drained, True, hit.num_tokens))
             budget -= n
         return budget
 
@@ -208,13 +215,14 @@ class Scheduler(Preemptor, StepApplier):
         self._prefilling.append(request)
         return row
 
-    def _advance_prefill(self, request: Request, row: int, start: int, n: int,
-                         drained: list[Request]) -> ScheduledRow:
+    def _advance_prefill(self, request: Request, row: int, start: int, n: int, drained: list[Request],
+                         first: bool = False, num_cached: int = 0) -> ScheduledRow:
         st = self.rows
         end = start + n
         st.num_computed[row] = end
+        self._note_prefill(request)
         if end < st.prefill_len[row]:
-            return ScheduledRow(request, row, start, n, False, 0)
+            return ScheduledRow(request, row, start, n, False, 0, first, num_cached)
         self._prefilling.remove(request)
         step = int(st.num_scheduled[row])
         st.num_scheduled[row] = step + 1
@@ -224,7 +232,7 @@ class Scheduler(Preemptor, StepApplier):
         else:
             st.decoding[row] = True
             self.decode.add(row, int(st.admit_key[row]))
-        return ScheduledRow(request, row, start, n, True, step)
+        return ScheduledRow(request, row, start, n, True, step, first, num_cached)
 
     # -- leaving -------------------------------------------------------------
     def release_drained(self, plan: StepPlan) -> None:
@@ -258,6 +266,7 @@ class Scheduler(Preemptor, StepApplier):
         request.num_pending = int(st.num_scheduled[row]) - request.num_outputs
         if request.num_pending:
             self._off_row[request.arrival_seq] = request
+        self._register_known(request, row)
         self.blocks.free(row)
         st.seq[row] = NO_SEQ
         if st.decoding[row]:

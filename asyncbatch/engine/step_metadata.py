@@ -42,6 +42,20 @@ class PrefillRowMeta:
 
 
 @dataclass(slots=True)
+class CachedContext:
+    """Tokens of reused cached prefixes of penalised rows, in this step's first chunks ([K] each).
+
+    The penalty state of a row is rebuilt from the tokens its prefill computes; a prefix reused from the
+    prefix cache is not computed, so its tokens come here to count as if it had been. Plain host arrays
+    (rarely used, unbounded in size): they stay referenced by the ``StepMeta`` until the step completes.
+    """
+
+    rows: np.ndarray  # [K] int64 token row of each token
+    token_ids: np.ndarray  # [K] int64
+    is_output: np.ndarray  # [K] bool: a former output of a recomputed request
+
+
+@dataclass(slots=True)
 class StepMeta:
     """Host-side header of a written staging buffer: sizes and per-step flags."""
 
@@ -57,6 +71,7 @@ class StepMeta:
     any_filter: bool  # some row uses top-k, top-p or min-p
     any_penalty: bool
     first_chunk_rows: list[int]  # token rows whose request (re)starts its prefill in this step
+    cached_context: CachedContext | None = None  # penalised first chunks after a prefix-cache hit
 
 
 @dataclass(slots=True)
@@ -104,6 +119,7 @@ class StepMetadataWriter:
         bs, table = self.block_size, self.blocks.block_table
         prefill_meta: list[PrefillRowMeta] = []
         first_chunks: list[int] = []
+        cached_context: list[tuple[int, list[int], int]] = []  # (token row, reused tokens, prompt length)
         sample_rows: list[int] = []
         sample_steps: list[int] = []
         logits_idx: list[int] = []
@@ -124,12 +140,16 @@ class StepMetadataWriter:
             staging.prefill_block_tables[row_index, :nb] = table[ts, :nb]
             prefill_meta.append(PrefillRowMeta(t, n, end, ts, nb))
             staging.prefill_row_spans[row_index] = (t, n, end)
-            if start == 0:
+            if row.first:
                 staging.first_chunk_token_rows[len(first_chunks)] = ts
                 first_chunks.append(ts)
             context_tokens += end
             # Non-sampling chunks of a penalised request must still feed its penalty state.
-            any_penalty = any_penalty or bool(st.uses_penalty[ts])
+            penalised = bool(st.uses_penalty[ts])
+            any_penalty = any_penalty or penalised
+            if penalised and row.num_cached:
+                reused = request.prompt_token_ids[:start] if start <= prompt_len else request.all_token_ids()[:start]
+                cached_context.append((ts, reused, prompt_len))
             if row.samples:
                 sample_rows.append(ts)
                 sample_steps.append(row.sample_step)
@@ -161,6 +181,7 @@ class StepMetadataWriter:
             any_filter=any_filter,
             any_penalty=any_penalty,
             first_chunk_rows=first_chunks,
+            cached_context=_cached_context(cached_context) if cached_context else None,
         )
 
     def _write_decode(self, plan: StepPlan, staging: StagingBuffer) -> int:
@@ -218,3 +239,10 @@ class StepMetadataWriter:
             self._flags = _DecodeFlags(plan.decode_version, bool(random_rows.any()), bool(any_filter.any()),
                                        bool(st.uses_penalty[rows].any()))
         return self._flags
+
+
+def _cached_context(parts: list[tuple[int, list[int], int]]) -> CachedContext:
+    rows = np.concatenate([np.full(len(tokens), row, dtype=np.int64) for row, tokens, _ in parts])
+    ids = np.concatenate([np.asarray(tokens, dtype=np.int64) for _, tokens, _ in parts])
+    is_output = np.concatenate([np.arange(len(tokens)) >= prompt_len for _, tokens, prompt_len in parts])
+    return CachedContext(rows, ids, is_output)

@@ -17,7 +17,11 @@ from asyncbatch.engine.request import Request
 
 @dataclass(slots=True)
 class ScheduledRow:
-    """One prefill chunk: tokens ``start .. start + num_tokens - 1`` of the request's prompt (+ outputs)."""
+    """One prefill chunk: tokens ``start .. start + num_tokens - 1`` of the request's prompt (+ outputs).
+
+    A first chunk starts at ``num_cached`` (0 without a cache hit, else a multiple of the block size below the
+    prefill length, so its last token is always computed and yields logits).
+    """
 
     request: Request
     token_row: int
@@ -25,6 +29,8 @@ class ScheduledRow:
     num_tokens: int
     samples: bool  # the chunk ends the prefill, and its last token produces the next output
     sample_step: int  # outputs scheduled before this one (the seeded-noise counter); 0 when not sampling
+    first: bool = False  # the request's first chunk since its (re)admission
+    num_cached: int = 0  # first chunk only: tokens before ``start`` reused from the prefix cache
 
 
 @dataclass(slots=True)
@@ -58,4 +64,4 @@ class StepPlan:
 
     def first_scheduled_seqs(self) -> np.ndarray:
         """Requests whose prompt starts (or, after a preemption, restarts) in this step."""
-        return np.asarray([row.request.arrival_seq for row in self.prefill if row.start == 0], dtype=np.int64)
+        return np.asarray([row.request.arrival_seq for row in self.prefill if row.first], dtype=np.int64)

@@ -40,6 +40,8 @@ class PenaltyInputs:
     token_is_output: torch.Tensor  # [T] bool
     token_owner_row: torch.Tensor  # [T] int64
     first_chunk_rows: torch.Tensor  # [K] int64, token rows whose request (re)starts its prefill
+    # A reused cached prefix's tokens, counted as if computed: ([C] rows, [C] token ids, [C] is_output), or None.
+    cached_context: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -117,10 +119,13 @@ class TorchStep:
         sample_rows = up(s.sample_token_rows[:r])
         penalty = None
         if meta.any_penalty:
+            cached = meta.cached_context
             penalty = PenaltyInputs(presence=up(s.sample_presence[:r]), frequency=up(s.sample_frequency[:r]),
                                     repetition=up(s.sample_repetition[:r]), token_is_output=up(s.token_is_output[:t]),
                                     token_owner_row=up(s.token_owner_row[:t]),
-                                    first_chunk_rows=up(s.first_chunk_token_rows[:len(meta.first_chunk_rows)]))
+                                    first_chunk_rows=up(s.first_chunk_token_rows[:len(meta.first_chunk_rows)]),
+                                    cached_context=None if cached is None else (
+                                        up(cached.rows), up(cached.token_ids), up(cached.is_output)))
         rows = [PrefillRow(p.token_start, p.q_len, p.ctx_len, prefill_tables[i, :p.block_count])
                 for i, p in enumerate(meta.prefill_rows)]
         batch = self._make_batch(meta, prefill_tables, input_ids=input_ids, positions=positions,
@@ -162,6 +167,8 @@ class TorchStep:
     def _update_penalty_context(self, meta: StepMeta, batch: ForwardBatch, penalty: PenaltyInputs) -> None:
         if meta.first_chunk_rows:
             self.penalties.reset_rows(penalty.first_chunk_rows)
+        if penalty.cached_context is not None:  # after the reset: these rows' first chunks are in this step
+            self.penalties.add_context(*penalty.cached_context)
         nd = meta.num_decode
         if meta.num_tokens > nd:
             self.penalties.add_context(penalty.token_owner_row[nd:], batch.input_ids[nd:],

@@ -42,7 +42,7 @@ def _prefix_stats(engine: AsyncLLM):
         if not engine.alive:
             return None
         try:
-            return engine.llm._client.call("prefix_cache_stats", timeout=2.0)
+            return engine.llm.prefix_cache_stats(timeout=2.0)
         except (KeyError, RuntimeError, TimeoutError):
             return None
     return read

@@ -139,12 +139,16 @@ class AsyncLLM:
         Raises ``ValueError``/``TypeError`` naming the field for bad input, ``EngineDeadError`` if the
         engine failed.
         """
-        if not len(prompts) == len(params) == len(request_ids):
+        return self.submit_ids([await self.prompt_ids(p) for p in prompts], params, request_ids, prompts)
+
+    def submit_ids(self, prompt_ids: Sequence[list[int]], params: Sequence[SamplingParams],
+                   request_ids: Sequence[str | None], prompts: Sequence[Prompt] | None = None) -> list[AsyncRequest]:
+        """``submit`` for prompts already turned into validated token ids (``prompt_ids``), so they are not
+        tokenized and checked a second time; ``prompts`` (text) only names them in the outputs."""
+        if not len(prompt_ids) == len(params) == len(request_ids):
             raise ValueError("prompts, params and request_ids must have the same length")
-        items = []
-        for prompt, sp in zip(prompts, params):
-            ids = await self.prompt_ids(prompt)
-            items.append((prompt, *self.llm._check_request(ids, sp)))
+        texts = prompts if prompts is not None else prompt_ids
+        items = [(text, *self.llm._check_request(ids, sp)) for text, ids, sp in zip(texts, prompt_ids, params)]
         handles = self.llm._submit(items, streaming=True, request_ids=list(request_ids),
                                    make_sink=self._sink_factory())
         return [AsyncRequest(self.llm, h, h.deltas) for h in handles]

@@ -44,7 +44,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     model = state.check_model(body.model)
     check_supported(body)
     engine = state.engine
-    ids = chat_prompt_ids(state, body)
+    ids = await engine.prompt_ids(chat_prompt_ids(state, body))  # checked against the model's vocabulary
     max_tokens = chat_max_tokens(body)
     if max_tokens is None:  # OpenAI: as many as the context allows
         room = min(engine.max_model_len, engine.llm._usable_tokens) - len(ids)
@@ -55,7 +55,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     params = sampling_params(body, max_tokens)
     state.admit(body.n)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
-    requests = await engine.submit([ids] * body.n, params, [f"{response_id}-{k}" for k in range(body.n)])
+    requests = engine.submit_ids([ids] * body.n, params, [f"{response_id}-{k}" for k in range(body.n)])
     return_ids = bool(body.return_token_ids)
     gen = Generation(state, response_id, model, requests, len(ids),
                      include_usage=bool(body.stream_options and body.stream_options.include_usage),

@@ -38,8 +38,8 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
     prompt_ids = [await engine.prompt_ids(p) for p in prompts]
     response_id = f"cmpl-{uuid.uuid4().hex}"
     flat_ids = [ids for ids in prompt_ids for _ in range(body.n)]
-    requests = await engine.submit(flat_ids, params * len(prompts),
-                                   [f"{response_id}-{k}" for k in range(len(flat_ids))])
+    requests = engine.submit_ids(flat_ids, params * len(prompts), [f"{response_id}-{k}" for k in range(len(flat_ids))],
+                                 [p for p in prompts for _ in range(body.n)])
     return_ids = body.return_token_ids if body.return_token_ids is not None else engine.tokenizer is None
     echo = [_prompt_text(p, engine.tokenizer) if body.echo else "" for p in prompts for _ in range(body.n)]
     gen = Generation(state, response_id, model, requests, sum(len(ids) for ids in prompt_ids),

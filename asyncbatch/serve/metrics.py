@@ -76,11 +76,15 @@ class _EngineCollector(Collector):
                             self._timeline.span_s_total)
         yield self._counter("asyncbatch:steps", "Steps executed.", float(newest.step_id if newest else 0))
         stats = self._prefix_stats()
-        if stats:
-            yield self._gauge("asyncbatch:prefix_cache_hit_rate", "Prompt tokens reused from the prefix cache / "
-                              "prompt tokens.", float(stats.get("hit_rate", 0.0)))
-            yield self._gauge("asyncbatch:prefix_cache_blocks", "KV blocks held by the prefix cache.",
-                              float(stats.get("cached_blocks", 0)))
+        if stats and stats.get("enabled"):
+            yield self._counter("asyncbatch:prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
+                                "at admissions (since start or reset_prefix_cache).", float(stats["prompt_tokens"]))
+            yield self._counter("asyncbatch:prefix_cache_hits", "Of those, tokens reused instead of computed.",
+                                float(stats["cached_tokens"]))
+            yield self._gauge("asyncbatch:prefix_cache_hit_rate", "Prefix cache hits / queries.",
+                              float(stats["hit_rate"]))
+            yield self._gauge("asyncbatch:prefix_cache_blocks", "KV blocks holding cached prefixes.",
+                              float(stats["cached_blocks"]))
 
 
 class ServeMetrics:

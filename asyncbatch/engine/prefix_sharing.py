@@ -1,0 +1,152 @@
+"""Prefix caching in the scheduler: what an admission reuses, and when computed blocks become cached.
+
+Reuse. When a request is admitted (or re-admitted after a preemption) its
+known tokens (prompt, plus the outputs to recompute) are hashed once into
+chain keys (``Request.block_keys``) and the longest verified run of cached
+full blocks is listed first in its row (``BlockManager.share``); its first
+chunk starts after them. At most ``(prefill_len - 1) // block_size`` blocks
+are reused, so the last prefill token is always computed and yields the
+logits of the first output, even when the whole prompt is cached (the last
+block is then computed again into a fresh block; a row never writes a shared
+block).
+
+Registration. A full block becomes cached only when (a) all its tokens are
+known on the host and (b) the plan that writes its last position is final.
+Steps run in launch order on one device queue (one CUDA stream, or the
+device thread of ``cpu``/``sim``), so a block written by step N is complete
+before any reader planned into step N+1 or later runs, even in overlap mode,
+where step N may still be running while step N+1 is planned:
+
+    planner  [plan N: A computes block b, b registered at the end of the plan][plan N+1: B admitted, reuses b]
+    device              [......... step N: writes b .........][ step N+1: B reads b ]
+
+Two moments satisfy (a) and (b):
+
+- at the end of ``schedule``, for the blocks filled by this plan's prefill
+  chunks (prompt tokens, or a recompute's known outputs): registering them at
+  the end, not as each chunk is planned, keeps requests admitted later in the
+  same plan from reading a block the same step writes;
+- when a request gives back its row (finish, abort, drain, preemption), for
+  the blocks its decode steps filled: the outputs received so far are known,
+  and every launched step that wrote them precedes any later reader. An
+  output still in flight (overlap's one-step-late finish) is not known, so a
+  block that needs it is not registered. Decode rows never hash anything
+  while they run: planning a pure-decode step stays array work.
+
+Stream order alone suffices for a block whose writer is preempted or aborted
+before its step ran: the block stays cached (evictable), and a reader or a new
+owner is planned into a later step.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from asyncbatch.engine.block_manager import BlockManager
+from asyncbatch.engine.prefix_cache import CachedBlock, chain_keys, chain_tail
+from asyncbatch.engine.request import Request
+from asyncbatch.engine.row_state import RowState
+
+
+class PrefixHit(NamedTuple):
+    cached: list[CachedBlock]  # verified chain of cached blocks the request's row lists first
+    blocks: np.ndarray  # [k] int64 their block ids
+    num_tokens: int  # tokens they hold: the first chunk starts here
+    num_reclaimed: int  # of them, evictable blocks (counted as free until shared)
+
+    def blocks_needed(self, blocks: BlockManager, num_new_tokens: int) -> int:
+        """Free blocks an admission computing ``num_new_tokens`` after the hit takes: fresh blocks, plus the
+        reused blocks that were evictable (they counted as free)."""
+        return blocks.blocks_for(self.num_tokens + num_new_tokens) - len(self.cached) + self.num_reclaimed
+
+
+NO_HIT = PrefixHit([], np.zeros(0, dtype=np.int64), 0, 0)
+
+
+class PrefixSharer:
+    """The prefix-cache half of ``Scheduler`` (which sets these attributes)."""
+
+    blocks: BlockManager
+    rows: RowState
+    _to_register: list[Request]  # requests whose prefill chunk in the plan being built may fill blocks
+
+    @staticmethod
+    def _prefill_tokens(request: Request) -> list[int]:
+        """The tokens a (re)admission prefills: the prompt, plus the outputs to recompute after a preemption."""
+        return request.all_token_ids() if request.output_token_ids else request.prompt_token_ids
+
+    def _prefix_hit(self, request: Request, prefill_len: int) -> PrefixHit:
+        """The cached blocks ``request`` would reuse if admitted now (nothing is taken yet)."""
+        cache = self.blocks.prefix
+        if cache is None:
+            return NO_HIT
+        chain_keys(self._prefill_tokens(request), self.blocks.block_size, request.block_keys, request.block_contents)
+        cached = cache.match(request.block_keys, request.block_contents, (prefill_len - 1) // self.blocks.block_size)
+        if not cached:
+            return NO_HIT
+        blocks = np.fromiter((rec.block for rec in cached), dtype=np.int64, count=len(cached))  # [k]
+        reclaimed = len(cached) - int(np.count_nonzero(self.blocks.ref[blocks]))
+        return PrefixHit(cached, blocks, len(cached) * self.blocks.block_size, reclaimed)
+
+    def _take_blocks(self, row: int, hit: PrefixHit, prefill_len: int, num_new_tokens: int) -> None:
+        """Give ``row`` (just admitted) ``hit``'s blocks, then fresh ones for its first chunk; count the admission."""
+        cache = self.blocks.prefix
+        if cache is not None:  # shared first: allocating might otherwise evict a block of the hit
+            self.blocks.share(row, hit.cached, hit.blocks, hit.num_reclaimed)
+            cache.stats.prompt_tokens += prefill_len
+            cache.stats.cached_tokens += hit.num_tokens
+        self.blocks.allocate(row, hit.num_tokens + num_new_tokens)
+
+    def _note_prefill(self, request: Request) -> None:
+        """``request``'s chunk in the plan being built may fill blocks: register them when the plan is final."""
+        if self.blocks.prefix is not None:
+            self._to_register.append(request)
+
+    def _register_planned(self) -> None:
+        """End of ``schedule``: the full blocks this plan's prefill chunks wrote become cached."""
+        if not self._to_register:
+            return
+        bs, blocks = self.blocks.block_size, self.blocks
+        for request in self._to_register:
+            row = request.token_row
+            num_full = int(self.rows.num_computed[row]) // bs
+            if num_full > len(blocks.chains[row]):
+                blocks.register(row, request.block_keys, request.block_contents, num_full)
+        self._to_register.clear()
+
+    def _register_known(self, request: Request, row: int) -> None:
+        """``request`` gives back ``row``: cache the full blocks of known tokens its launched steps wrote."""
+        if self.blocks.prefix is None:
+            return
+        st, bs = self.rows, self.blocks.block_size
+        num_outputs = int(st.num_outputs[row])
+        num_known = len(request.prompt_token_ids) + num_outputs
+        num_full = min(num_known, int(st.num_computed[row])) // bs
+        if num_full <= len(self.blocks.chains[row]):
+            return
+        hashed = len(request.block_keys) * bs
+        if hashed < num_full * bs:  # hash the new blocks only: the tokens after the hashed ones
+            prompt_len = len(request.prompt_token_ids)
+            tail = request.prompt_token_ids[hashed:] + st.history[row, max(hashed - prompt_len, 0):num_outputs].tolist()
+            chain_tail(tail, bs, request.block_keys, request.block_contents)
+        self.blocks.register(row, request.block_keys, request.block_contents, num_full)
+
+    # -- reporting -----------------------------------------------------------------------
+    def prefix_cache_stats(self) -> dict:
+        """Cumulative since the start or the last ``reset_prefix_cache``: prefilled and reused tokens at
+        admissions (a recompute counts again), their ratio, blocks cached now and blocks evicted."""
+        cache = self.blocks.prefix
+        if cache is None:
+            return {"enabled": False, "prompt_tokens": 0, "cached_tokens": 0, "hit_rate": 0.0, "cached_blocks": 0,
+                    "evictions": 0}
+        s = cache.stats
+        return {"enabled": True, "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens,
+                "hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
+                "cached_blocks": cache.num_cached, "evictions": s.evictions}
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block no running request lists and zero the counters; True if the cache is now
+        empty (False: blocks that running requests list stay cached)."""
+        return self.blocks.reset_prefix_cache()

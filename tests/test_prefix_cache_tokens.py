@@ -1,0 +1,100 @@
+"""Prefix caching on the default model (real torch execution on CPU): the same tokens with caching on and off.
+
+A batch of prompts sharing a system prompt: cut at a block boundary and off
+it, with questions after it, repeated, and prompts that are entirely a
+prefix of others (so entirely cached once those ran). Chunked prefill spreads
+admissions over steps so later requests find earlier ones' blocks; a KV
+cache of 20 blocks forces preemption (recompute reuses what is still cached)
+and eviction. Overlap and synchronous mode. Penalties and seeded sampling
+must see a reused prefix exactly as a computed one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from engine_checks import assert_idle_and_clean
+
+from asyncbatch import SamplingParams
+
+pytestmark = pytest.mark.model
+
+SYSTEM = ("You are the assistant of a small bakery in a quiet town. You answer questions about opening hours, "
+          "bread, cakes, allergens and prices in one or two short sentences. You are friendly and precise, you "
+          "never invent facts, and you say so when you do not know. The bakery opens at seven in the morning and "
+          "closes at six in the evening, except on Sundays, when it closes at noon. Question:")
+QUESTIONS = [" When do you open on Saturday?", " Do you sell rye bread?", " Is there gluten in the croissants?",
+             " How much is a birthday cake?"]
+BLOCK = 16  # EngineConfig's default block size
+
+
+def prompts_of(tokenizer) -> tuple[list[list[int]], list[list[int]]]:
+    """(the batch, prompts that are entirely a prefix of the batch's prompts)."""
+    system = tokenizer.encode(SYSTEM)
+    assert len(system) > 4 * BLOCK + 10
+    aligned, unaligned = system[:4 * BLOCK], system[:4 * BLOCK - 7]
+    questions = [tokenizer.encode(q) for q in QUESTIONS]
+    batch = [system + q for q in questions]
+    batch += [aligned + questions[0], unaligned + questions[1], aligned, system, system + questions[2],
+              unaligned + questions[3]]
+    return batch, [aligned, system]
+
+
+@dataclass
+class Run:
+    batch: list[list[int]]  # output tokens of the batch
+    again: list[list[int]]  # output tokens of the prefixes submitted alone afterwards
+    stats: dict  # LLM.stats()
+    cache: dict  # prefix_cache_stats at the end
+    again_cache: dict  # prompt and cached tokens of the second round alone
+    prefix_lens: list[int]
+
+
+def run(make_llm, caching: bool, params: SamplingParams, **kwargs) -> Run:
+    llm = make_llm(device="cpu", enable_prefix_caching=caching, debug_check_integrity=True, max_num_seqs=8,
+                   **kwargs)
+    batch, prefixes = prompts_of(llm.tokenizer)
+    first = [o.token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+    before = llm._client.call("prefix_cache_stats")
+    again = [o.token_ids for o in llm.generate(prefixes, params, use_tqdm=False)]
+    after = llm._client.call("prefix_cache_stats")
+    stats = llm.stats()
+    assert_idle_and_clean(llm)
+    assert stats["prefix_cache_hit_rate"] == after["hit_rate"]
+    assert stats["prefix_cached_blocks"] == after["cached_blocks"]
+    return Run(first, again, stats, after, {k: after[k] - before[k] for k in ("prompt_tokens", "cached_tokens")},
+               [len(p) for p in prefixes])
+
+
+@pytest.mark.parametrize("overlap", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["overlap", "sync"])
+@pytest.mark.parametrize("engine_kwargs", [
+    {"max_num_batched_tokens": 48},  # chunked prefill; admissions spread over steps
+    {"max_num_batched_tokens": 64, "num_kv_blocks": 20},  # preemption and eviction
+], ids=["chunked", "tight"])
+def test_greedy_tokens_identical_with_caching_on_and_off(make_llm, overlap, engine_kwargs):
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    on = run(make_llm, True, params, overlap=overlap, **engine_kwargs)
+    off = run(make_llm, False, params, overlap=overlap, **engine_kwargs)
+    assert on.batch == off.batch
+    assert on.again == off.again
+    assert on.stats["prefix_cache_hit_rate"] > 0.3, on.cache
+    assert off.stats["prefix_cache_hit_rate"] == 0.0 and off.stats["prefix_cached_blocks"] == 0
+    if "num_kv_blocks" in engine_kwargs:
+        assert on.stats["preemptions"] > 0 and off.stats["preemptions"] > 0
+        assert on.cache["evictions"] > 0
+    else:
+        assert on.stats["preemptions"] == 0
+        # Prompts that are entirely cached: every full block but the one holding the last token is reused.
+        assert on.again_cache == {"prompt_tokens": sum(on.prefix_lens),
+                                  "cached_tokens": sum((n - 1) // BLOCK * BLOCK for n in on.prefix_lens)}
+
+
+def test_penalties_and_seeded_sampling_see_a_reused_prefix_as_computed(make_llm):
+    params = SamplingParams(max_tokens=12, temperature=0.9, top_k=40, seed=11, repetition_penalty=1.5,
+                            presence_penalty=0.4, frequency_penalty=0.3, ignore_eos=True)
+    on = run(make_llm, True, params, overlap=True, max_num_batched_tokens=48)
+    off = run(make_llm, False, params, overlap=True, max_num_batched_tokens=48)
+    assert on.stats["prefix_cache_hit_rate"] > 0.3
+    assert on.batch == off.batch
+    assert on.again == off.again
