@@ -60,6 +60,8 @@ class SimConfig:
 
 DEVICES = ("auto", "cpu", "cuda", "sim")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Weight precisions of the cpu device (``asyncbatch.model.quantization``); None keeps the dtype's weights.
+QUANTIZATIONS = ("int8", "int4", "w8a8")
 
 
 @dataclass(slots=True)
@@ -84,6 +86,9 @@ class EngineConfig:
     chat_template: str | None = None
     device: str = "auto"
     dtype: str = "auto"
+    # cpu only: "int8" / "int4" weight-only or "w8a8" (int8 weights and per-row int8 activations) for the
+    # decoder's projections and the LM head; None keeps every weight in ``dtype``.
+    quantization: str | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -116,6 +121,11 @@ class EngineConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be None or one of {list(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization is not None and self.device in ("cuda", "sim"):
+            raise ValueError(f"quantization={self.quantization!r} runs on the cpu device only, got "
+                             f"device={self.device!r}")
         _positive("max_num_seqs", self.max_num_seqs, upper=65536)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens, upper=1 << 20)
         _positive("block_size", self.block_size, upper=1024)

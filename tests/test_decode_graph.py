@@ -191,9 +191,9 @@ def cuda_host_shim(monkeypatch):
     settings: dict = {}
     cpu_executor = torch_executor.TorchExecutor
 
-    def build(model, kv_caches, max_num_seqs, device):
+    def build(model, kv_caches, max_num_seqs, device, **cpu_only):  # cpu_only: e.g. dtype_choice
         if not settings:
-            return cpu_executor(model, kv_caches, max_num_seqs, device)
+            return cpu_executor(model, kv_caches, max_num_seqs, device, **cpu_only)
         return HostShim(model, kv_caches, max_num_seqs, device, **settings)
 
     monkeypatch.setattr(torch_executor, "TorchExecutor", build)  # what engine_builder constructs on "cpu"

@@ -61,7 +61,7 @@ def test_default_model_greedy_matches_transformers(make_llm, overlap):
 ])
 def test_tiny_models_greedy_match_transformers(make_llm, tmp_path, arch, kwargs):
     path = save_tiny_model(tmp_path / arch, arch, **kwargs)
-    llm = make_llm(str(path), device="cpu", max_num_batched_tokens=16, max_num_seqs=4, block_size=4)
+    llm = make_llm(str(path), device="cpu", dtype="float32", max_num_batched_tokens=16, max_num_seqs=4, block_size=4)
     prompts = [[3 + (i * 31 + j * 7) % 250 for j in range(3 + i * 5)] for i in range(8)]
     max_tokens = [6 + i * 3 for i in range(8)]
     outs = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0.0) for n in max_tokens],
@@ -77,10 +77,10 @@ def test_preemption_keeps_greedy_tokens(make_llm, tmp_path):
     path = save_tiny_model(tmp_path / "llama", "LlamaForCausalLM")
     prompts = [[3 + (i * 17 + j) % 250 for j in range(10 + i)] for i in range(6)]
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
-    roomy = make_llm(str(path), device="cpu", block_size=4)
+    roomy = make_llm(str(path), device="cpu", dtype="float32", block_size=4)
     expected = [o.token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
     for overlap in (True, False):
-        tight = make_llm(str(path), device="cpu", block_size=4, num_kv_blocks=22, max_num_seqs=6,
+        tight = make_llm(str(path), device="cpu", dtype="float32", block_size=4, num_kv_blocks=22, max_num_seqs=6,
                          overlap=overlap, debug_check_integrity=True)
         got = [o.token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
         assert tight.stats()["preemptions"] > 0, "the cache was meant to be too small"
@@ -104,7 +104,7 @@ def test_repetition_penalty_matches_transformers(make_llm, tmp_path, overlap):
         expected.append(out[0, len(prompt):].tolist())
     params = SamplingParams(max_tokens=24, temperature=0.0, repetition_penalty=1.5, ignore_eos=True)
     for kwargs in ({}, {"num_kv_blocks": 16, "block_size": 4}):
-        llm = make_llm(str(path), device="cpu", overlap=overlap, max_num_seqs=6, **kwargs)
+        llm = make_llm(str(path), device="cpu", dtype="float32", overlap=overlap, max_num_seqs=6, **kwargs)
         got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert got == expected, kwargs
         if kwargs:
@@ -125,7 +125,7 @@ def test_penalties_and_seeded_sampling_same_in_both_modes(make_llm, tmp_path):
     runs = []
     for overlap in (True, False):
         for kwargs in ({"num_kv_blocks": 20}, {"max_num_batched_tokens": 8}):  # preemption; chunked prompts
-            llm = make_llm(str(path), device="cpu", overlap=overlap, block_size=4, max_num_seqs=8, **kwargs)
+            llm = make_llm(str(path), device="cpu", dtype="float32", overlap=overlap, block_size=4, max_num_seqs=8, **kwargs)
             runs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
             llm.close()
     assert all(run == runs[0] for run in runs[1:])

@@ -193,7 +193,12 @@ def test_max_model_len_honours_active_sliding_windows() -> None:
 
 
 def test_resolve_dtype(monkeypatch) -> None:
+    from asyncbatch.model import cpu_features
+
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     assert resolve_dtype("auto", "cpu") == torch.float32
+    monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
+    assert resolve_dtype("auto", "cpu") == torch.bfloat16
     assert resolve_dtype("bfloat16", CPU) == torch.bfloat16
     assert resolve_dtype("float16", "cuda") == torch.float16
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)

@@ -16,7 +16,7 @@ import transformers
 from asyncbatch.bench.metrics import median_of, spread
 from asyncbatch.bench.runner import SystemData, rate_key
 from asyncbatch.bench.schema import SCHEMA_ID, validate
-from asyncbatch.bench.systems import GENERATE_BATCH, OVERLAP, STATIC, SYNC
+from asyncbatch.bench.systems import GENERATE_BATCH, LLAMACPP, OVERLAP, STATIC, SYNC
 from asyncbatch.profiling.host_info import cpu_name, git_commit
 
 
@@ -38,7 +38,7 @@ def comparisons(results: list[SystemData], rates: list[float | None]) -> list[di
     out = []
     for rate in rates:
         num = _median_tput(by_name[OVERLAP], rate)
-        for other in (GENERATE_BATCH, SYNC, STATIC):
+        for other in (GENERATE_BATCH, SYNC, STATIC, LLAMACPP):
             if other in by_name and num:
                 den = _median_tput(by_name[other], rate)
                 if den:

@@ -25,7 +25,7 @@ from asyncbatch.bench.host_load import HostLoad
 from asyncbatch.bench.metrics import run_metrics, summarize_runs
 from asyncbatch.bench.records import RunResult
 from asyncbatch.bench.system_base import BenchSettings, BenchSystem
-from asyncbatch.bench.systems import OVERLAP, build_system, parse_systems
+from asyncbatch.bench.systems import OPTIONAL, OVERLAP, build_system, parse_systems
 from asyncbatch.bench.workloads import WORKLOADS, WorkItem
 
 CDF_POINTS = 101  # quantiles stored per metric: enough for a smooth CDF, small JSON at any scale
@@ -37,7 +37,8 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
     p.add_argument("--dtype", default="float32", choices=("auto", "float32", "bfloat16", "float16"))
     p.add_argument("--systems", default="all",
-                   help="'all' or a comma list of: overlap, sync, generate_batch, static")
+                   help="'all' or a comma list of: overlap, sync, generate_batch, static, llamacpp "
+                        "(llama.cpp: needs the llamacpp extra, skipped with a message without it)")
     p.add_argument("--workload", default="random", choices=WORKLOADS)
     p.add_argument("--num-requests", type=int, default=None,
                    help="requests per run (default: 256 for nanovllm, else 64); nanovllm takes its first N")
@@ -120,11 +121,19 @@ class SystemData:
 
 
 def build_systems(names: str, settings: BenchSettings, warmup: list[WorkItem], log=print) -> list[BenchSystem]:
+    from asyncbatch.bench.system_llamacpp import LlamaCppUnavailable
+
     systems: list[BenchSystem] = []
     try:
         for name in parse_systems(names):
             log(f"building {name} ...")
-            system = build_system(name, settings)
+            try:
+                system = build_system(name, settings)
+            except LlamaCppUnavailable as exc:
+                if name not in OPTIONAL:
+                    raise
+                log(f"skipping {name}: {exc}")
+                continue
             systems.append(system)
             if warmup:
                 system.warmup(warmup)

@@ -67,6 +67,8 @@ def run(kind: str, args: argparse.Namespace, rates: list[float | None], ignore_e
     _log(f"{kind}: {n} requests ({args.workload}), model {path}, {args.device}/{args.dtype}, "
          f"{args.repeats} repeats, rates {rates}")
     systems = build_systems(args.systems, settings, warmup_items(items, args.warmup_requests), log=_log)
+    if not systems:
+        raise SystemExit("no system could be built")
     try:
         results = run_all(systems, items, rates, args.repeats, burstiness, args.seed, progress=not args.no_progress)
     finally:

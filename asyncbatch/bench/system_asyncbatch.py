@@ -23,16 +23,19 @@ from asyncbatch.sampling_params import SamplingParams
 
 
 class AsyncBatchSystem(BenchSystem):
-    def __init__(self, settings: BenchSettings, overlap: bool) -> None:
+    def __init__(self, settings: BenchSettings, overlap: bool, name: str | None = None) -> None:
         self.settings = settings
         self.overlap = overlap
-        self.name = "asyncbatch-overlap" if overlap else "asyncbatch-sync"
+        self.name = name or ("asyncbatch-overlap" if overlap else "asyncbatch-sync")
         self.description = ("asyncbatch, planner one step ahead (overlap=True)" if overlap
                             else "asyncbatch, synchronous loop (overlap=False)")
+        if settings.quantization:
+            self.description += f", {settings.quantization} weights"
         if not settings.enable_prefix_caching:
             self.name += "-no-prefix-cache"
             self.description += ", prefix caching off"
         self.llm = LLM(settings.model, device=settings.device, dtype=settings.dtype, overlap=overlap,
+                       quantization=settings.quantization, num_threads=settings.num_threads,
                        max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
                        seed=settings.seed, enable_prefix_caching=settings.enable_prefix_caching)
         info = self.llm.executor_info  # the engine's own tensors, counted in the core process
@@ -45,6 +48,7 @@ class AsyncBatchSystem(BenchSystem):
     def config(self) -> dict:
         c = self.llm.config
         return {"overlap": self.overlap, "device": self.llm.device, "dtype": str(self.llm.dtype),
+                "quantization": self.settings.quantization,
                 "max_num_seqs": c.max_num_seqs, "max_num_batched_tokens": c.max_num_batched_tokens,
                 "block_size": c.block_size, "num_kv_blocks": self.llm.num_usable_blocks + 1,
                 "simulated": self.llm.simulated, "enable_prefix_caching": c.enable_prefix_caching}

@@ -23,6 +23,8 @@ class BenchSettings:
     model: str | None = None
     device: str = "cpu"
     dtype: str = "float32"
+    quantization: str | None = None  # asyncbatch only: the cpu weight precision (int8, int4, w8a8)
+    num_threads: int | None = None  # cpu: torch threads of asyncbatch's engine and llama.cpp's threads (None: all)
     temperature: float = 0.0
     ignore_eos: bool = True
     max_num_seqs: int = 256

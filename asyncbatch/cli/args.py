@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from asyncbatch.config import DEVICES, DTYPES
+from asyncbatch.config import DEVICES, DTYPES, QUANTIZATIONS
 from asyncbatch.sampling_params import SamplingParams
 
 
@@ -13,6 +13,8 @@ def add_engine_args(parser: argparse.ArgumentParser, run_options: bool = True) -
     parser.add_argument("--model", default=None, help="HF directory, .gguf file, or alias (default: smollm2-135m)")
     parser.add_argument("--device", default="auto", choices=list(DEVICES))
     parser.add_argument("--dtype", default="auto", choices=list(DTYPES))
+    parser.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS),
+                        help="cpu only: int8 / int4 weight-only, or w8a8 (int8 weights and activations)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
@@ -27,7 +29,7 @@ def add_engine_args(parser: argparse.ArgumentParser, run_options: bool = True) -
 
 def engine_kwargs(args: argparse.Namespace, overlap: bool) -> dict:
     """``LLM`` keyword arguments from ``add_engine_args``' options."""
-    return {"device": args.device, "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
+    return {"device": args.device, "dtype": args.dtype, "quantization": args.quantization, "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed, "overlap": overlap,
             "tokenizer": args.tokenizer, "chat_template": args.chat_template,
             "enable_prefix_caching": args.enable_prefix_caching}
@@ -48,3 +50,15 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, min_p=args.min_p, seed=args.sample_seed, stop=args.stop,
                           ignore_eos=args.ignore_eos)
+
+
+def precision_text(info: dict) -> str:
+    """The weights' precision from ``LLM.executor_info``, e.g. ``"float32 (auto -> float32: no native ...)"``
+    or ``"float32 activations, w8a8 weights"``; empty on the simulated device."""
+    dtype = info.get("dtype")
+    if dtype is None:
+        return ""
+    quant = info.get("quantization")
+    text = f"{dtype} activations, {quant} weights" if quant else dtype
+    choice = info.get("dtype_choice")
+    return f"{text} ({choice})" if choice else text

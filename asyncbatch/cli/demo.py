@@ -10,7 +10,7 @@ import argparse
 import time
 
 from asyncbatch.bench.workloads import uniform_requests
-from asyncbatch.cli.args import engine_kwargs
+from asyncbatch.cli.args import engine_kwargs, precision_text
 from asyncbatch.llm import LLM
 from asyncbatch.sampling_params import SamplingParams
 
@@ -42,7 +42,8 @@ def run_demo(args: argparse.Namespace) -> int:
             if overlap:
                 out = llm.chat([{"role": "user", "content": message}], SamplingParams(max_tokens=48, temperature=0.0),
                                use_tqdm=False)[0]
-                sim = " (simulated device: pseudo-tokens)" if llm.simulated else ""
+                sim = (" (simulated device: pseudo-tokens)" if llm.simulated
+                       else f" in {precision_text(llm.executor_info)}")
                 print(f"model: {llm.model_path} on {llm.device}{sim}, loaded in {load_s:.2f} s")
                 print(f"user: {message}\nassistant: {out.text.strip()}\n"
                       f"[{len(out.token_ids)} tokens, finish={out.finish_reason}, "

@@ -12,7 +12,13 @@ import re
 import sys
 import time
 
-from asyncbatch.cli.args import add_engine_args, add_sampling_args, engine_kwargs, sampling_params
+from asyncbatch.cli.args import (
+    add_engine_args,
+    add_sampling_args,
+    engine_kwargs,
+    precision_text,
+    sampling_params,
+)
 from asyncbatch.cli.demo import run_demo
 from asyncbatch.cli.profile import add_profile_command
 from asyncbatch.cli.serve import add_serve_command
@@ -47,7 +53,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             finish = delta.finish_reason or finish
         total = time.perf_counter() - start
         print()
-        label = " (simulated)" if llm.simulated else ""
+        label = " (simulated)" if llm.simulated else f", {precision_text(llm.executor_info)}"
         print(f"--- {n} tokens, finish={finish}, load {load_s:.2f} s, TTFT {1e3 * (first or 0):.1f} ms, "
               f"total {total:.2f} s, {n / total:.1f} tok/s on {llm.device}{label}", file=sys.stderr)
         if args.trace:

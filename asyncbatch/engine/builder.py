@@ -27,6 +27,7 @@ from asyncbatch.engine.core import EngineCore
 from asyncbatch.engine.scheduler import Scheduler
 from asyncbatch.executors.base import Executor
 from asyncbatch.model.loader import (
+    explain_dtype,
     load_config,
     load_model,
     load_tokenizer,
@@ -34,6 +35,7 @@ from asyncbatch.model.loader import (
     resolve_dtype,
     resolve_model_path,
 )
+from asyncbatch.model.quantization import check_quantization
 
 _GIB = 1 << 30
 
@@ -139,6 +141,8 @@ def resolve_model(config: EngineConfig) -> ResolvedModel:
     from asyncbatch.profiling.marks import nvtx_enabled
 
     device = resolve_device(config.device)
+    if device != "sim":
+        check_quantization(config.quantization, device, resolve_dtype(config.dtype, device))
     path = resolve_model_path(config.model, config.cache_dir)
     hf_config, _arch = load_config(path)
     tokenizer = _tokenizer_for(config, Path(path))
@@ -168,9 +172,9 @@ def build_core(config: EngineConfig, spec: ModelSpec, send: Callable[[object], N
         if device == "cpu":
             # The device thread's kernels get every core; the planner thread mostly waits on it.
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
-        dtype = resolve_dtype(config.dtype, device)
+        dtype, dtype_choice = explain_dtype(config.dtype, device)
         torch_device = torch.device(device)
-        model = load_model(spec.path, dtype, torch_device, max_positions=max_len)
+        model = load_model(spec.path, dtype, torch_device, max_positions=max_len, quantization=config.quantization)
         reserved = 0
         if device == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory_gib is None:
             from asyncbatch.executors.cuda_memory import profile_step_memory
@@ -187,7 +191,7 @@ def build_core(config: EngineConfig, spec: ModelSpec, send: Callable[[object], N
                                     enable_cuda_graphs=config.enable_cuda_graphs,
                                     cuda_graph_batch_sizes=config.cuda_graph_batch_sizes)
         else:
-            executor = TorchExecutor(model, kv_caches, config.max_num_seqs, torch_device)
+            executor = TorchExecutor(model, kv_caches, config.max_num_seqs, torch_device, dtype_choice=dtype_choice)
     blocks = BlockManager(num_blocks, config.block_size, config.max_num_seqs, spec.max_blocks_per_seq,
                           prefix_caching=config.enable_prefix_caching)
     scheduler = Scheduler(blocks, config.max_num_batched_tokens, eos_token_id=spec.eos_token_id)

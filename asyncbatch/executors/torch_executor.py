@@ -175,9 +175,12 @@ class TorchStep:
                                        penalty.token_is_output[nd:])
 
     def memory_info(self) -> dict:
-        """``weights_mib`` and ``kv_cache_mib``, for the executors' ``describe``."""
-        return {"weights_mib": module_mib(self.model),
-                "kv_cache_mib": tensor_mib(t for kv in self.kv_caches for t in kv)}
+        """``weights_mib``, ``kv_cache_mib`` and the weights' precision, for the executors' ``describe``."""
+        packed = sum(getattr(m, "_packed_bytes", 0) for m in self.model.modules())  # fbgemm handles
+        return {"weights_mib": module_mib(self.model) + packed / 2**20,
+                "kv_cache_mib": tensor_mib(t for kv in self.kv_caches for t in kv),
+                "dtype": str(self.model.model.embed_tokens.weight.dtype).removeprefix("torch."),
+                "quantization": self.model.quantization}
 
 
 class TorchExecutor(ThreadedExecutor):
@@ -186,8 +189,9 @@ class TorchExecutor(ThreadedExecutor):
     is_cuda = False
 
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_num_seqs: int,
-                 device: torch.device) -> None:
+                 device: torch.device, dtype_choice: str | None = None) -> None:
         device = torch.device(device)
+        self.dtype_choice = dtype_choice
         if device.type != "cpu":
             raise ValueError(f"TorchExecutor runs on the CPU; use CudaExecutor for {device}")
         self._torch_step = TorchStep(model, kv_caches, max_num_seqs, device)
@@ -221,4 +225,5 @@ class TorchExecutor(ThreadedExecutor):
                           sample_ms=(t2 - t_sample) * 1e3, d2h_ms=(t3 - t2) * 1e3)
 
     def describe(self) -> dict:
-        return {**super().describe(), **self._torch_step.memory_info()}
+        return {**super().describe(), **self._torch_step.memory_info(), "dtype_choice": self.dtype_choice,
+                "torch_threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}

@@ -48,6 +48,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden,
                                 bias=bool(getattr(config, "attention_bias", False)) and arch != "Qwen2ForCausalLM")
+        # Set by ``quantization.quantize_model``: q, k and v as one linear (q_proj, k_proj, v_proj removed).
+        self.qkv_proj: nn.Module | None = None
         self.qk_norm = arch == "Qwen3ForCausalLM"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -56,9 +58,14 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, heads, head_dim]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, kv_heads, head_dim]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:
+            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, heads, head_dim]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, kv_heads, head_dim]
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -73,8 +80,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj: nn.Module | None = None  # set by ``quantization.quantize_model``, like ``qkv_proj``
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -112,11 +123,20 @@ class CausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Set by ``quantization.quantize_model``: the weight precision and the LM head that replaces
+        # ``output_weight``.
+        self.quantization: str | None = None
+        self.quantized_lm_head: nn.Module | None = None
         attn = self.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         cos, sin = rope_cos_sin(config, attn.head_dim, max_positions)
         self.register_buffer("rope_cos", cos, persistent=False)  # [max_positions, head_dim]
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    @property
+    def lm_head_reads_embedding(self) -> bool:
+        """Whether the LM head multiplies by the (tied) embedding table, reading all of it every step."""
+        return self.tie_word_embeddings and self.quantized_lm_head is None
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -125,7 +145,7 @@ class CausalLM(nn.Module):
     def new_kv_caches(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Zeroed key and value caches for every layer, ``[num_blocks, block_size, kv_heads, head_dim]`` each
         (``paged_attention``'s layout), in the weights' dtype and on their device."""
-        weight = self.output_weight
+        weight = self.model.embed_tokens.weight
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
         return [(weight.new_zeros(shape), weight.new_zeros(shape)) for _ in self.model.layers]
 
@@ -136,5 +156,10 @@ class CausalLM(nn.Module):
         sin = self.rope_sin[batch.positions].to(x.dtype)
         for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches):
             x = layer(x, cos, sin, k_cache, v_cache, batch)
-        x = self.model.norm(x[batch.logits_indices])  # [R, hidden]
-        return F.linear(x, self.output_weight).float()  # [R, vocab]
+        return self.compute_logits(self.model.norm(x[batch.logits_indices]))  # [R, hidden] -> [R, vocab]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head: ``[R, hidden]`` final-normed states → ``[R, vocab]`` float32 logits."""
+        if self.quantized_lm_head is not None:
+            return self.quantized_lm_head(hidden).float()
+        return F.linear(hidden, self.output_weight).float()

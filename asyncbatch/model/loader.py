@@ -20,9 +20,11 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from asyncbatch.model.cpu_features import choose_cpu_dtype
 from asyncbatch.model.default_model import DEFAULT_MODEL_ALIASES, default_gguf_path, is_default_model
 from asyncbatch.model.gguf_cache import convert_gguf
 from asyncbatch.model.llama import SUPPORTED_ARCHITECTURES, CausalLM
+from asyncbatch.model.quantization import check_quantization, quantize_model
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -83,14 +85,26 @@ def max_model_len(config: PretrainedConfig) -> int:
 
 
 def resolve_dtype(name: str, device: torch.device | str) -> torch.dtype:
-    """``"auto"`` is float32 on CPU and bfloat16 on CUDA when supported, else float16."""
+    """``"auto"``: on CUDA bfloat16 when supported, else float16; on CPU bfloat16 only where the CPU has
+    native bfloat16 dot products, else float32 (``cpu_features.choose_cpu_dtype``)."""
+    return explain_dtype(name, device)[0]
+
+
+def explain_dtype(name: str, device: torch.device | str) -> tuple[torch.dtype, str]:
+    """``resolve_dtype`` and a sentence saying why that dtype."""
     if name == "auto":
-        if torch.device(device).type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
+        kind = torch.device(device).type
+        if kind == "cuda":
+            bf16 = torch.cuda.is_bf16_supported()
+            return (torch.bfloat16, "bfloat16: auto on a CUDA device with bfloat16") if bf16 else (
+                torch.float16, "float16: auto on a CUDA device without bfloat16")
+        if kind == "cpu":
+            choice = choose_cpu_dtype()
+            return choice.dtype, f"auto -> {choice.reason}"
+        return torch.float32, "float32: auto"
     if name not in DTYPE_NAMES:
         raise ValueError(f"dtype must be one of {['auto', *DTYPE_NAMES]}, got {name!r}")
-    return DTYPE_NAMES[name]
+    return DTYPE_NAMES[name], f"{name}: asked for"
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
@@ -98,12 +112,13 @@ def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
 
 
 def load_model(path: str | os.PathLike[str], dtype: torch.dtype, device: torch.device | str,
-               max_positions: int) -> CausalLM:
+               max_positions: int, quantization: str | None = None) -> CausalLM:
     """Build ``CausalLM`` from the directory's weights, in ``dtype`` on ``device``, frozen, in eval mode.
 
     Floating-point weights are cast to ``dtype``; the rotary tables stay float32
     (the model casts the rows it gathers). Missing or unexpected weights raise a
-    ``ValueError`` listing them.
+    ``ValueError`` listing them. ``quantization`` (CPU only: ``"int8"``, ``"int4"``, ``"w8a8"``) then swaps
+    the projections and the LM head for quantized ones (``quantization.quantize_model``).
     """
     try:
         from accelerate import init_empty_weights
@@ -115,6 +130,7 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype, device: torch.d
     path = Path(path)
     config, arch = load_config(path)
     device = torch.device(device)
+    check_quantization(quantization, device.type, dtype)
     # Parameters go to meta (no random init); buffers stay real because the rotary tables are computed
     # in __init__. The context patches nn.Module globally, so no other thread should build modules meanwhile.
     empty = init_empty_weights(include_buffers=False) if init_empty_weights else contextlib.nullcontext()
@@ -127,7 +143,10 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype, device: torch.d
     _check_keys(path, expected, set(state))
     model.load_state_dict(state, strict=True, assign=True)
     model.to(device)  # moves the rotary buffers; parameters are already there
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    if quantization is not None:
+        quantize_model(model, quantization, path)
+    return model
 
 
 def read_state_dict(path: Path, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
