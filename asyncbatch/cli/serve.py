@@ -109,7 +109,9 @@ def _model_settings_kwargs(args: argparse.Namespace, settings_cls) -> tuple[str 
 def _serve_cluster(args: argparse.Namespace) -> int:
     """``--replicas N``: N engines as Ray Serve replicas behind one OpenAI ingress (``asyncbatch.cluster``)."""
     try:
-        from asyncbatch.cluster import launch  # layering: the CLI starts the cluster only when asked (ray is optional)
+        from asyncbatch.cluster import (
+            launch,  # layering: the CLI starts the cluster only when asked (ray is optional)
+        )
         from asyncbatch.serve.settings import ServeSettings
     except ImportError as exc:
         raise SystemExit(f"asyncbatch serve --replicas needs the cluster extra ({exc.name} is missing): "
