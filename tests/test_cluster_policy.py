@@ -137,3 +137,28 @@ def test_the_engine_publishes_the_keys_a_router_computes():
         assert matched_blocks(prompt_keys(prompt, BS), frozenset(published)) == 8
         with pytest.raises(ValueError, match="max_blocks"):
             llm.prefix_cache_keys(max_blocks=-1)
+
+
+def test_a_slow_replica_gets_no_more_than_its_share():
+    """Two replicas, one serving at a third of the other's speed, 8 tenants: the policy's own load signal (in
+    flight) keeps the slow one from taking more than its capacity share, though it caches half the tenants."""
+    rng = random.Random(0)
+    policy = CacheAwarePolicy()
+    speed = {"fast": 3, "slow": 1}  # requests finished per tick
+    queue = {"fast": 0, "slow": 0}
+    cached: dict[str, set[int]] = {"fast": set(), "slow": set()}
+    tenants = [prompt_keys([t * 1000 + i for i in range(4 * BS)], BS) for t in range(8)]
+    got = {"fast": 0, "slow": 0}
+    for _tick in range(2000):
+        for _ in range(3):  # arrivals: 3 per tick, 75 % of the total capacity of 4
+            keys = tenants[rng.randrange(8)]
+            views = [ReplicaView(r, frozenset(cached[r]), queue[r], len(cached[r])) for r in queue]
+            best = policy.rank(keys, views, rng)[0].replica_id
+            queue[best] += 1
+            cached[best].update(keys)
+            got[best] += 1
+        for r in queue:
+            queue[r] = max(0, queue[r] - speed[r])
+    share = got["slow"] / sum(got.values())
+    assert share <= 0.25 + 0.05, f"the slow replica took {share:.0%} of the requests (capacity share 25 %)"
+    assert queue["slow"] <= 10  # and it is not left with a growing backlog

@@ -73,7 +73,11 @@ class CacheAwareRouter(RequestRouter):
         if not candidate_replicas:
             return []
         request = _request_of(pending_request)
-        keys = prompt_keys(request.prompt_token_ids, self._block_size) if request is not None else []
+        if request is None:  # not a generation (stats, info): any replica, at random, the less loaded first
+            order = list(candidate_replicas)
+            self._rng.shuffle(order)
+            return [order]
+        keys = prompt_keys(request.prompt_token_ids, self._block_size)
         now = time.time()
         by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
         ranked = self._policy.rank(keys, [self._view(r, now) for r in candidate_replicas], self._rng)
