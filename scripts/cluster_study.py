@@ -112,7 +112,9 @@ def summarize(router: str, results: list[dict], stats: list[dict], t0: float, bi
             "served_per_replica": served, "load_spread": (max(served) - min(served)) / np.mean(served),
             "device_busy_per_replica": per_busy, "cluster_device_busy": float(np.mean(per_busy)),
             "evictions": sum(s["prefix"]["evictions"] for s in stats),
-            "busy_over_time": busy_series(stats, t0, span, bin_s), "bin_s": bin_s}
+            "busy_over_time": busy_series(stats, t0, span, bin_s), "bin_s": bin_s,
+            "ttft_p90_ms": 1e3 * float(np.percentile(ttft, 90)), "ttft_p95_ms": 1e3 * float(np.percentile(ttft, 95)),
+            "per_request": [{k: r[k] for k in ("tenant", "sent", "ttft", "latency", "error")} for r in results]}
 
 
 def run_router(router: str, args, engine: dict, requests) -> dict:
@@ -130,7 +132,8 @@ def run_router(router: str, args, engine: dict, requests) -> dict:
         stats = replica_stats(handle, args.replicas)
         summary = summarize(router, results, stats, t0, args.bin_s)
         print(f"[{router}] " + ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
-                                         for k, v in summary.items() if k != "busy_over_time"), file=sys.stderr)
+                                         for k, v in summary.items() if k not in ("busy_over_time", "per_request")),
+              file=sys.stderr)
         return summary
     finally:
         serve.delete(app)
@@ -170,7 +173,7 @@ def main() -> int:
     p.add_argument("--burstiness", type=float, default=0.5, help="gamma shape of the gaps (1: Poisson)")
     p.add_argument("--kv-blocks", type=int, default=768, help="KV blocks per replica (16 tokens each)")
     p.add_argument("--step-ms", type=float, default=8.0)
-    p.add_argument("--per-token-us", type=float, default=80.0)
+    p.add_argument("--per-token-us", type=float, default=200.0, help="sim: prefill cost per computed token")
     p.add_argument("--per-context-ns", type=float, default=5.0)
     p.add_argument("--stats-period", type=float, default=0.5)
     p.add_argument("--bin-s", type=float, default=1.0)
@@ -204,7 +207,7 @@ def main() -> int:
            "prefix_blocks_per_tenant": args.system_tokens // 16,
            "tenant_blocks_total": args.tenants * (args.system_tokens // 16), "summaries": summaries}
     (args.out / "results.json").write_text(json.dumps(doc, indent=1))
-    keys = ["router", "requests", "failed", "throughput_rps", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms",
+    keys = ["router", "requests", "failed", "throughput_rps", "output_tok_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms",
             "prefix_hit_rate", "served_per_replica", "load_spread", "cluster_device_busy", "evictions"]
     with open(args.out / "summary.csv", "w", newline="") as f:
         w = csv.writer(f)

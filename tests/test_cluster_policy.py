@@ -157,8 +157,8 @@ def test_a_slow_replica_gets_no_more_than_its_share():
             queue[best] += 1
             cached[best].update(keys)
             got[best] += 1
-        for r in queue:
-            queue[r] = max(0, queue[r] - speed[r])
+        for r, n in queue.items():
+            queue[r] = max(0, n - speed[r])
     share = got["slow"] / sum(got.values())
     assert share <= 0.25 + 0.05, f"the slow replica took {share:.0%} of the requests (capacity share 25 %)"
     assert queue["slow"] <= 10  # and it is not left with a growing backlog

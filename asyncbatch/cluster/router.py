@@ -25,7 +25,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from asyncbatch.cluster.cache_summary import CacheSummary, prompt_keys
 from asyncbatch.cluster.request import ReplicaRequest
-from asyncbatch.cluster.routing_policy import CacheAwarePolicy, RecentRoutes, ReplicaView
+from asyncbatch.cluster.routing_policy import CacheAwarePolicy, Either, RecentRoutes, ReplicaView
 
 log = logging.getLogger("asyncbatch.cluster")
 
@@ -53,10 +53,17 @@ class CacheAwareRouter(RequestRouter):
         self._rng = random.Random(seed)
         self._in_flight: dict[str, int] = defaultdict(int)  # requests this router sent, not yet completed
         self._routed_to: dict[str, str] = {}  # internal request id -> replica id
+        # The newest summary of each replica, parsed once (the stats dict is replaced when a new one arrives).
+        self._parsed: dict[str, tuple[dict, CacheSummary | None]] = {}
 
     def _view(self, replica: RunningReplica, now: float) -> ReplicaView:
         rid = replica.replica_id.to_full_id_str()
-        summary = CacheSummary.from_stats(replica.routing_stats)
+        stats = replica.routing_stats
+        cached = self._parsed.get(rid)
+        if cached is None or cached[0] is not stats:
+            cached = (stats, CacheSummary.from_stats(stats))
+            self._parsed[rid] = cached
+        summary = cached[1]
         keys = frozenset()
         published_load = 0
         num_cached = 0
@@ -64,8 +71,8 @@ class CacheAwareRouter(RequestRouter):
             keys = summary.usable_keys(now, self._max_age_s)
             published_load = summary.load
             num_cached = len(summary.keys)
-        recent = self._recent.keys(rid)
-        return ReplicaView(rid, keys | recent if recent else keys, max(self._in_flight[rid], published_load),
+        recent = self._recent.live(rid)
+        return ReplicaView(rid, Either(keys, recent) if recent else keys, max(self._in_flight[rid], published_load),
                            num_cached)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],

@@ -25,7 +25,7 @@ from __future__ import annotations
 import random
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 
 
@@ -34,7 +34,7 @@ class ReplicaView:
     """What the policy knows of one replica now."""
 
     replica_id: str
-    keys: frozenset[int]  # chain keys it is trusted to hold (empty if its summary is stale)
+    keys: Container[int]  # chain keys it is trusted to hold (empty if its summary is stale)
     load: float  # requests running + waiting, including those routed to it since its summary
     num_cached: int = 0  # blocks it caches (tie-break for new prefixes)
 
@@ -72,7 +72,7 @@ class CacheAwarePolicy:
         return sorted(order, key=preference)  # stable: the shuffle breaks the remaining ties
 
 
-def matched_blocks(prompt_keys: Sequence[int], cached: frozenset[int] | set[int]) -> int:
+def matched_blocks(prompt_keys: Sequence[int], cached: Container[int]) -> int:
     """How many of the prompt's leading blocks are cached: keys chain, so the run stops at the first miss."""
     n = 0
     for key in prompt_keys:
@@ -80,6 +80,20 @@ def matched_blocks(prompt_keys: Sequence[int], cached: frozenset[int] | set[int]
             break
         n += 1
     return n
+
+
+class Either:
+    """Membership in either of two containers, without building their union (a routing decision per request
+    would otherwise copy thousands of keys per replica)."""
+
+    __slots__ = ("a", "b")
+
+    def __init__(self, a: Container[int], b: Container[int]) -> None:
+        self.a = a
+        self.b = b
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.a or key in self.b
 
 
 class RecentRoutes:
@@ -104,13 +118,17 @@ class RecentRoutes:
 
     def keys(self, replica_id: str, now: float | None = None) -> frozenset[int]:
         """The keys sent to ``replica_id`` within ``ttl_s`` (older ones are dropped now)."""
+        return frozenset(self.live(replica_id, now))
+
+    def live(self, replica_id: str, now: float | None = None) -> Container[int]:
+        """``keys`` without the copy: a live view for membership tests, valid until the next ``add``."""
         table = self._by_replica.get(replica_id)
         if not table:
             return frozenset()
         now = time.monotonic() if now is None else now
         while table and next(iter(table.values())) < now - self.ttl_s:
             table.popitem(last=False)
-        return frozenset(table)
+        return table
 
     def forget(self, replica_id: str) -> None:
         """A replica died or restarted: what was sent to it is gone with its cache."""
