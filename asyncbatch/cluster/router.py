@@ -80,10 +80,10 @@ class CacheAwareRouter(RequestRouter):
         if not candidate_replicas:
             return []
         request = _request_of(pending_request)
-        if request is None:  # not a generation (stats, info): any replica, at random, the less loaded first
+        if request is None:  # not a generation (stats, info): any replica, uniformly at random
             order = list(candidate_replicas)
             self._rng.shuffle(order)
-            return [order]
+            return [[r] for r in order]
         keys = prompt_keys(request.prompt_token_ids, self._block_size)
         now = time.time()
         by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
