@@ -29,8 +29,10 @@ def test_prompt_keys_are_the_engines_chain_keys():
     assert prompt_keys(TENANT_A, BS, max_blocks=3) == keys[:3]
 
 
-def test_keys_are_the_same_in_another_process_whatever_the_hash_seed():
-    code = ("from asyncbatch.cluster.cache_summary import prompt_keys; "
+def test_keys_are_the_same_in_another_process_whatever_the_hash_seed_and_need_no_ray():
+    # ... and the CLI, the policy and the summaries import no Ray (only the cluster's Ray side does).
+    code = ("import sys; import asyncbatch.cli.main, asyncbatch.cluster.routing_policy; "
+            "from asyncbatch.cluster.cache_summary import prompt_keys; assert 'ray' not in sys.modules; "
             f"print(prompt_keys(list(range(1000, {1000 + 8 * BS})), {BS}))")
     # This process runs with some random str hash seed; the child with another fixed one.
     out = subprocess.run([sys.executable, "-c", code], env={"PYTHONHASHSEED": "12345"}, capture_output=True,
@@ -163,3 +165,10 @@ def test_a_slow_replica_gets_no_more_than_its_share():
     share = got["slow"] / sum(got.values())
     assert share <= 0.25 + 0.05, f"the slow replica took {share:.0%} of the requests (capacity share 25 %)"
     assert queue["slow"] <= 10  # and it is not left with a growing backlog
+
+
+def test_serve_replicas_must_be_at_least_one(capsys):
+    from asyncbatch.cli.main import main
+
+    assert main(["serve", "--device", "sim", "--replicas", "0"]) == 2
+    assert "--replicas: replicas must be >= 1, got 0" in capsys.readouterr().err
