@@ -268,6 +268,13 @@ class LLM:
         ``hit_rate``, ``cached_blocks``, ``evictions``), read now."""
         return self._client.call("prefix_cache_stats", timeout=timeout)
 
+    def prefix_cache_keys(self, max_blocks: int = 4096, timeout: float = 60.0) -> list[int]:
+        """Chain keys (``engine.prefix_cache.chain_keys``) of up to ``max_blocks`` cached KV blocks, held ones
+        first, then the most recently released: what a cache-aware router matches a prompt's keys against."""
+        if max_blocks < 0:
+            raise ValueError(f"max_blocks must be >= 0, got {max_blocks}")
+        return self._client.call("prefix_cache_keys", max_blocks, timeout=timeout)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached KV block no running request uses, and zero the hit counters; True if the cache
         is now empty (False: blocks of running requests stay cached)."""

@@ -10,7 +10,7 @@ Layers, lowest first (a module may import its own layer and those below):
     5  engine core      the planner loop, the core process, the builder
     6  frontend         prompts in, text out: handles, output processing, detokenizer, stop strings
     7  public API       LLM, the package itself
-    8  tools            cli, bench, serve (the asyncio API and the HTTP server)
+    8  tools            cli, bench, serve (the asyncio API and the HTTP server), cluster (Ray Serve replicas)
 
 An import of a higher layer is allowed only with its reason on the same line: ``# layering: <why>``.
 """
@@ -34,7 +34,7 @@ LAYERS = {  # longest matching prefix wins
     "asyncbatch.engine.client": 5, "asyncbatch.engine.planner_loop": 5,
     "asyncbatch.frontend": 6,
     "asyncbatch.llm": 7,
-    "asyncbatch.cli": 8, "asyncbatch.bench": 8, "asyncbatch.serve": 8, "asyncbatch.__main__": 8,
+    "asyncbatch.cli": 8, "asyncbatch.bench": 8, "asyncbatch.serve": 8, "asyncbatch.cluster": 8, "asyncbatch.__main__": 8,
 }
 
 

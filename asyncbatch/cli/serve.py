@@ -50,10 +50,21 @@ def add_serve_command(subparsers) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="uvicorn's access log line per HTTP request")
     p.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="engine replicas; > 1 runs them on Ray Serve (pip install -e '.[cluster]'), see docs/scaling.md")
+    p.add_argument("--router", default="cache-aware", choices=["cache-aware", "pow2", "ray-prefix"],
+                   help="with --replicas > 1: how requests are routed (default: longest cached prefix vs load)")
+    p.add_argument("--address", default=None,
+                   help="with --replicas > 1: the Ray cluster to join ('auto' after `ray start`; default: start a "
+                        "local one)")
     p.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {args.replicas}")
+    if args.replicas > 1 or args.address is not None:
+        return _serve_cluster(args)
     try:
         from asyncbatch.serve.async_llm import AsyncLLM
         from asyncbatch.serve.server import bind_socket, run_server
@@ -63,18 +74,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                          "pip install -e '.[serve]'") from exc
     if args.model_arg is not None and args.model is not None and args.model_arg != args.model:
         raise ValueError(f"model given twice: {args.model_arg!r} and --model {args.model!r}")
-    model = args.model_arg or args.model
-    names = tuple(args.served_model_name or [model or "smollm2-135m"])
-    settings = ServeSettings(names, api_key=args.api_key, max_waiting=args.max_waiting,
-                             max_body_bytes=args.max_request_bytes, shutdown_timeout_s=args.shutdown_timeout,
-                             log_requests=not args.disable_log_requests)
+    model, settings, kwargs = _model_settings_kwargs(args, ServeSettings)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    kwargs = engine_kwargs(args, overlap=not args.no_overlap)
-    kwargs.update(max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
-                  skip_tokenizer_init=args.skip_tokenizer_init, num_threads=args.num_threads)
-    if args.device == "sim":
-        kwargs["sim"] = SimConfig(step_fixed_ms=args.sim_step_ms, per_token_us=args.sim_per_token_us,
-                                  per_context_token_ns=args.sim_per_context_ns)
     sock = bind_socket(args.host, args.port)  # a busy port fails before the model loads
     try:
         engine = AsyncLLM(model, **kwargs)
@@ -85,3 +86,48 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return run_server(engine, settings, sock, log_level=args.log_level, access_log=args.access_log)
     finally:
         engine.close()
+
+
+def _model_settings_kwargs(args: argparse.Namespace, settings_cls) -> tuple[str | None, object, dict]:
+    """The model, the server settings and the engine keywords the options give (one engine or a replica)."""
+    if args.model_arg is not None and args.model is not None and args.model_arg != args.model:
+        raise ValueError(f"model given twice: {args.model_arg!r} and --model {args.model!r}")
+    model = args.model_arg or args.model
+    names = tuple(args.served_model_name or [model or "smollm2-135m"])
+    settings = settings_cls(names, api_key=args.api_key, max_waiting=args.max_waiting,
+                            max_body_bytes=args.max_request_bytes, shutdown_timeout_s=args.shutdown_timeout,
+                            log_requests=not args.disable_log_requests)
+    kwargs = engine_kwargs(args, overlap=not args.no_overlap)
+    kwargs.update(max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
+                  skip_tokenizer_init=args.skip_tokenizer_init, num_threads=args.num_threads)
+    if args.device == "sim":
+        kwargs["sim"] = SimConfig(step_fixed_ms=args.sim_step_ms, per_token_us=args.sim_per_token_us,
+                                  per_context_token_ns=args.sim_per_context_ns)
+    return model, settings, kwargs
+
+
+def _serve_cluster(args: argparse.Namespace) -> int:
+    """``--replicas N``: N engines as Ray Serve replicas behind one OpenAI ingress (``asyncbatch.cluster``)."""
+    try:
+        from asyncbatch.cluster import (
+            launch,  # layering: the CLI starts the cluster only when asked (ray is optional)
+        )
+        from asyncbatch.serve.settings import ServeSettings
+    except ImportError as exc:
+        raise SystemExit(f"asyncbatch serve --replicas needs the cluster extra ({exc.name} is missing): "
+                         "pip install -e '.[serve,cluster]'") from exc
+    if args.api_key or args.max_waiting is not None:
+        logging.getLogger("asyncbatch.cluster").warning("--api-key and --max-waiting are not applied by the "
+                                                        "cluster ingress yet")
+    model, settings, kwargs = _model_settings_kwargs(args, ServeSettings)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    spec = launch.ClusterSpec(num_replicas=args.replicas, router=args.router,
+                              replica_num_gpus=1.0 if args.device == "cuda" else 0.0)
+    try:
+        launch.run(spec, model, {k: v for k, v in kwargs.items() if v is not None}, settings, args.host, args.port,
+                   address=args.address, blocking=True)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        launch.shutdown()
+    return 0

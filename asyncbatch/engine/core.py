@@ -267,6 +267,7 @@ class EngineCore:
             "num_preemptions": lambda: self.scheduler.num_preemptions,
             "prefix_cache_stats": self.scheduler.prefix_cache_stats,
             "reset_prefix_cache": self.scheduler.reset_prefix_cache,
+            "prefix_cache_keys": lambda: self.scheduler.prefix_cache_keys(call.arg),
             "last_launched_step": lambda: self._last_launched,
             "num_live_requests": lambda: len(self._requests),
             "describe_executor": self.executor.describe,

@@ -177,6 +177,21 @@ class PrefixCache:
     def evictable_blocks(self) -> list[int]:
         return list(self._lru)
 
+    def recent_keys(self, ref: np.ndarray, max_blocks: int) -> list[int]:
+        """Keys of at most ``max_blocks`` cached blocks, the ones a new request is likeliest to hit first: held
+        blocks (``ref > 0``, not evictable now), then evictable ones, most recently released first (the last
+        to be evicted). What a replica publishes to a cache-aware router (``asyncbatch.cluster``)."""
+        if max_blocks <= 0:
+            return []
+        held = np.flatnonzero(self.cached & (ref > 0))[:max_blocks]
+        keys = [self._by_block[b].key for b in held.tolist()]
+        if len(keys) < max_blocks:
+            for block in reversed(self._lru):
+                keys.append(self._by_block[block].key)
+                if len(keys) == max_blocks:
+                    break
+        return keys
+
     def check(self, ref: np.ndarray, error: type[Exception]) -> None:
         """Raise ``error`` unless the table, the records and the LRU agree with each other and with ``ref``."""
         if len(self._by_key) != int(self.cached.sum()):

@@ -146,6 +146,11 @@ class PrefixSharer:
                 "hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
                 "cached_blocks": cache.num_cached, "evictions": s.evictions}
 
+    def prefix_cache_keys(self, max_blocks: int) -> list[int]:
+        """Chain keys of up to ``max_blocks`` cached blocks (``PrefixCache.recent_keys``); empty without caching."""
+        cache = self.blocks.prefix
+        return [] if cache is None else cache.recent_keys(self.blocks.ref, int(max_blocks))
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block no running request lists and zero the counters; True if the cache is now
         empty (False: blocks that running requests list stay cached)."""

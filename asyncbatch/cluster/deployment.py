@@ -1,0 +1,87 @@
+"""``EngineReplica``: one asyncbatch engine (``AsyncLLM``) as a Ray Serve deployment replica.
+
+Each replica owns one engine (its own engine-core process and device). It streams one request's deltas per
+``generate`` call, and publishes its ``CacheSummary`` through Ray Serve's ``record_routing_stats`` hook, which
+the controller calls every ``request_routing_stats_period_s`` and forwards to every router of the deployment.
+``check_health`` fails once the engine died, so Ray replaces the replica (its KV cache, and so its published
+keys, start empty).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator
+
+from asyncbatch.cluster.cache_summary import CacheSummary
+from asyncbatch.cluster.request import ReplicaRequest
+from asyncbatch.outputs import StreamDelta
+from asyncbatch.serve.async_llm import AsyncLLM
+
+
+class EngineReplica:
+    """The body of the deployment (``launch.build_replica_deployment`` wraps it in ``serve.deployment``)."""
+
+    def __init__(self, model: str | None, engine_kwargs: dict, summary_max_blocks: int = 8192) -> None:
+        if summary_max_blocks < 0:
+            raise ValueError(f"summary_max_blocks must be >= 0, got {summary_max_blocks}")
+        self.engine = AsyncLLM(model, **engine_kwargs)
+        self._summary_max_blocks = summary_max_blocks
+        self._block_size = self.engine.llm.config.block_size
+        self._usable_blocks = self.engine.llm.num_usable_blocks
+        self._served = 0
+
+    async def generate(self, request: ReplicaRequest) -> AsyncIterator[StreamDelta]:
+        """Stream one choice's deltas (the last has ``finish_reason`` and ``output``). Cancelling the call
+        (the caller went away) closes the iteration, which aborts the request in the engine."""
+        (handle,) = self.engine.submit_ids([request.prompt_token_ids], [request.params], [request.request_id])
+        self._served += 1
+        async for delta in handle:
+            yield delta
+
+    async def record_routing_stats(self) -> dict:
+        """Ray Serve's hook: this replica's ``CacheSummary`` as a plain dict (``CacheSummary.to_stats``)."""
+        return (await asyncio.to_thread(self.summary)).to_stats()
+
+    def summary(self) -> CacheSummary:
+        llm = self.engine.llm
+        keys = llm.prefix_cache_keys(self._summary_max_blocks, timeout=5.0)
+        free = llm.num_free_blocks
+        unfinished, waiting = self.engine.num_requests()
+        return CacheSummary(self._block_size, frozenset(keys), unfinished - waiting, waiting,
+                            min(1.0, free / max(1, self._usable_blocks)), time.time())
+
+    async def stats(self) -> dict:
+        """For studies and tests: prefix-cache counters, device busy, requests served, and the process id."""
+        llm = self.engine.llm
+        timeline = await asyncio.to_thread(llm.stats)
+        prefix = await asyncio.to_thread(llm.prefix_cache_stats)
+        busy = [(s.device_start, s.device_end) for s in llm.timeline.window()
+                if s.device_end > 0]
+        return {"pid": os.getpid(), "served": self._served, "prefix": prefix, "timeline": timeline,
+                "busy_intervals": busy, "clock": "perf_counter", "perf_now": time.perf_counter(),
+                "wall_now": time.time()}
+
+    async def reset(self) -> bool:
+        """Forget the prefix cache and the step timeline (between runs of a study)."""
+        self.engine.llm.reset_stats()
+        self._served = 0
+        return await asyncio.to_thread(self.engine.llm.reset_prefix_cache)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def info(self) -> dict:
+        """What the ingress needs to validate requests as this engine would."""
+        return {"usable_tokens": self._usable_blocks * self._block_size, "block_size": self._block_size,
+                "max_model_len": self.engine.max_model_len}
+
+    def check_health(self) -> None:
+        if not self.engine.alive:
+            raise RuntimeError("the asyncbatch engine of this replica died")
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()

@@ -1,0 +1,206 @@
+"""Replicas on Ray Serve (2 ``sim`` replicas, one local Ray started here and shut down after): the ``openai``
+client through the ingress gets one engine's tokens; the cache-aware router keeps a repeated prefix on one
+replica; a replica killed under load fails its streams clearly, is restarted, and routing recovers."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="the cluster extra is not installed (pip install -e '.[cluster]')")
+openai = pytest.importorskip("openai", reason="the serve extra is not installed (pip install -e '.[serve]')")
+
+from ray import serve
+
+from asyncbatch import LLM, SamplingParams
+from asyncbatch.cluster import launch
+from asyncbatch.cluster.frontend import ClusterEngine, FrontendModel
+from asyncbatch.config import SimConfig
+from asyncbatch.errors import RequestFailedError
+from asyncbatch.serve.settings import ServeSettings
+
+SIM = SimConfig(step_fixed_ms=2.0, per_token_us=4.0, output_len_min=64, output_len_max=64)
+# The engine core in the replica's own process (engine_process=False): half the processes to start on CI's
+# 2 cores; the replica code is the same, and the study runs the default (a core process per replica).
+ENGINE = {"device": "sim", "sim": SIM, "max_num_seqs": 16, "num_kv_blocks": 256, "max_model_len": 2048,
+          "seed": 0, "engine_process": False}
+PREFIX = list(range(100, 100 + 8 * 16))  # 8 full blocks
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    port = _free_port()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    try:
+        spec = launch.ClusterSpec(num_replicas=2, router="cache-aware", stats_period_s=0.25, max_age_s=1.0,
+                                  replica_num_cpus=1)
+        launch.run(spec, None, ENGINE, ServeSettings(("sim",)), "127.0.0.1", port, blocking=False)
+        handle = serve.get_deployment_handle(launch.REPLICA_DEPLOYMENT, app_name="asyncbatch")
+        yield f"http://127.0.0.1:{port}/v1", handle
+    finally:
+        launch.shutdown()
+
+
+def replica_stats(handle, want: int = 2, tries: int = 40) -> dict[int, dict]:
+    """Each replica's ``stats`` by pid (calls without a prompt are routed by load, so asking a few times
+    reaches every replica)."""
+    seen: dict[int, dict] = {}
+    for _ in range(tries):
+        s = handle.stats.remote().result(timeout_s=10)
+        seen[s["pid"]] = s
+        if len(seen) >= want:
+            break
+    return seen
+
+
+def test_openai_client_through_the_ingress_gets_one_engines_tokens(cluster):
+    url, _handle = cluster
+    api = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30)
+    prompts = [[5, 6, 7, 8, 9] * 7, PREFIX + [1, 2, 3]]
+    with LLM(**ENGINE) as llm:
+        refs = [llm.generate([p], SamplingParams(max_tokens=12, seed=7 + i), use_tqdm=False)[0]
+                for i, p in enumerate(prompts)]
+    for i, (prompt, ref) in enumerate(zip(prompts, refs)):
+        whole = api.completions.create(model="sim", prompt=prompt, max_tokens=12, seed=7 + i,
+                                       extra_body={"return_token_ids": True})
+        assert whole.choices[0].model_extra["token_ids"] == ref.token_ids
+        assert whole.choices[0].text == ref.text
+        assert whole.usage.completion_tokens == len(ref.token_ids)
+        chunks = list(api.completions.create(model="sim", prompt=prompt, max_tokens=12, seed=7 + i, stream=True,
+                                             extra_body={"return_token_ids": True}))
+        assert [t for c in chunks for t in c.choices[0].model_extra["token_ids"]] == ref.token_ids
+    chat = api.chat.completions.create(model="sim", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert chat.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        api.completions.create(model="sim", prompt=[1, 2, 3], max_tokens=4, temperature=-1)
+
+
+def test_a_repeated_long_prefix_stays_on_one_replica(cluster):
+    url, handle = cluster
+    before = {pid: s["served"] for pid, s in replica_stats(handle).items()}
+    api = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30)
+    tenant = [t + 20000 for t in PREFIX]  # a prefix no other test sends
+    for k in range(6):
+        api.completions.create(model="sim", prompt=tenant + [k, k + 1], max_tokens=2)
+        time.sleep(0.05 if k < 3 else 0.6)  # the first inside one summary period, the rest after it
+    after = replica_stats(handle)
+    served = sorted(after[pid]["served"] - before.get(pid, 0) for pid in after)
+    assert served[-1] >= 6, f"requests per replica: {served}"
+    hits = max(s["prefix"]["cached_tokens"] for s in after.values())
+    assert hits >= 5 * 7 * 16  # the 5 later requests reused the 7 blocks before the last prompt token
+
+
+def test_replica_kill_under_load_fails_clearly_restarts_and_recovers(cluster):
+    url, handle = cluster
+    api = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30)
+
+    async def one(k: int) -> str:
+        try:
+            stream = await api.completions.create(model="sim", prompt=[7, k, 9] * 10, max_tokens=300, stream=True,
+                                                  extra_body={"ignore_eos": True})
+            async for _chunk in stream:
+                pass
+            return "ok"
+        except openai.APIError as exc:
+            return f"error: {exc}"
+
+    async def load_and_kill() -> list[str]:
+        tasks = [asyncio.ensure_future(one(k)) for k in range(8)]
+        await asyncio.sleep(0.5)  # every stream has tokens by now
+        victim = (await asyncio.to_thread(_replica_actor_names))[0]
+        await asyncio.to_thread(ray.kill, ray.get_actor(victim, namespace="serve"), no_restart=False)
+        return await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
+
+    before = set(_replica_actor_names())
+    results = asyncio.run(load_and_kill())
+    errors = [r for r in results if r != "ok"]
+    assert errors, "killing a replica under load failed no stream"
+    assert all("replica died" in e for e in errors), errors  # a clear error, not a hang or a silent cut
+    deadline = time.monotonic() + 90
+
+    def replaced() -> bool:  # a new replica actor, and the application running with two again
+        names = set(_replica_actor_names())
+        return len(names) == 2 and names != before and _running_replicas() == 2
+
+    while time.monotonic() < deadline and not replaced():
+        time.sleep(0.5)
+    assert replaced(), "Ray did not restart the killed replica"
+    sync_api = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30)
+    for k in range(4):
+        assert sync_api.completions.create(model="sim", prompt=[3, k] * 20, max_tokens=4).choices[0].text is not None
+    assert len(replica_stats(handle)) == 2
+
+
+def _replica_actor_names() -> list[str]:
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if launch.REPLICA_DEPLOYMENT in a["name"] and a["namespace"] == "serve"]
+
+
+def _running_replicas() -> int:
+    app = serve.status().applications["asyncbatch"]
+    dep = app.deployments[launch.REPLICA_DEPLOYMENT]
+    return dep.replica_states.get("RUNNING", 0) if app.status == "RUNNING" else 0
+
+
+class _DiesFirst:
+    """A stream that fails like a dead replica before any delta (the first time only)."""
+
+    calls = 0
+
+    def __init__(self, deltas) -> None:
+        self._deltas = deltas
+        _DiesFirst.calls += 1
+        self._die = _DiesFirst.calls == 1
+
+    def cancel(self) -> None:
+        pass
+
+    def __aiter__(self):
+        return self._gen()
+
+    async def _gen(self):
+        if self._die:
+            raise ray.exceptions.ActorDiedError()
+        for d in self._deltas:
+            yield d
+
+
+def test_a_request_that_streamed_nothing_is_retried_and_one_that_did_fails_clearly():
+    from asyncbatch.outputs import StreamDelta
+
+    class Handle:
+        def __init__(self, deltas):
+            self.deltas = deltas
+
+        def options(self, **_):
+            return self
+
+        @property
+        def generate(self):
+            return self
+
+        def remote(self, _request):
+            return _DiesFirst(self.deltas)
+
+    with LLM(**ENGINE) as llm:
+        model = FrontendModel(llm.tokenizer, llm._spec, llm._usable_tokens)
+    done = StreamDelta(request_id="a", text="x", token_ids=[1], finish_reason="length")
+
+    async def drain(engine) -> list:
+        (req,) = engine.submit_ids([[1, 2, 3]], [SamplingParams(max_tokens=1)], ["a"])
+        return [d async for d in req]
+
+    _DiesFirst.calls = 0
+    assert [d.finish_reason for d in asyncio.run(drain(ClusterEngine(Handle([done]), model)))] == ["length"]
+    _DiesFirst.calls = 0
+    with pytest.raises(RequestFailedError, match="replica died after streaming 0"):
+        asyncio.run(drain(ClusterEngine(Handle([done]), model, max_retries=0)))
