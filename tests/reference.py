@@ -41,10 +41,17 @@ def top2_gap(model, token_ids: list[int]) -> float:
 
 
 def compare_greedy(model, prompts: list[list[int]], ours: list[list[int]], max_tokens: list[int],
-                   eos_token_id: int | None) -> GreedyComparison:
+                   eos_token_id: int | None, cache: dict | None = None) -> GreedyComparison:
+    """``cache`` (optional, keyed by prompt and length) keeps the reference's tokens for another run of the
+    same requests against the same model (overlap and synchronous mode compare against one reference)."""
     result = GreedyComparison()
     for i, (prompt, got, n) in enumerate(zip(prompts, ours, max_tokens)):
-        ref = reference_greedy(model, prompt, n, eos_token_id)
+        key = (tuple(prompt), n)
+        ref = cache.get(key) if cache is not None else None
+        if ref is None:
+            ref = reference_greedy(model, prompt, n, eos_token_id)
+            if cache is not None:
+                cache[key] = ref
         if got == ref:
             result.exact += 1
             continue

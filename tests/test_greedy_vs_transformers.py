@@ -36,18 +36,26 @@ PROMPTS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def default_reference() -> dict:
+    """transformers' model and greedy tokens, shared by the overlap and synchronous runs (the reference's
+    generation is most of this test's time on a CPU)."""
+    return {"model": None, "tokens": {}}
+
+
 @pytest.mark.model
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
-def test_default_model_greedy_matches_transformers(make_llm, overlap):
+def test_default_model_greedy_matches_transformers(make_llm, overlap, default_reference):
     llm = make_llm(device="cpu", dtype="float32", overlap=overlap, max_num_batched_tokens=96, max_num_seqs=8)
     prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
     max_tokens = [8 + (i * 5) % 25 for i in range(len(PROMPTS))]  # different lengths: leaves mid-run
     params = [SamplingParams(max_tokens=n, temperature=0.0) for n in max_tokens]
     outs = llm.generate(prompt_ids, params, use_tqdm=False)
     assert_idle_and_clean(llm)
-    reference = AutoModelForCausalLM.from_pretrained(llm.model_path, dtype="float32").eval()
-    result = compare_greedy(reference, prompt_ids, [o.token_ids for o in outs], max_tokens,
-                            llm.tokenizer.eos_token_id)
+    if default_reference["model"] is None:
+        default_reference["model"] = AutoModelForCausalLM.from_pretrained(llm.model_path, dtype="float32").eval()
+    result = compare_greedy(default_reference["model"], prompt_ids, [o.token_ids for o in outs], max_tokens,
+                            llm.tokenizer.eos_token_id, cache=default_reference["tokens"])
     print(f"default model ({'overlap' if overlap else 'sync'}): {result.summary()}")
     assert result.exact >= len(PROMPTS) - 2, result.summary()
     assert llm.stats()["steps"] > 0
