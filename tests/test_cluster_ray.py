@@ -8,6 +8,7 @@ import asyncio
 import socket
 import time
 
+import httpx
 import pytest
 
 ray = pytest.importorskip("ray", reason="the cluster extra is not installed (pip install -e '.[cluster]')")
@@ -28,6 +29,8 @@ SIM = SimConfig(step_fixed_ms=2.0, per_token_us=4.0, output_len_min=64, output_l
 ENGINE = {"device": "sim", "sim": SIM, "max_num_seqs": 16, "num_kv_blocks": 256, "max_model_len": 2048,
           "seed": 0, "engine_process": False}
 PREFIX = list(range(100, 100 + 8 * 16))  # 8 full blocks
+KEY = "cluster-key"  # the ingress applies asyncbatch serve's --api-key
+MAX_BODY = 64 << 10
 
 
 def _free_port() -> int:
@@ -43,7 +46,8 @@ def cluster():
     try:
         spec = launch.ClusterSpec(num_replicas=2, router="cache-aware", stats_period_s=0.25, max_age_s=1.0,
                                   replica_num_cpus=1)
-        launch.run(spec, None, ENGINE, ServeSettings(("sim",)), "127.0.0.1", port, blocking=False)
+        settings = ServeSettings(("sim",), api_key=KEY, max_body_bytes=MAX_BODY)
+        launch.run(spec, None, ENGINE, settings, "127.0.0.1", port, blocking=False)
         handle = serve.get_deployment_handle(launch.REPLICA_DEPLOYMENT, app_name="asyncbatch")
         yield f"http://127.0.0.1:{port}/v1", handle
     finally:
@@ -64,7 +68,7 @@ def replica_stats(handle, want: int = 2, tries: int = 40) -> dict[int, dict]:
 
 def test_openai_client_through_the_ingress_gets_one_engines_tokens(cluster):
     url, _handle = cluster
-    api = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30)
+    api = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=30)
     prompts = [[5, 6, 7, 8, 9] * 7, PREFIX + [1, 2, 3]]
     with LLM(**ENGINE) as llm:
         refs = [llm.generate([p], SamplingParams(max_tokens=12, seed=7 + i), use_tqdm=False)[0]
@@ -87,7 +91,7 @@ def test_openai_client_through_the_ingress_gets_one_engines_tokens(cluster):
 def test_a_repeated_long_prefix_stays_on_one_replica(cluster):
     url, handle = cluster
     before = {pid: s["served"] for pid, s in replica_stats(handle).items()}
-    api = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30)
+    api = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=30)
     tenant = [t + 20000 for t in PREFIX]  # a prefix no other test sends
     for k in range(6):
         api.completions.create(model="sim", prompt=tenant + [k, k + 1], max_tokens=2)
@@ -101,7 +105,7 @@ def test_a_repeated_long_prefix_stays_on_one_replica(cluster):
 
 def test_replica_kill_under_load_fails_clearly_restarts_and_recovers(cluster):
     url, handle = cluster
-    api = openai.AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30)
+    api = openai.AsyncOpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=30)
 
     async def one(k: int) -> str:
         try:
@@ -134,7 +138,7 @@ def test_replica_kill_under_load_fails_clearly_restarts_and_recovers(cluster):
     while time.monotonic() < deadline and not replaced():
         time.sleep(0.5)
     assert replaced(), "Ray did not restart the killed replica"
-    sync_api = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30)
+    sync_api = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=30)
     for k in range(4):
         assert sync_api.completions.create(model="sim", prompt=[3, k] * 20, max_tokens=4).choices[0].text is not None
     assert len(replica_stats(handle)) == 2
@@ -204,3 +208,66 @@ def test_a_request_that_streamed_nothing_is_retried_and_one_that_did_fails_clear
     _DiesFirst.calls = 0
     with pytest.raises(RequestFailedError, match="replica died after streaming 0"):
         asyncio.run(drain(ClusterEngine(Handle([done]), model, max_retries=0)))
+
+
+def test_the_ingress_applies_the_servers_key_body_limit_and_routes(cluster):
+    url, _handle = cluster
+    root = url.removesuffix("/v1")
+    auth = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": "sim", "prompt": [1, 2, 3], "max_tokens": 2}
+    with httpx.Client(base_url=root, timeout=30) as http:
+        assert http.post("/v1/completions", json=body).status_code == 401
+        assert http.post("/v1/completions", json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
+        assert http.get("/health").json() == {"status": "ok"}  # probes stay open
+        too_big = http.post("/v1/completions", json={**body, "prompt": [1] * (MAX_BODY // 2)}, headers=auth)
+        assert too_big.status_code == 413 and "exceeds the limit" in too_big.json()["error"]["message"]
+        ok = http.post("/v1/completions", json=body, headers=auth)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+        assert http.get("/v1/models", headers=auth).json()["data"][0]["id"] == "sim"
+        assert http.post("/detokenize", json={"tokens": [1, 2]}).status_code == 200
+        assert "asyncbatch:request_success_total" in http.get("/metrics").text
+
+
+def test_the_ingress_counts_requests_without_a_token_as_waiting():
+    from asyncbatch.outputs import StreamDelta
+
+    class Handle:
+        def options(self, **_):
+            return self
+
+        @property
+        def generate(self):
+            return self
+
+        def remote(self, _request):
+            return _Stream()
+
+    class _Stream:
+        def cancel(self) -> None:
+            pass
+
+        def __aiter__(self):
+            return self._gen()
+
+        async def _gen(self):
+            yield StreamDelta(request_id="a", text="x", token_ids=[1])
+            yield StreamDelta(request_id="a", text="y", token_ids=[2], finish_reason="length")
+
+    with LLM(**ENGINE) as llm:
+        model = FrontendModel(llm.tokenizer, llm._spec, llm._usable_tokens)
+    engine = ClusterEngine(Handle(), model)
+
+    async def run() -> list[tuple[int, int]]:
+        reqs = engine.submit_ids([[1, 2, 3]] * 2, [SamplingParams(max_tokens=2)] * 2, ["a", "b"])
+        seen = [engine.num_requests()]
+        it = reqs[0].__aiter__()
+        await it.__anext__()  # the first delta: no longer waiting
+        seen.append(engine.num_requests())
+        async for _ in it:
+            pass
+        seen.append(engine.num_requests())
+        reqs[1].abort()  # leaving before any token frees its place too
+        seen.append(engine.num_requests())
+        return seen
+
+    assert asyncio.run(run()) == [(2, 2), (2, 1), (1, 1), (0, 0)]

@@ -116,9 +116,6 @@ def _serve_cluster(args: argparse.Namespace) -> int:
     except ImportError as exc:
         raise SystemExit(f"asyncbatch serve --replicas needs the cluster extra ({exc.name} is missing): "
                          "pip install -e '.[serve,cluster]'") from exc
-    if args.api_key or args.max_waiting is not None:
-        logging.getLogger("asyncbatch.cluster").warning("--api-key and --max-waiting are not applied by the "
-                                                        "cluster ingress yet")
     model, settings, kwargs = _model_settings_kwargs(args, ServeSettings)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     spec = launch.ClusterSpec(num_replicas=args.replicas, router=args.router,

@@ -63,6 +63,8 @@ class RemoteRequest:
         self._response = engine.send(request)
         self._output: RequestOutput | None = None
         self._done = False
+        self.started = False  # a delta arrived: it left the queues (the router's, the engine's waiting one)
+        engine._live.add(self)
 
     @property
     def request_id(self) -> str:
@@ -82,6 +84,7 @@ class RemoteRequest:
 
     def abort(self) -> None:
         """Cancel the call: Ray cancels the replica's ``generate``, whose iteration aborts the request."""
+        self._engine._live.discard(self)
         if not self._done:
             self._done = True
             self._response.cancel()
@@ -100,6 +103,7 @@ class RemoteRequest:
                 try:
                     async for delta in self._response:
                         streamed += 1
+                        self.started = True
                         if delta.finish_reason is not None:
                             self._output = delta.output
                             self._done = True
@@ -167,4 +171,7 @@ class ClusterEngine:
         return out
 
     def num_requests(self) -> tuple[int, int]:
-        return 0, 0  # admission control is per replica (its own queue); the ingress keeps no count
+        """(requests this ingress sent that are not finished, those of them without a token yet): the second
+        is what ``--max-waiting`` bounds, the requests queued in the router or in a replica's waiting queue."""
+        live = list(self._live)
+        return len(live), sum(not r.started for r in live)

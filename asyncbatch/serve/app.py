@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response
@@ -48,10 +49,17 @@ def _prefix_stats(engine: AsyncLLM):
     return read
 
 
-def build_app(engine: AsyncLLM, settings: ServeSettings) -> tuple[ASGIGuard, ServerState]:
-    """The ASGI application serving ``engine`` (the caller owns and closes the engine), and its state."""
+def build_app(engine: AsyncLLM, settings: ServeSettings, *,
+              unhealthy: Callable[[], Awaitable[str | None]] | None = None,
+              prefix_stats: Callable[[], dict | None] | None = None) -> tuple[ASGIGuard, ServerState]:
+    """The ASGI application serving ``engine`` (the caller owns and closes the engine), and its state.
+
+    ``engine`` is an ``AsyncLLM`` or anything with its surface (the cluster's ingress passes its
+    ``ClusterEngine``); ``unhealthy`` (a coroutine returning why the server cannot serve, or None) adds to
+    ``/health``'s own checks, ``prefix_stats`` replaces the engine's prefix-cache figures in ``/metrics``.
+    """
     metrics = ServeMetrics(settings.served_model_names[0], engine.llm.timeline, engine.num_requests,
-                           _prefix_stats(engine))
+                           prefix_stats or _prefix_stats(engine))
     state = ServerState(engine, settings, metrics)
     app = FastAPI(title="asyncbatch", version=asyncbatch.__version__)
     install_error_handlers(app)
@@ -78,6 +86,9 @@ def build_app(engine: AsyncLLM, settings: ServeSettings) -> tuple[ASGIGuard, Ser
             return JSONResponse({"status": "engine dead"}, status_code=503)
         if state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
+        reason = await unhealthy() if unhealthy is not None else None
+        if reason is not None:
+            return JSONResponse({"status": reason}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/version")
