@@ -1,7 +1,7 @@
 """``compile_decode=True``: pure decode steps through ``torch.compile`` give the eager path's greedy tokens.
 
-Compiling takes ~10-30 s per engine on the tiny model (2 shared cores), so the engine test is marked slow and
-compiles only in-process engines (the second one reuses inductor's on-disk graph cache).
+Compiling takes ~10-40 s per model on the tiny model (2 shared cores; a second engine in the process reuses
+inductor's on-disk graph cache), so the engine test is marked slow and runs in-process engines.
 """
 
 from __future__ import annotations
@@ -68,3 +68,28 @@ def test_compile_decode_is_off_by_default(make_llm, tiny_llama):
     info = llm.executor_info
     assert info["compile_decode"] is False and info["compile_seconds"] is None
     assert torch.compiler.is_compiling() is False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", [None, "w8a8"])
+def test_compiled_rows_are_independent_of_the_batch_and_close_to_eager(tiny_llama, scheme):
+    """One row alone (padded to two) against the same row in a batch of five, and against eager."""
+    from asyncbatch.bench.decode_step import decode_batch
+    from asyncbatch.model.compiled_decode import CompiledDecode
+    from asyncbatch.model.loader import load_model
+
+    model = load_model(tiny_llama, torch.float32, torch.device("cpu"), max_positions=64, quantization=scheme)
+    kv_caches = model.new_kv_caches(1 + 5 * 3, 16)
+    compiled = CompiledDecode(model, kv_caches)
+    vocab = int(model.config.vocab_size)
+    with torch.inference_mode():
+        eager = model(decode_batch(5, 40, vocab=vocab), kv_caches)
+        five = compiled(decode_batch(5, 40, vocab=vocab))
+        one = compiled(decode_batch(1, 40, vocab=vocab))  # the same first row, alone (padded to two rows)
+    assert one.shape == (1, vocab) and five.shape == (5, vocab)
+    if scheme == "w8a8":  # batch-independent by design (per-row activation grids), compiled or not
+        assert torch.equal(one[0], five[0])
+    else:  # float32's matmul kernels differ with the row count, in the eager path too
+        torch.testing.assert_close(one[0], five[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(five, eager, rtol=1e-4, atol=1e-4)
+    assert torch.equal(five.argmax(-1), eager.argmax(-1))
