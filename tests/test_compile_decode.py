@@ -93,3 +93,14 @@ def test_compiled_rows_are_independent_of_the_batch_and_close_to_eager(tiny_llam
         torch.testing.assert_close(one[0], five[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(five, eager, rtol=1e-4, atol=1e-4)
     assert torch.equal(five.argmax(-1), eager.argmax(-1))
+
+
+def test_cli_flag_reaches_the_engine_kwargs():
+    import argparse
+
+    from asyncbatch.cli.args import add_engine_args, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_kwargs(parser.parse_args([]), overlap=True)["compile_decode"] is False
+    assert engine_kwargs(parser.parse_args(["--compile-decode"]), overlap=True)["compile_decode"] is True
