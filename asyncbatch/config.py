@@ -89,6 +89,10 @@ class EngineConfig:
     # cpu only: "int8" / "int4" weight-only or "w8a8" (int8 weights and per-row int8 activations) for the
     # decoder's projections and the LM head; None keeps every weight in ``dtype``.
     quantization: str | None = None
+    # cpu only: run pure decode steps through ``torch.compile`` (inductor's C++ backend), compiled when the
+    # engine starts (minutes on a small CPU); steps with a prefill chunk stay eager. False: every step eager,
+    # like vLLM's ``enforce_eager=True``. docs/cpu-precision.md.
+    compile_decode: bool = False
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -126,6 +130,12 @@ class EngineConfig:
         if self.quantization is not None and self.device in ("cuda", "sim"):
             raise ValueError(f"quantization={self.quantization!r} runs on the cpu device only, got "
                              f"device={self.device!r}")
+        if not isinstance(self.compile_decode, bool):
+            raise TypeError(f"compile_decode must be a bool, got {type(self.compile_decode).__name__}")
+        if self.compile_decode and self.device in ("cuda", "sim"):
+            raise ValueError(f"compile_decode=True runs on the cpu device only, got device={self.device!r}")
+        if self.compile_decode and self.quantization not in (None, "w8a8"):
+            raise ValueError(f"compile_decode=True supports quantization None or 'w8a8', got {self.quantization!r}")
         _positive("max_num_seqs", self.max_num_seqs, upper=65536)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens, upper=1 << 20)
         _positive("block_size", self.block_size, upper=1024)

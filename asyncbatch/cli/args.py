@@ -15,6 +15,8 @@ def add_engine_args(parser: argparse.ArgumentParser, run_options: bool = True) -
     parser.add_argument("--dtype", default="auto", choices=list(DTYPES))
     parser.add_argument("--quantization", default=None, choices=list(QUANTIZATIONS),
                         help="cpu only: int8 / int4 weight-only, or w8a8 (int8 weights and activations)")
+    parser.add_argument("--compile-decode", action="store_true",
+                        help="cpu only: run decode steps through torch.compile (compiled at start, minutes)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
@@ -29,7 +31,8 @@ def add_engine_args(parser: argparse.ArgumentParser, run_options: bool = True) -
 
 def engine_kwargs(args: argparse.Namespace, overlap: bool) -> dict:
     """``LLM`` keyword arguments from ``add_engine_args``' options."""
-    return {"device": args.device, "dtype": args.dtype, "quantization": args.quantization, "max_num_seqs": args.max_num_seqs,
+    return {"device": args.device, "dtype": args.dtype, "quantization": args.quantization,
+            "compile_decode": args.compile_decode, "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed, "overlap": overlap,
             "tokenizer": args.tokenizer, "chat_template": args.chat_template,
             "enable_prefix_caching": args.enable_prefix_caching}

@@ -26,6 +26,7 @@ from asyncbatch.engine.block_manager import BlockManager, blocks_for_tokens
 from asyncbatch.engine.core import EngineCore
 from asyncbatch.engine.scheduler import Scheduler
 from asyncbatch.executors.base import Executor
+from asyncbatch.model.compiled_decode import check_compile_decode
 from asyncbatch.model.loader import (
     explain_dtype,
     load_config,
@@ -143,6 +144,7 @@ def resolve_model(config: EngineConfig) -> ResolvedModel:
     device = resolve_device(config.device)
     if device != "sim":
         check_quantization(config.quantization, device, resolve_dtype(config.dtype, device))
+    check_compile_decode(config.compile_decode, device, config.quantization)
     path = resolve_model_path(config.model, config.cache_dir)
     hf_config, _arch = load_config(path)
     tokenizer = _tokenizer_for(config, Path(path))
@@ -191,7 +193,8 @@ def build_core(config: EngineConfig, spec: ModelSpec, send: Callable[[object], N
                                     enable_cuda_graphs=config.enable_cuda_graphs,
                                     cuda_graph_batch_sizes=config.cuda_graph_batch_sizes)
         else:
-            executor = TorchExecutor(model, kv_caches, config.max_num_seqs, torch_device, dtype_choice=dtype_choice)
+            executor = TorchExecutor(model, kv_caches, config.max_num_seqs, torch_device, dtype_choice=dtype_choice,
+                                     compile_decode=config.compile_decode)
     blocks = BlockManager(num_blocks, config.block_size, config.max_num_seqs, spec.max_blocks_per_seq,
                           prefix_caching=config.enable_prefix_caching)
     scheduler = Scheduler(blocks, config.max_num_batched_tokens, eos_token_id=spec.eos_token_id)

@@ -24,6 +24,7 @@ import torch
 from asyncbatch.engine.step_metadata import StepMeta
 from asyncbatch.executors.base import StepHandle, StepResult
 from asyncbatch.executors.device_thread import DeviceThread, ThreadedExecutor
+from asyncbatch.model.compiled_decode import CompiledDecode, is_pure_decode
 from asyncbatch.model.forward_batch import ForwardBatch, PagedForwardBatch, PrefillRow
 from asyncbatch.model.llama import CausalLM
 from asyncbatch.profiling.marks import mark
@@ -76,6 +77,9 @@ class TorchStep:
         # write (``DecodeGraphStep.dummy_token_row``).
         self.token_buffer = torch.zeros(max_num_seqs + 1, dtype=torch.int64, device=self.device)  # [max_num_seqs + 1]
         self.penalties = PenaltyState(max_num_seqs, model.config.vocab_size, self.device)
+        # Set by ``TorchExecutor(compile_decode=True)``: the compiled forward of pure decode steps.
+        self.decode_forward: CompiledDecode | None = None
+        self.compiled_steps = 0
 
     # -- host → device ------------------------------------------------------------------
     def upload(self, array: np.ndarray) -> torch.Tensor:
@@ -145,10 +149,15 @@ class TorchStep:
         if nd:
             # The token sampled last step feeds this one without visiting the host.
             batch.input_ids[:nd] = self.token_buffer[step.decode_rows]
-        with mark("forward", meta.step_id, " eager"):
+        compiled = self.decode_forward is not None and is_pure_decode(batch)
+        with mark("forward", meta.step_id, " compiled" if compiled else " eager"):
             if forward_hook is not None:
                 forward_hook(meta)
-            logits = self.model(batch, self.kv_caches)  # [R, vocab]
+            if compiled:
+                logits = self.decode_forward(batch)  # [R, vocab]
+                self.compiled_steps += 1
+            else:
+                logits = self.model(batch, self.kv_caches)
         t_sample = time.perf_counter()
         if sample_event is not None:
             sample_event.record()
@@ -184,17 +193,25 @@ class TorchStep:
 
 
 class TorchExecutor(ThreadedExecutor):
-    """The ``cpu`` backend: a ``TorchStep`` run on a ``DeviceThread``."""
+    """The ``cpu`` backend: a ``TorchStep`` run on a ``DeviceThread``.
+
+    ``compile_decode``: pure decode steps run the model compiled by ``torch.compile``
+    (``model.compiled_decode``), compiled here before the first request (minutes on a small CPU).
+    """
 
     is_cuda = False
 
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_num_seqs: int,
-                 device: torch.device, dtype_choice: str | None = None) -> None:
+                 device: torch.device, dtype_choice: str | None = None, compile_decode: bool = False) -> None:
         device = torch.device(device)
         self.dtype_choice = dtype_choice
         if device.type != "cpu":
             raise ValueError(f"TorchExecutor runs on the CPU; use CudaExecutor for {device}")
         self._torch_step = TorchStep(model, kv_caches, max_num_seqs, device)
+        self.compile_seconds: float | None = None
+        if compile_decode:
+            self._torch_step.decode_forward = CompiledDecode(model, kv_caches)
+            self.compile_seconds = self._torch_step.decode_forward.warm_up()
         self.model, self.kv_caches, self.token_buffer = model, kv_caches, self._torch_step.token_buffer
         self.device = device
         self.name = device.type
@@ -226,4 +243,7 @@ class TorchExecutor(ThreadedExecutor):
 
     def describe(self) -> dict:
         return {**super().describe(), **self._torch_step.memory_info(), "dtype_choice": self.dtype_choice,
-                "torch_threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+                "torch_threads": torch.get_num_threads(),
+                "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                "compile_decode": self.compile_seconds is not None, "compile_seconds": self.compile_seconds,
+                "compiled_steps": self._torch_step.compiled_steps}

@@ -38,8 +38,10 @@ an unsupported combination is a ``ValueError`` naming ``quantization``.
 
 from __future__ import annotations
 
+import itertools
 import os
 import warnings
+import weakref
 from pathlib import Path
 
 import torch
@@ -51,6 +53,32 @@ from asyncbatch.config import QUANTIZATIONS
 INT4_GROUP_SIZE = 32
 W8A8_REDUCE_RANGE = True
 CALIBRATION_TEXT = Path(__file__).resolve().parent / "data" / "calibration_text.txt"
+
+
+# fbgemm's packed weights are a TorchScript object, which torch.compile cannot pass into a graph. The compiled
+# decode path (``compiled_decode``) calls ``asyncbatch::w8a8_linear`` instead: the same op, its weight named by
+# an int handle into this registry (an entry lives as long as its ``QuantizedLinear``).
+_W8A8_PACKED: dict[int, tuple[object, int]] = {}  # handle -> (packed weight, out_features)
+_w8a8_handles = itertools.count()
+
+
+# A plain ``torch.library`` op with a CPU kernel: ~40 us less per call than ``torch.library.custom_op``'s wrapper
+# (measured 118 vs 164 us per call of a 576 x 1536 layer at 2 rows, direct fbgemm 81 us; 121 calls a step).
+_LIB = torch.library.Library("asyncbatch", "DEF")
+_LIB.define("w8a8_linear(Tensor x, int handle) -> Tensor")
+
+
+def _w8a8_linear_cpu(x: torch.Tensor, handle: int) -> torch.Tensor:
+    """``quantized::linear_dynamic`` (7-bit range) of ``x [R, K]`` float32 by the packed weight ``handle``."""
+    return torch.ops.quantized.linear_dynamic(x, _W8A8_PACKED[handle][0], W8A8_REDUCE_RANGE)
+
+
+_LIB.impl("w8a8_linear", _w8a8_linear_cpu, "CPU")
+
+
+@torch.library.register_fake("asyncbatch::w8a8_linear")
+def _w8a8_linear_fake(x: torch.Tensor, handle: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], _W8A8_PACKED[handle][1])
 
 
 def _has_op(name: str) -> bool:
@@ -157,6 +185,9 @@ class QuantizedLinear(nn.Module):
                                                      torch.zeros_like(scales, dtype=torch.int64), 0, torch.qint8)
             # A packed fbgemm handle is not a tensor: kept as an attribute, counted by ``nbytes``.
             self._packed = torch.ops.quantized.linear_prepack(qweight, None)
+            self._handle = next(_w8a8_handles)
+            _W8A8_PACKED[self._handle] = (self._packed, self.out_features)
+            weakref.finalize(self, _W8A8_PACKED.pop, self._handle, None)
             self._packed_bytes = codes.numel() + 4 * scales.numel()
             self.register_buffer("sentinel", torch.zeros(1, self.in_features))
             self.sentinel[0, 0], self.sentinel[0, -1] = 1.0, -1.0  # pins the batch's range to [-1, 1]
@@ -190,7 +221,11 @@ class QuantizedLinear(nn.Module):
                 xf = xf * self.inv_smooth
             row_max = torch.linalg.vector_norm(xf, float("inf"), dim=1, keepdim=True).clamp_(min=1e-12)  # [R, 1]
             scaled = torch.cat((xf / row_max, self.sentinel))  # [R + 1, K], every row within [-1, 1]
-            y = torch.ops.quantized.linear_dynamic(scaled, self._packed, W8A8_REDUCE_RANGE)[:rows] * row_max
+            if torch.compiler.is_compiling():
+                y = torch.ops.asyncbatch.w8a8_linear(scaled, self._handle)
+            else:
+                y = torch.ops.quantized.linear_dynamic(scaled, self._packed, W8A8_REDUCE_RANGE)
+            y = y[:rows] * row_max
         if self.bias is not None:
             y = y.float() + self.bias
         return y.to(dtype).reshape(*shape[:-1], self.out_features)

@@ -1,0 +1,105 @@
+"""``compile_decode=True``: pure decode steps through ``torch.compile`` give the eager path's greedy tokens.
+
+Compiling takes ~10-40 s per model on the tiny model (2 shared cores; a second engine in the process reuses
+inductor's on-disk graph cache), so the engine test is marked slow and runs in-process engines.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_checks import assert_idle_and_clean
+from tiny_models import save_tiny_model
+
+from asyncbatch import SamplingParams
+from asyncbatch.config import EngineConfig
+from asyncbatch.model.compiled_decode import check_compile_decode
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return str(save_tiny_model(tmp_path_factory.mktemp("compile") / "llama", "LlamaForCausalLM",
+                               tie_word_embeddings=True))
+
+
+def test_unsupported_combinations_raise_value_errors_naming_compile_decode():
+    for device in ("cuda", "sim"):
+        with pytest.raises(ValueError, match="compile_decode"):
+            EngineConfig(device=device, compile_decode=True)
+    for scheme in ("int8", "int4"):
+        with pytest.raises(ValueError, match="compile_decode"):
+            EngineConfig(device="cpu", quantization=scheme, compile_decode=True)
+        with pytest.raises(ValueError, match="compile_decode"):
+            check_compile_decode(True, "cpu", scheme)
+    with pytest.raises(ValueError, match="compile_decode"):
+        check_compile_decode(True, "cuda", None)
+    with pytest.raises(TypeError, match="compile_decode"):
+        EngineConfig(compile_decode="yes")
+    check_compile_decode(False, "cuda", "int8")  # off: nothing to check
+    assert EngineConfig().compile_decode is False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", [None, "w8a8"])
+def test_compiled_decode_gives_the_eager_greedy_tokens_in_overlap_and_sync(make_llm, tiny_llama, scheme):
+    prompts = [[3 + (i * 31 + j * 7) % 250 for j in range(3 + i * 5)] for i in range(6)]
+    params = [SamplingParams(max_tokens=8 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(6)]
+    runs = {}
+    for compiled, overlap in ((False, True), (True, True), (True, False)):
+        llm = make_llm(tiny_llama, device="cpu", dtype="float32", quantization=scheme, compile_decode=compiled,
+                       overlap=overlap, engine_process=False, max_num_batched_tokens=24, max_num_seqs=6,
+                       block_size=4, num_threads=1, debug_check_integrity=True)
+        runs[compiled, overlap] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        info = llm.executor_info
+        assert info["compile_decode"] is compiled and info["quantization"] == scheme
+        if compiled:
+            assert info["compiled_steps"] > 0 and info["compile_seconds"] > 0
+        else:
+            assert info["compiled_steps"] == 0
+        assert_idle_and_clean(llm)
+        llm.close()
+    assert runs[True, True] == runs[False, True]
+    assert runs[True, False] == runs[False, True]
+    assert [len(t) for t in runs[False, True]] == [8 + 3 * i for i in range(6)]
+
+
+def test_compile_decode_is_off_by_default(make_llm, tiny_llama):
+    llm = make_llm(tiny_llama, device="cpu", engine_process=False, num_threads=1)
+    info = llm.executor_info
+    assert info["compile_decode"] is False and info["compile_seconds"] is None
+    assert torch.compiler.is_compiling() is False
+
+
+@pytest.mark.slow
+def test_compiled_w8a8_rows_are_independent_of_the_batch_and_close_to_eager(tiny_llama):
+    """One row alone (its own graph) against the same row in a batch of five, and against eager. w8a8 only:
+    it is batch-independent by design (per-row activation grids); float32's matmul kernels differ with the
+    row count in the eager path too, and the engine test covers its tokens."""
+    scheme = "w8a8"
+    from asyncbatch.bench.decode_step import decode_batch
+    from asyncbatch.model.compiled_decode import CompiledDecode
+    from asyncbatch.model.loader import load_model
+
+    model = load_model(tiny_llama, torch.float32, torch.device("cpu"), max_positions=64, quantization=scheme)
+    kv_caches = model.new_kv_caches(1 + 5 * 3, 16)
+    compiled = CompiledDecode(model, kv_caches)
+    vocab = int(model.config.vocab_size)
+    with torch.inference_mode():
+        eager = model(decode_batch(5, 40, vocab=vocab), kv_caches)
+        five = compiled(decode_batch(5, 40, vocab=vocab))
+        one = compiled(decode_batch(1, 40, vocab=vocab))  # the same first row, alone (the one-row graph)
+    assert one.shape == (1, vocab) and five.shape == (5, vocab)
+    assert torch.equal(one[0], five[0])
+    torch.testing.assert_close(five, eager, rtol=1e-4, atol=1e-4)
+    assert torch.equal(five.argmax(-1), eager.argmax(-1))
+
+
+def test_cli_flag_reaches_the_engine_kwargs():
+    import argparse
+
+    from asyncbatch.cli.args import add_engine_args, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_kwargs(parser.parse_args([]), overlap=True)["compile_decode"] is False
+    assert engine_kwargs(parser.parse_args(["--compile-decode"]), overlap=True)["compile_decode"] is True
