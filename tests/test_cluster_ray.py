@@ -155,6 +155,23 @@ def _running_replicas() -> int:
     return dep.replica_states.get("RUNNING", 0) if app.status == "RUNNING" else 0
 
 
+class _FakeHandle:
+    """A deployment handle whose ``generate.remote(request)`` returns ``stream()`` (no Ray)."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def options(self, **_):
+        return self
+
+    @property
+    def generate(self):
+        return self
+
+    def remote(self, _request):
+        return self._stream()
+
+
 class _DiesFirst:
     """A stream that fails like a dead replica before any delta (the first time only)."""
 
@@ -181,20 +198,6 @@ class _DiesFirst:
 def test_a_request_that_streamed_nothing_is_retried_and_one_that_did_fails_clearly():
     from asyncbatch.outputs import StreamDelta
 
-    class Handle:
-        def __init__(self, deltas):
-            self.deltas = deltas
-
-        def options(self, **_):
-            return self
-
-        @property
-        def generate(self):
-            return self
-
-        def remote(self, _request):
-            return _DiesFirst(self.deltas)
-
     with LLM(**ENGINE) as llm:
         model = FrontendModel(llm.tokenizer, llm._spec, llm._usable_tokens)
     done = StreamDelta(request_id="a", text="x", token_ids=[1], finish_reason="length")
@@ -204,10 +207,10 @@ def test_a_request_that_streamed_nothing_is_retried_and_one_that_did_fails_clear
         return [d async for d in req]
 
     _DiesFirst.calls = 0
-    assert [d.finish_reason for d in asyncio.run(drain(ClusterEngine(Handle([done]), model)))] == ["length"]
+    assert [d.finish_reason for d in asyncio.run(drain(ClusterEngine(_FakeHandle(lambda: _DiesFirst([done])), model)))] == ["length"]
     _DiesFirst.calls = 0
     with pytest.raises(RequestFailedError, match="replica died after streaming 0"):
-        asyncio.run(drain(ClusterEngine(Handle([done]), model, max_retries=0)))
+        asyncio.run(drain(ClusterEngine(_FakeHandle(lambda: _DiesFirst([done])), model, max_retries=0)))
 
 
 def test_the_ingress_applies_the_servers_key_body_limit_and_routes(cluster):
@@ -231,17 +234,6 @@ def test_the_ingress_applies_the_servers_key_body_limit_and_routes(cluster):
 def test_the_ingress_counts_requests_without_a_token_as_waiting():
     from asyncbatch.outputs import StreamDelta
 
-    class Handle:
-        def options(self, **_):
-            return self
-
-        @property
-        def generate(self):
-            return self
-
-        def remote(self, _request):
-            return _Stream()
-
     class _Stream:
         def cancel(self) -> None:
             pass
@@ -255,7 +247,7 @@ def test_the_ingress_counts_requests_without_a_token_as_waiting():
 
     with LLM(**ENGINE) as llm:
         model = FrontendModel(llm.tokenizer, llm._spec, llm._usable_tokens)
-    engine = ClusterEngine(Handle(), model)
+    engine = ClusterEngine(_FakeHandle(_Stream), model)
 
     async def run() -> list[tuple[int, int]]:
         reqs = engine.submit_ids([[1, 2, 3]] * 2, [SamplingParams(max_tokens=2)] * 2, ["a", "b"])

@@ -13,7 +13,10 @@ from tiny_models import save_tiny_model
 
 from asyncbatch import SamplingParams
 from asyncbatch.config import EngineConfig
-from asyncbatch.model.compiled_decode import check_compile_decode
+from asyncbatch.model.compiled_decode import check_compile_decode, cxx_compiler
+
+needs_cxx = pytest.mark.skipif(cxx_compiler() is None,
+                               reason="torch.compile's CPU backend needs a C++ compiler (g++); none on PATH")
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +25,7 @@ def tiny_llama(tmp_path_factory):
                                tie_word_embeddings=True))
 
 
-def test_unsupported_combinations_raise_value_errors_naming_compile_decode():
+def test_unsupported_combinations_raise_value_errors_naming_compile_decode(monkeypatch):
     for device in ("cuda", "sim"):
         with pytest.raises(ValueError, match="compile_decode"):
             EngineConfig(device=device, compile_decode=True)
@@ -36,9 +39,14 @@ def test_unsupported_combinations_raise_value_errors_naming_compile_decode():
     with pytest.raises(TypeError, match="compile_decode"):
         EngineConfig(compile_decode="yes")
     check_compile_decode(False, "cuda", "int8")  # off: nothing to check
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(ValueError, match="compile_decode=True needs a C.. compiler"):
+        check_compile_decode(True, "cpu", None)
     assert EngineConfig().compile_decode is False
 
 
+@needs_cxx
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", [None, "w8a8"])
 def test_compiled_decode_gives_the_eager_greedy_tokens_in_overlap_and_sync(make_llm, tiny_llama, scheme):
@@ -70,6 +78,7 @@ def test_compile_decode_is_off_by_default(make_llm, tiny_llama):
     assert torch.compiler.is_compiling() is False
 
 
+@needs_cxx
 @pytest.mark.slow
 def test_compiled_w8a8_rows_are_independent_of_the_batch_and_close_to_eager(tiny_llama):
     """One row alone (its own graph) against the same row in a batch of five, and against eager. w8a8 only:

@@ -19,6 +19,8 @@ eager path's after a near-tie (docs/cpu-precision.md).
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from inspect import signature
 
@@ -29,6 +31,7 @@ from asyncbatch.model.forward_batch import ForwardBatch
 from asyncbatch.model.llama import CausalLM
 
 COMPILE_DECODE_QUANTIZATIONS = (None, "w8a8")
+CXX_NAMES = ("g++", "c++", "clang++")  # inductor's default is g++
 RECOMPILE_LIMIT = 64
 # Dynamo gives a dimension of size 1 a graph of its own. One-row steps keep theirs (faster than the dynamic
 # graph on two rows with one dropped: w8a8 24.2 vs 35.4 ms of CPU, the same logits bit for bit); block tables
@@ -46,6 +49,15 @@ def check_compile_decode(compile_decode: bool, device: str, quantization: str | 
     if quantization not in COMPILE_DECODE_QUANTIZATIONS:
         raise ValueError(f"compile_decode=True supports quantization None or 'w8a8', got {quantization!r} "
                          "(torch's int8/int4 packed kernels are not traced)")
+    if cxx_compiler() is None:
+        raise ValueError("compile_decode=True needs a C++ compiler for torch.compile's CPU backend "
+                         f"(one of {CXX_NAMES} on PATH, or $CXX); none was found")
+
+
+def cxx_compiler() -> str | None:
+    """The C++ compiler inductor would find, or None (then its CPU backend cannot build a kernel)."""
+    candidates = [os.environ["CXX"]] if os.environ.get("CXX") else []
+    return next((path for name in (*candidates, *CXX_NAMES) if (path := shutil.which(name))), None)
 
 
 def is_pure_decode(batch: ForwardBatch) -> bool:
