@@ -10,6 +10,7 @@ import pytest
 import torch
 from engine_checks import assert_idle_and_clean
 from tiny_models import save_tiny_model
+from torch._dynamo.utils import counters
 
 from asyncbatch import SamplingParams
 from asyncbatch.config import EngineConfig
@@ -57,7 +58,10 @@ def test_compiled_decode_gives_the_eager_greedy_tokens_in_overlap_and_sync(make_
         llm = make_llm(tiny_llama, device="cpu", dtype="float32", quantization=scheme, compile_decode=compiled,
                        overlap=overlap, engine_process=False, max_num_batched_tokens=24, max_num_seqs=6,
                        block_size=4, num_threads=1, debug_check_integrity=True)
+        graphs = counters["stats"]["unique_graphs"]
         runs[compiled, overlap] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        # Warm-up compiled every graph: no step (rows 1-6, block tables growing) compiles another.
+        assert counters["stats"]["unique_graphs"] == graphs
         info = llm.executor_info
         assert info["compile_decode"] is compiled and info["quantization"] == scheme
         if compiled:

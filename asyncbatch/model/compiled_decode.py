@@ -91,8 +91,9 @@ class CompiledDecode:
             tables = F.pad(tables, (0, MIN_SIZE - tables.shape[1]))
         args = [batch.input_ids, batch.positions, batch.slot_mapping, tables, batch.decode_context_lens,
                 batch.logits_indices]
-        # Contiguous inputs: the graph is specialised on strides (the executor's block tables are a slice).
-        args = [t.contiguous() for t in args]
+        # Dense row-major copies: the graph is specialised on strides, and ``contiguous()`` keeps a one-row slice
+        # of the executor's wider block-table buffer as it is (stride[0] != width), a recompile per step.
+        args = [torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t) for t in args]
         for t in args:
             torch._dynamo.mark_dynamic(t, 0)
         torch._dynamo.mark_dynamic(args[3], 1)
