@@ -1,4 +1,11 @@
-"""Shared fixtures: engines are closed after each test, and no engine thread outlives it."""
+"""Shared fixtures: engines are closed after each test, and no engine thread outlives it.
+
+Every engine a test builds on the CPU names its dtype: ``dtype="auto"`` picks
+bfloat16 or float32 by the CPU's features, and a test whose tokens depended on
+that choice would pass on one machine and fail on the next. Only tests marked
+``auto_dtype`` (whose subject is the choice itself) may leave it to ``auto``;
+``ASYNCBATCH_CPU_FLAGS=amx_bf16`` runs them on the bfloat16 side of it.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +24,51 @@ if not torch.cuda.is_available():
 import pytest
 
 from asyncbatch import LLM
+from asyncbatch.config import EngineConfig
+
+_allow_auto_dtype = False
+
+# Under pytest-xdist the workers share the cores: each engine (and each worker's own torch work) gets its
+# share of them instead of every engine spinning up a thread per core (``scripts/test.sh`` runs 2 workers).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+THREADS_PER_WORKER = max(1, (os.cpu_count() or 1) // _WORKERS)
+if _WORKERS > 1:
+    torch.set_num_threads(THREADS_PER_WORKER)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Before the item's fixtures (module-scoped engines included) are built."""
+    global _allow_auto_dtype
+    _allow_auto_dtype = item.get_closest_marker("auto_dtype") is not None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist, modules with a test marked slow go first, so the long ones do not end up alone on
+    one worker while the other has finished. Whole modules move, in their own order, so a module-scoped
+    fixture (an engine, a Ray cluster) is still built once."""
+    if _WORKERS > 1 or config.getoption("numprocesses", default=None):
+        def module(item: pytest.Item) -> str:
+            return item.nodeid.split("::", 1)[0]
+
+        slow_modules = {module(item) for item in items if item.get_closest_marker("slow") is not None}
+        items.sort(key=lambda item: module(item) not in slow_modules)
+
+
+_post_init = EngineConfig.__post_init__
+
+
+def _post_init_pinning_dtype(self: EngineConfig) -> None:
+    _post_init(self)
+    if _WORKERS > 1 and self.num_threads is None:
+        self.num_threads = THREADS_PER_WORKER
+    on_cpu = self.device == "cpu" or (self.device == "auto" and not torch.cuda.is_available())
+    if on_cpu and self.dtype == "auto" and not _allow_auto_dtype:
+        raise AssertionError("a test engine on the CPU must name its dtype (dtype='float32' for claims about "
+                             "the engine, 'bfloat16' for the bfloat16 path); dtype='auto' depends on the CPU. "
+                             "Mark the test auto_dtype where the choice itself is its subject.")
+
+
+EngineConfig.__post_init__ = _post_init_pinning_dtype
 
 
 @pytest.fixture

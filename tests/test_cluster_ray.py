@@ -23,6 +23,9 @@ from asyncbatch.config import SimConfig
 from asyncbatch.errors import RequestFailedError
 from asyncbatch.serve.settings import ServeSettings
 
+# One local Ray per machine: under pytest-xdist (--dist loadgroup) every test here runs on one worker.
+pytestmark = pytest.mark.xdist_group("ray")
+
 SIM = SimConfig(step_fixed_ms=2.0, per_token_us=4.0, output_len_min=64, output_len_max=64)
 # The engine core in the replica's own process (engine_process=False): half the processes to start on CI's
 # 2 cores; the replica code is the same, and the study runs the default (a core process per replica).
@@ -107,19 +110,23 @@ def test_replica_kill_under_load_fails_clearly_restarts_and_recovers(cluster):
     url, handle = cluster
     api = openai.AsyncOpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=30)
 
+    streaming = [asyncio.Event() for _ in range(8)]
+
     async def one(k: int) -> str:
         try:
-            stream = await api.completions.create(model="sim", prompt=[7, k, 9] * 10, max_tokens=300, stream=True,
-                                                  extra_body={"ignore_eos": True})
+            # 2,000 tokens at 2 ms a step: every stream is still running when the kill lands, however slowly a
+            # loaded machine got them started.
+            stream = await api.completions.create(model="sim", prompt=[7, k, 9] * 10, max_tokens=2000,
+                                                  stream=True, extra_body={"ignore_eos": True})
             async for _chunk in stream:
-                pass
+                streaming[k].set()
             return "ok"
         except openai.APIError as exc:
             return f"error: {exc}"
 
     async def load_and_kill() -> list[str]:
         tasks = [asyncio.ensure_future(one(k)) for k in range(8)]
-        await asyncio.sleep(0.5)  # every stream has tokens by now
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in streaming)), timeout=30)  # all have tokens
         victim = (await asyncio.to_thread(_replica_actor_names))[0]
         await asyncio.to_thread(ray.kill, ray.get_actor(victim, namespace="serve"), no_restart=False)
         return await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)

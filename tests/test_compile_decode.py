@@ -44,7 +44,7 @@ def test_unsupported_combinations_raise_value_errors_naming_compile_decode(monke
     monkeypatch.delenv("CXX", raising=False)
     with pytest.raises(ValueError, match="compile_decode=True needs a C.. compiler"):
         check_compile_decode(True, "cpu", None)
-    assert EngineConfig().compile_decode is False
+    assert EngineConfig(dtype="float32").compile_decode is False
 
 
 @needs_cxx
@@ -76,7 +76,7 @@ def test_compiled_decode_gives_the_eager_greedy_tokens_in_overlap_and_sync(make_
 
 
 def test_compile_decode_is_off_by_default(make_llm, tiny_llama):
-    llm = make_llm(tiny_llama, device="cpu", engine_process=False, num_threads=1)
+    llm = make_llm(tiny_llama, device="cpu", dtype="float32", engine_process=False, num_threads=1)
     info = llm.executor_info
     assert info["compile_decode"] is False and info["compile_seconds"] is None
     assert torch.compiler.is_compiling() is False

@@ -223,7 +223,7 @@ def test_cuda_executor_host_logic_matches_cpu_executor(tmp_path, cuda_host_shim,
                            ("graphs", {"enable_cuda_graphs": True, "cuda_graph_batch_sizes": (1, 2, 4)})):
         cuda_host_shim.clear()
         cuda_host_shim.update(settings)
-        with LLM(str(path), device="cpu", engine_process=False, max_num_seqs=6, max_num_batched_tokens=32, block_size=4,
+        with LLM(str(path), device="cpu", dtype="float32", engine_process=False, max_num_seqs=6, max_num_batched_tokens=32, block_size=4,
                  overlap=overlap, debug_check_integrity=True) as llm:
             runs[name] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
             infos[name] = llm._core.executor.describe()

@@ -46,7 +46,7 @@ def test_same_tokens_in_every_process_and_overlap_mode(make_llm, tiny_dir, devic
     runs = {}
     for engine_process in (True, False):
         for overlap in (True, False):
-            llm = make_llm(model, device=device, overlap=overlap, engine_process=engine_process, sim=FAST_SIM,
+            llm = make_llm(model, device=device, dtype="float32", overlap=overlap, engine_process=engine_process, sim=FAST_SIM,
                            max_num_seqs=8, max_num_batched_tokens=64, debug_check_integrity=True)
             outs = llm.generate(prompts, params, use_tqdm=False)
             runs[(engine_process, overlap)] = [(o.token_ids, o.text, o.finish_reason, o.stop_reason) for o in outs]
@@ -58,6 +58,7 @@ def test_same_tokens_in_every_process_and_overlap_mode(make_llm, tiny_dir, devic
     assert {r[2] for r in reference} >= {"length"}
 
 
+@pytest.mark.exclusive
 def test_killing_the_core_fails_every_waiter_within_a_second(make_llm):
     llm = make_llm(device="sim", sim=SLOW_SIM)
     streams = [llm.stream([300 + i] * 6, SamplingParams(max_tokens=5_000)) for i in range(3)]

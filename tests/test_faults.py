@@ -48,7 +48,7 @@ def run_callers(llm, n: int = 4) -> list[BaseException]:
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
 def test_forward_fault_reaches_every_caller(make_llm, tiny_dir, overlap):
-    llm = make_llm(str(tiny_dir), device="cpu", overlap=overlap, engine_process=False)
+    llm = make_llm(str(tiny_dir), device="cpu", dtype="float32", overlap=overlap, engine_process=False)
     count = {"n": 0}
 
     def hook(meta):
@@ -78,7 +78,7 @@ def test_sampler_fault_reaches_every_caller(make_llm, tiny_dir, overlap, monkeyp
         return real(*args, **kwargs)
 
     monkeypatch.setattr(torch_executor, "sample", faulty)
-    llm = make_llm(str(tiny_dir), device="cpu", overlap=overlap, engine_process=False)
+    llm = make_llm(str(tiny_dir), device="cpu", dtype="float32", overlap=overlap, engine_process=False)
     errors = run_callers(llm)
     assert len(errors) == 4 and "injected sampler fault" in repr(errors[0].__cause__)
     llm.close()
@@ -86,7 +86,7 @@ def test_sampler_fault_reaches_every_caller(make_llm, tiny_dir, overlap, monkeyp
 
 
 def test_planner_bug_reaches_callers(make_llm, tiny_dir, monkeypatch):
-    llm = make_llm(str(tiny_dir), device="cpu", engine_process=False)
+    llm = make_llm(str(tiny_dir), device="cpu", dtype="float32", engine_process=False)
 
     def broken(plan, staging):
         raise RuntimeError("injected planner fault")
@@ -97,7 +97,7 @@ def test_planner_bug_reaches_callers(make_llm, tiny_dir, monkeypatch):
 
 
 def test_detokenizer_fault_fails_only_that_request(make_llm, tiny_dir):
-    llm = make_llm(str(tiny_dir), device="cpu")
+    llm = make_llm(str(tiny_dir), device="cpu", dtype="float32")
     good = llm.generate([[9, 9, 9]], PARAMS, use_tqdm=False)[0].token_ids
     bad_stream = llm.stream([5, 6, 7], PARAMS)
     handle = llm._handles[max(llm._handles)]
@@ -120,7 +120,7 @@ def test_detokenizer_fault_fails_only_that_request(make_llm, tiny_dir):
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
 def test_nan_logits_fail_one_request(make_llm, tiny_dir, overlap):
-    llm = make_llm(str(tiny_dir), device="cpu", overlap=overlap, engine_process=False)
+    llm = make_llm(str(tiny_dir), device="cpu", dtype="float32", overlap=overlap, engine_process=False)
     prompts = [[5, 6, 7], [40, 41, 42], [9, 9, 9]]
     expected = [o.token_ids for o in llm.generate(prompts, PARAMS, use_tqdm=False)]
     model = llm._core.executor.model
@@ -150,7 +150,7 @@ def test_nan_logits_fail_one_request(make_llm, tiny_dir, overlap):
 
 
 def test_consumer_exception_inside_stream_aborts_the_request(make_llm, tiny_dir):
-    llm = make_llm(str(tiny_dir), device="cpu")
+    llm = make_llm(str(tiny_dir), device="cpu", dtype="float32")
     with pytest.raises(KeyError):
         for delta in llm.stream([5, 6, 7], PARAMS):
             raise KeyError("user code failed while consuming")
@@ -160,7 +160,7 @@ def test_consumer_exception_inside_stream_aborts_the_request(make_llm, tiny_dir)
 
 
 def test_close_with_requests_in_flight_wakes_waiters(make_llm, tiny_dir):
-    llm = make_llm(str(tiny_dir), device="cpu")
+    llm = make_llm(str(tiny_dir), device="cpu", dtype="float32")
     long = SamplingParams(max_tokens=90, temperature=0.0, ignore_eos=True)
     stream = llm.stream([5, 6, 7], long)
     next(stream)

@@ -299,6 +299,7 @@ def test_default_model_conversion_creates_cache(default_dir: Path) -> None:
 
 
 @pytest.mark.model
+@pytest.mark.exclusive
 @needs_default
 def test_default_model_second_load_is_fast(default_dir: Path, record_property) -> None:
     def resolve_and_load() -> float:

@@ -124,6 +124,7 @@ def best_of(make_llm, step_ms: float, good, tries: int = 5) -> tuple[dict, dict,
     return over, sync, attempts
 
 
+@pytest.mark.exclusive
 def test_overlap_keeps_device_busy(make_llm):
     """256 concurrent requests of mixed prompt lengths, 5 ms device steps: busy >= 99 % of the steady decode
     window with overlap; synchronously the host's work between steps shows as idle time."""
@@ -134,6 +135,7 @@ def test_overlap_keeps_device_busy(make_llm):
     assert sync["idle_gap_ms_mean"] >= 0.8 * sync["planner_ms_per_step"], sync
 
 
+@pytest.mark.exclusive
 def test_overlap_hides_most_host_work_at_2ms_steps(make_llm):
     """At 2 ms steps the host's work per step (planning, applying, output: 1.5-2.3 ms at 256 rows on this VM,
     depending on how fast the VM runs that hour) is about a step long, so whether the device stays >= 99 %

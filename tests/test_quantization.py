@@ -8,6 +8,8 @@ quality script's (teacher-forced agreement and perplexity, docs/cpu-precision.md
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from engine_checks import assert_idle_and_clean
@@ -16,9 +18,9 @@ from tiny_models import save_tiny_model
 from asyncbatch import SamplingParams
 from asyncbatch.config import EngineConfig
 from asyncbatch.model import quantization as quant
-from asyncbatch.model.cpu_features import choose_cpu_dtype, cpu_flags
+from asyncbatch.model.cpu_features import CPU_FLAGS_ENV, choose_cpu_dtype, cpu_flags
 from asyncbatch.model.forward_batch import ForwardBatch, PrefillRow
-from asyncbatch.model.loader import load_model
+from asyncbatch.model.loader import explain_dtype, load_model
 
 TOLERANCE = {"int8": 0.03, "w8a8": 0.08, "int4": 0.30, "bfloat16": 0.03}
 BLOCK = 4
@@ -132,6 +134,23 @@ def test_auto_dtype_follows_the_cpu_features():
     assert cpu_flags("") == frozenset()
 
 
+def test_cpu_flags_switch_fakes_the_cpu(monkeypatch):
+    """ASYNCBATCH_CPU_FLAGS replaces /proc/cpuinfo's flags, so one machine runs both sides of auto."""
+    monkeypatch.setenv(CPU_FLAGS_ENV, "avx2 amx_bf16")
+    assert cpu_flags() == frozenset({"avx2", "amx_bf16"})
+    choice = choose_cpu_dtype()
+    assert choice.dtype == torch.bfloat16 and "faked by ASYNCBATCH_CPU_FLAGS" in choice.reason
+    assert explain_dtype("auto", "cpu")[0] == torch.bfloat16
+    monkeypatch.setenv(CPU_FLAGS_ENV, "avx2,fma")
+    assert choose_cpu_dtype().dtype == torch.float32
+    assert explain_dtype("auto", "cpu")[0] == torch.float32
+    assert explain_dtype("float32", "cpu")[0] == torch.float32  # a named dtype ignores the flags
+    monkeypatch.delenv(CPU_FLAGS_ENV)
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        assert cpu_flags() == cpu_flags(cpuinfo.read_text())
+
+
 @pytest.mark.parametrize("scheme", ["int8", "int4", "w8a8"])
 def test_overlap_equals_sync_for_each_precision(make_llm, tiny_dirs, scheme):
     path = str(tiny_dirs["LlamaForCausalLM"])
@@ -150,6 +169,7 @@ def test_overlap_equals_sync_for_each_precision(make_llm, tiny_dirs, scheme):
     assert [len(t) for t in runs[0]] == [6 + 3 * i for i in range(8)]
 
 
+@pytest.mark.auto_dtype
 def test_executor_info_says_which_dtype_auto_chose(make_llm, tiny_dirs):
     llm = make_llm(str(tiny_dirs["LlamaForCausalLM"]), device="cpu", engine_process=False)
     info = llm.executor_info

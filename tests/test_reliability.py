@@ -63,7 +63,7 @@ def tiny_dir(tmp_path_factory):
 def test_overload_on_cpu_with_a_tiny_model(make_llm, tiny_dir, overlap):
     """300 requests at once to a real (tiny) model capped at 16 running: all finish, each with the tokens
     it gets when run alone."""
-    llm = make_llm(str(tiny_dir), device="cpu", overlap=overlap, max_num_seqs=16, max_num_batched_tokens=64,
+    llm = make_llm(str(tiny_dir), device="cpu", dtype="float32", overlap=overlap, max_num_seqs=16, max_num_batched_tokens=64,
                    block_size=4)
     prompts = [[3 + (i * 7 + j) % 250 for j in range(1 + i % 20)] for i in range(300)]
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -78,17 +78,17 @@ def test_overload_on_cpu_with_a_tiny_model(make_llm, tiny_dir, overlap):
 def test_memory_pressure_keeps_greedy_tokens(make_llm, tiny_dir, overlap):
     prompts = [[3 + (i * 13 + j) % 250 for j in range(4 + 3 * i)] for i in range(8)]
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
-    roomy = make_llm(str(tiny_dir), device="cpu", block_size=4)
+    roomy = make_llm(str(tiny_dir), device="cpu", dtype="float32", block_size=4)
     expected = [o.token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
     largest = max(len(p) for p in prompts) + 20
     for num_blocks in (largest // 4 + 2, largest // 4 + 6, 20, 40):
-        llm = make_llm(str(tiny_dir), device="cpu", block_size=4, num_kv_blocks=num_blocks, overlap=overlap,
+        llm = make_llm(str(tiny_dir), device="cpu", dtype="float32", block_size=4, num_kv_blocks=num_blocks, overlap=overlap,
                        max_num_seqs=8, debug_check_integrity=True)
         got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert got == expected, f"tokens changed with {num_blocks} blocks"
         assert_idle_and_clean(llm)
         llm.close()
-    tight = make_llm(str(tiny_dir), device="cpu", block_size=4, num_kv_blocks=6)
+    tight = make_llm(str(tiny_dir), device="cpu", dtype="float32", block_size=4, num_kv_blocks=6)
     with pytest.raises(ValueError, match="could never run"):
         tight.generate([[5] * 20], SamplingParams(max_tokens=10), use_tqdm=False)
 
@@ -96,15 +96,20 @@ def test_memory_pressure_keeps_greedy_tokens(make_llm, tiny_dir, overlap):
 @pytest.mark.slow
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
 def test_seeded_soak(make_llm, overlap):
-    """20,000 requests with random lengths, stops, aborts (other threads and early stream exits) and a
-    KV cache small enough to preempt; ``check_integrity`` after every step."""
+    """10,000 requests with random lengths, stops, aborts (other threads and early stream exits) and a
+    KV cache small enough to preempt; ``check_integrity`` after every step.
+
+    Sized by its events, not its requests: at 10,000 the run still makes thousands of preemptions, abort
+    calls and stop-string finishes and 40 broken streams (a stream is broken every 250 requests, as
+    often in total as the 20,000-request soak's every 500), each under an integrity check (figures in
+    the issue 21 note); a race among them shows in hundreds, not in the second ten thousand."""
     rng = random.Random(1234)
     llm = make_llm(device="sim", overlap=overlap, sim=SimConfig(step_fixed_ms=0.0, per_token_us=0.0,
                                                                  per_context_token_ns=0.0, output_len_min=1,
                                                                  output_len_max=40, seed=7),
                    max_num_seqs=128, max_num_batched_tokens=1024, num_kv_blocks=400, block_size=8,
                    debug_check_integrity=True)
-    total = 20_000
+    total = 10_000
     aborted = set()
     done = threading.Event()
 
@@ -124,7 +129,7 @@ def test_seeded_soak(make_llm, overlap):
             params = SamplingParams(max_tokens=rng.randint(1, 48), temperature=rng.choice([0.0, 0.7]),
                                     seed=rng.randrange(1 << 30), stop=rng.choice([None, ["ab"]]))
             prompt = [300 + rng.randrange(20000) for _ in range(rng.randint(1, 120))]
-            if i % 500 == 0:
+            if i % 250 == 0:
                 stream = llm.stream(prompt, params, request_id=f"soak-{i}")
                 next(stream, None)
                 stream.close()

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.model
 
 @pytest.fixture(scope="module", params=[True, False], ids=["overlap", "sync"])
 def llm(request):
-    engine = LLM(device="cpu", overlap=request.param, max_num_batched_tokens=256, max_num_seqs=64)
+    engine = LLM(device="cpu", dtype="float32", overlap=request.param, max_num_batched_tokens=256, max_num_seqs=64)
     yield engine
     engine.close()
 

@@ -22,7 +22,7 @@ MAX_TOKENS = 12
 
 @pytest.fixture(scope="module")
 def served():
-    with serving(ServeSettings(("smol", "smollm2-135m")), device="cpu", max_num_seqs=8, seed=0) as pair:
+    with serving(ServeSettings(("smol", "smollm2-135m")), device="cpu", dtype="float32", max_num_seqs=8, seed=0) as pair:
         yield pair
 
 

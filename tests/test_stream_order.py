@@ -33,7 +33,7 @@ def checked_run(path, shim, monkeypatch, overlap: bool, graphs: bool, sabotage=N
     checker.install(monkeypatch)
     shim.update(enable_cuda_graphs=graphs, cuda_graph_batch_sizes=(2, 4))  # 1-row steps replay padded
     prompts, params = shim_workload()
-    with LLM(str(path), device="cpu", engine_process=False, max_num_seqs=6, max_num_batched_tokens=32, block_size=4,
+    with LLM(str(path), device="cpu", dtype="float32", engine_process=False, max_num_seqs=6, max_num_batched_tokens=32, block_size=4,
              overlap=overlap) as llm:
         checker.watch_engine(llm._core, monkeypatch)
         if sabotage is not None:

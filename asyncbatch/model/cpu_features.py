@@ -8,23 +8,45 @@ the matmul and runs far slower than float32 (AMD EPYC Zen 3, AVX2, a 576 x 1536
 linear at 32 rows, one thread: 5.7 ms in bfloat16, 0.8 ms in float32). The
 features come from ``/proc/cpuinfo`` (Linux); where it cannot be read, or on
 any other CPU, ``auto`` stays float32.
+
+``ASYNCBATCH_CPU_FLAGS`` (space- or comma-separated flag names), when set,
+replaces the flags read from ``/proc/cpuinfo``: ``ASYNCBATCH_CPU_FLAGS=amx_bf16``
+makes an AVX2 machine choose bfloat16 as a Sapphire Rapids would (torch then
+emulates bfloat16: slower, but every result is rounded to bfloat16 as a native
+kernel's is), and ``ASYNCBATCH_CPU_FLAGS=avx2`` makes an AMX machine choose
+float32. It is how the test suite runs both sides of ``dtype="auto"`` on one
+machine; engine core processes inherit it.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+CPU_FLAGS_ENV = "ASYNCBATCH_CPU_FLAGS"
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 _CPUINFO = Path("/proc/cpuinfo")
 
 
+def faked_cpu_flags() -> frozenset[str] | None:
+    """The flags ``ASYNCBATCH_CPU_FLAGS`` names, or None where it is unset (an empty value fakes a CPU
+    with no flags)."""
+    value = os.environ.get(CPU_FLAGS_ENV)
+    if value is None:
+        return None
+    return frozenset(value.replace(",", " ").split())
+
+
 def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
     """The feature flags of the first processor in ``/proc/cpuinfo`` (``flags`` on x86, ``Features`` on Arm);
-    empty where the file is missing."""
+    empty where the file is missing. With ``cpuinfo`` omitted, ``ASYNCBATCH_CPU_FLAGS`` wins where set."""
     if cpuinfo is None:
+        faked = faked_cpu_flags()
+        if faked is not None:
+            return faked
         try:
             cpuinfo = _CPUINFO.read_text(errors="replace")
         except OSError:
@@ -44,11 +66,16 @@ class CpuDtypeChoice:
 
 def choose_cpu_dtype(flags: frozenset[str] | None = None, capability: str | None = None) -> CpuDtypeChoice:
     """bfloat16 where the CPU has native bfloat16 dot products, else float32, with the reason."""
-    flags = cpu_flags() if flags is None else flags
+    faked = ""
+    if flags is None:
+        flags = cpu_flags()
+        if faked_cpu_flags() is not None:
+            faked = f"; flags faked by {CPU_FLAGS_ENV}"
     capability = torch.backends.cpu.get_cpu_capability() if capability is None else capability
     native = sorted(f for f in NATIVE_BF16_FLAGS if f in flags)
     if native:
         return CpuDtypeChoice(torch.bfloat16, f"bfloat16: the CPU has native bfloat16 dot products "
-                                              f"({', '.join(native)}; torch capability {capability})")
+                                              f"({', '.join(native)}; torch capability {capability}{faked})")
     return CpuDtypeChoice(torch.float32, f"float32: no native bfloat16 dot products on this CPU (torch "
-                                         f"capability {capability}, no {'/'.join(NATIVE_BF16_FLAGS)} flag)")
+                                         f"capability {capability}, no {'/'.join(NATIVE_BF16_FLAGS)} flag"
+                                         f"{faked})")
