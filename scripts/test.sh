@@ -3,8 +3,7 @@
 # (Ray Serve) is installed so tests/test_cluster_ray.py runs; EXTRAS=dev,serve skips it.
 #
 # Without arguments: two pytest-xdist workers for everything but the tests marked `exclusive` (they measure
-# how busy the device was, which a neighbour test on the same cores would change, or start a Ray cluster),
-# then those alone.
+# how busy the device was, which a neighbour test on the same cores would change), then those alone.
 # Much of the suite waits (servers, Ray, subprocesses, simulated steps), so two workers on two cores halve
 # the wall time; conftest.py gives each worker's engines half the cores. With arguments: one pytest
 # process, as `pytest -q ARGS` (e.g. `bash scripts/test.sh tests/test_sampler.py -k seed`).

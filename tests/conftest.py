@@ -43,15 +43,17 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist, modules with a test marked slow go first, so the long ones do not end up alone on
-    one worker while the other has finished. Whole modules move, in their own order, so a module-scoped
-    fixture (an engine, a Ray cluster) is still built once."""
+    """Under pytest-xdist, modules in an ``xdist_group`` go first (their worker then has a full queue and
+    runs them back to back, so a module-scoped fixture such as a Ray cluster is built once), then modules
+    with a test marked slow (so the long ones do not end up alone on one worker at the end). Whole modules
+    move, in their own order."""
     if _WORKERS > 1 or config.getoption("numprocesses", default=None):
         def module(item: pytest.Item) -> str:
             return item.nodeid.split("::", 1)[0]
 
-        slow_modules = {module(item) for item in items if item.get_closest_marker("slow") is not None}
-        items.sort(key=lambda item: module(item) not in slow_modules)
+        grouped = {module(item) for item in items if item.get_closest_marker("xdist_group") is not None}
+        slow = {module(item) for item in items if item.get_closest_marker("slow") is not None}
+        items.sort(key=lambda item: (module(item) not in grouped, module(item) not in slow))
 
 
 _post_init = EngineConfig.__post_init__

@@ -23,10 +23,10 @@ from asyncbatch.config import SimConfig
 from asyncbatch.errors import RequestFailedError
 from asyncbatch.serve.settings import ServeSettings
 
-# One local Ray per machine, started once for the module: scripts/test.sh runs these after the parallel part
-# (under pytest-xdist a worker whose queue ran dry between two of them tore the cluster down and started it
-# again, ~45 s each time, and the replica-kill test's timing met a neighbour's load).
-pytestmark = pytest.mark.exclusive
+# One local Ray per machine: under pytest-xdist (--dist loadgroup) every test here runs on one worker, and
+# grouped modules are scheduled first (conftest.py), while that worker's queue is full: a worker whose queue
+# ran dry between two of these tore the cluster down and started it again (~45 s).
+pytestmark = pytest.mark.xdist_group("ray")
 
 SIM = SimConfig(step_fixed_ms=2.0, per_token_us=4.0, output_len_min=64, output_len_max=64)
 # The engine core in the replica's own process (engine_process=False): half the processes to start on CI's
