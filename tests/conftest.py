@@ -43,10 +43,10 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist, modules in an ``xdist_group`` go first (their worker then has a full queue and
-    runs them back to back, so a module-scoped fixture such as a Ray cluster is built once), then modules
-    with a test marked slow (so the long ones do not end up alone on one worker at the end). Whole modules
-    move, in their own order."""
+    """Under pytest-xdist, modules in an ``xdist_group`` go first, then modules with a test marked slow (so
+    the long ones do not end up alone on one worker at the end). Whole modules move, in their own order.
+    Scheduling the groups first was meant to keep their module-scoped fixtures (the Ray cluster) built once;
+    measured, a worker still tore one down and built it again (profiles/test-suite-amd-epyc-2core)."""
     if _WORKERS > 1 or config.getoption("numprocesses", default=None):
         def module(item: pytest.Item) -> str:
             return item.nodeid.split("::", 1)[0]

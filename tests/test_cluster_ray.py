@@ -23,9 +23,9 @@ from asyncbatch.config import SimConfig
 from asyncbatch.errors import RequestFailedError
 from asyncbatch.serve.settings import ServeSettings
 
-# One local Ray per machine: under pytest-xdist (--dist loadgroup) every test here runs on one worker, and
-# grouped modules are scheduled first (conftest.py), while that worker's queue is full: a worker whose queue
-# ran dry between two of these tore the cluster down and started it again (~45 s).
+# One local Ray per machine: under pytest-xdist (--dist loadgroup) every test here runs on one worker. That
+# worker may still tear the module's cluster down between two tests and start it again (~50 s; see
+# profiles/test-suite-amd-epyc-2core); running the module alone after the parallel part cost more.
 pytestmark = pytest.mark.xdist_group("ray")
 
 SIM = SimConfig(step_fixed_ms=2.0, per_token_us=4.0, output_len_min=64, output_len_max=64)

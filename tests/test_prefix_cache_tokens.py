@@ -23,7 +23,8 @@ from reference import LazyModel, assert_mostly_identical, compare_runs_near_tie
 
 from asyncbatch import SamplingParams
 
-# One worker for the module under pytest-xdist, so the caching-off references are shared.
+# One worker for the module under pytest-xdist, so the caching-off references can be shared (a worker may
+# still rebuild module fixtures between two tests; then the reference is made again, same result).
 pytestmark = [pytest.mark.model, pytest.mark.xdist_group("prefix-cache-tokens")]
 
 SYSTEM = ("You are the assistant of a small bakery in a quiet town. You answer questions about opening hours, "
