@@ -59,7 +59,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 _post_init = EngineConfig.__post_init__
 
 
-def _post_init_pinning_dtype(self: EngineConfig) -> None:
+def _post_init_for_tests(self: EngineConfig) -> None:
+    """The config's own validation, then: under xdist, the worker's share of the cores; on the CPU, a
+    named dtype (the module docstring says why)."""
     _post_init(self)
     if _WORKERS > 1 and self.num_threads is None:
         self.num_threads = THREADS_PER_WORKER
@@ -70,7 +72,7 @@ def _post_init_pinning_dtype(self: EngineConfig) -> None:
                              "Mark the test auto_dtype where the choice itself is its subject.")
 
 
-EngineConfig.__post_init__ = _post_init_pinning_dtype
+EngineConfig.__post_init__ = _post_init_for_tests
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ saves the generation, never the judgement.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -40,9 +41,15 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+@functools.cache
+def _key() -> tuple[tuple[str, str], ...]:
+    return (("model_sha256", file_sha256(default_gguf_path())), ("transformers", transformers.__version__))
+
+
 def current_key() -> dict[str, str]:
-    """What the default model's reference tokens depend on: the GGUF's bytes and the transformers version."""
-    return {"model_sha256": file_sha256(default_gguf_path()), "transformers": transformers.__version__}
+    """What the default model's reference tokens depend on: the GGUF's bytes and the transformers version
+    (hashed once per process: ~100 MB)."""
+    return dict(_key())
 
 
 def request_key(prompt_ids: list[int], max_tokens: int, eos_token_id: int | None) -> tuple:

@@ -145,6 +145,16 @@ def assert_mostly_identical(result: GreedyComparison, min_fraction: float = BF16
     assert result.exact >= min_fraction * result.total, result.summary()
 
 
+def assert_bfloat16_runs_agree(model_path, label: str, prompts: list[list[int]], a: list[list[int]],
+                               b: list[list[int]], params: list | None = None) -> GreedyComparison:
+    """The bfloat16 variants' whole check: ``compare_runs_near_tie`` against the bfloat16 reference at
+    ``model_path``, printed (``pytest -s``), and most sequences identical."""
+    result = compare_runs_near_tie(LazyModel(model_path, "bfloat16"), prompts, a, b, params)
+    print(f"bfloat16 {label}: {result.summary()}")
+    assert_mostly_identical(result)
+    return result
+
+
 def sampled_pair_gap(model, prompt: list[int], outputs: list[int], params, pair: tuple[int, int]) -> float:
     """For a seeded random row that two runs sampled differently at output ``len(outputs)``: how far apart
     the two chosen tokens' scores are in the reference, ``|score[a] - score[b]|`` with ``score = penalised

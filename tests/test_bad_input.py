@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from reference import LazyModel, assert_mostly_identical, compare_runs_near_tie
+from reference import assert_bfloat16_runs_agree
 from tiny_models import TINY_VOCAB, save_tiny_model
 
 from asyncbatch import LLM, SamplingParams
@@ -150,7 +150,5 @@ def test_generate_from_several_threads_bfloat16(tiny_dir):
         expected = neighbour_alone(engine)
         results = generate_from_threads(engine)
         engine.check_integrity()
-    result = compare_runs_near_tie(LazyModel(tiny_dir, "bfloat16"), [NEIGHBOUR] * len(results), results,
-                                   [expected] * len(results))
-    print(f"bfloat16 threads vs alone: {result.summary()}")
-    assert_mostly_identical(result)
+    assert_bfloat16_runs_agree(tiny_dir, "threads vs alone", [NEIGHBOUR] * len(results), results,
+                               [expected] * len(results))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 from engine_checks import assert_idle_and_clean
-from reference import LazyModel, assert_mostly_identical, compare_runs_near_tie
+from reference import assert_bfloat16_runs_agree
 
 from asyncbatch import SamplingParams
 
@@ -82,10 +82,8 @@ def test_overlap_equals_sync_on_default_model_bfloat16(make_llm):
         assert llm.stats()["preemptions"] > 0
         runs[overlap] = outs
     over, sync = runs[True], runs[False]
-    result = compare_runs_near_tie(LazyModel(llm.model_path, "bfloat16"), prompts, [o.token_ids for o in over],
-                                   [o.token_ids for o in sync], params)
-    print(f"bfloat16 overlap vs sync: {result.summary()}")
-    assert_mostly_identical(result)
+    assert_bfloat16_runs_agree(llm.model_path, "overlap vs sync", prompts, [o.token_ids for o in over],
+                               [o.token_ids for o in sync], params)
     for a, b in zip(over, sync):
         if a.token_ids == b.token_ids:
             assert (a.text, a.finish_reason, a.stop_reason) == (b.text, b.finish_reason, b.stop_reason)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import pytest
 from engine_checks import assert_idle_and_clean
-from reference import LazyModel, assert_mostly_identical, compare_runs_near_tie
+from reference import assert_bfloat16_runs_agree
 
 from asyncbatch import SamplingParams
 
@@ -34,6 +34,9 @@ SYSTEM = ("You are the assistant of a small bakery in a quiet town. You answer q
 QUESTIONS = [" When do you open on Saturday?", " Do you sell rye bread?", " Is there gluten in the croissants?",
              " How much is a birthday cake?"]
 BLOCK = 16  # EngineConfig's default block size
+# Penalties over prompt and output, and seeded sampling: what must see a reused prefix as a computed one.
+PENALISED_SEEDED = SamplingParams(max_tokens=12, temperature=0.9, top_k=40, seed=11, repetition_penalty=1.5,
+                                  presence_penalty=0.4, frequency_penalty=0.3, ignore_eos=True)
 
 
 def prompts_of(tokenizer) -> tuple[list[list[int]], list[list[int]]]:
@@ -115,8 +118,7 @@ def test_greedy_tokens_identical_with_caching_on_and_off(make_llm, overlap, engi
 
 
 def test_penalties_and_seeded_sampling_see_a_reused_prefix_as_computed(make_llm):
-    params = SamplingParams(max_tokens=12, temperature=0.9, top_k=40, seed=11, repetition_penalty=1.5,
-                            presence_penalty=0.4, frequency_penalty=0.3, ignore_eos=True)
+    params = PENALISED_SEEDED
     on = run(make_llm, True, params, overlap=True, max_num_batched_tokens=48)
     off = run(make_llm, False, params, overlap=True, max_num_batched_tokens=48)
     assert on.stats["prefix_cache_hit_rate"] > 0.3
@@ -130,16 +132,12 @@ def test_tokens_with_caching_on_and_off_bfloat16(make_llm):
     eviction at once), greedy rows beside rows with penalties and seeded sampling: the runs part only at
     near-ties, and the cache is used as in float32."""
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    sampled = SamplingParams(max_tokens=12, temperature=0.9, top_k=40, seed=11, repetition_penalty=1.5,
-                             presence_penalty=0.4, frequency_penalty=0.3, ignore_eos=True)
-    params = [greedy if i % 2 else sampled for i in range(12)]  # 10 batch prompts, then the 2 prefixes
+    params = [greedy if i % 2 else PENALISED_SEEDED for i in range(12)]  # 10 batch prompts, then the 2 prefixes
     engine_kwargs = {"max_num_batched_tokens": 64, "num_kv_blocks": 20}
     on = run(make_llm, True, params, dtype="bfloat16", overlap=True, **engine_kwargs)
     off = run(make_llm, False, params, dtype="bfloat16", overlap=True, **engine_kwargs)
     assert len(on.prompts) == len(params)
     assert on.stats["prefix_cache_hit_rate"] > 0.3, on.cache
     assert on.stats["preemptions"] > 0 and on.cache["evictions"] > 0
-    result = compare_runs_near_tie(LazyModel(on.model_path, "bfloat16"), on.prompts, on.batch + on.again,
-                                   off.batch + off.again, params)
-    print(f"bfloat16 caching on vs off: {result.summary()}")
-    assert_mostly_identical(result)
+    assert_bfloat16_runs_agree(on.model_path, "caching on vs off", on.prompts, on.batch + on.again,
+                               off.batch + off.again, params)

@@ -68,8 +68,10 @@ def choose_cpu_dtype(flags: frozenset[str] | None = None, capability: str | None
     """bfloat16 where the CPU has native bfloat16 dot products, else float32, with the reason."""
     faked = ""
     if flags is None:
-        flags = cpu_flags()
-        if faked_cpu_flags() is not None:
+        flags = faked_cpu_flags()
+        if flags is None:
+            flags = cpu_flags()
+        else:
             faked = f"; flags faked by {CPU_FLAGS_ENV}"
     capability = torch.backends.cpu.get_cpu_capability() if capability is None else capability
     native = sorted(f for f in NATIVE_BF16_FLAGS if f in flags)
