@@ -3,12 +3,16 @@
 ``LLM`` is thread-safe: any thread may call ``generate``, ``stream``, ``chat``
 or ``abort`` at any time; requests from all of them are batched together by
 the one planner thread.
+
+It is the in-process ``EngineClient`` (``frontend.engine_client``): ``AsyncLLM``,
+the HTTP server and the Ray replicas use it through that surface only. Every
+prompt is validated once, by ``self.processor`` (``frontend.input_processor``);
+``submit`` takes the validated requests as they are.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import threading
 import time
@@ -19,13 +23,26 @@ from pathlib import Path
 
 from asyncbatch.config import EngineConfig
 from asyncbatch.engine.builder import resolve_model
-from asyncbatch.engine.client import EngineClient
+from asyncbatch.engine.client import CoreClient
+from asyncbatch.engine.control import (
+    CheckIntegrity,
+    CountRangesStart,
+    CountRangesStop,
+    DescribeExecutor,
+    LastLaunchedStep,
+    NumFreeBlocks,
+    NumPreemptions,
+    PrefixCacheKeys,
+    PrefixCacheStats,
+    ResetPrefixCache,
+    SetNvtx,
+)
 from asyncbatch.engine.gil_tuning import hold_switch_interval, release_switch_interval
 from asyncbatch.engine.messages import AbortRequests, AddRequests, NewRequest
 from asyncbatch.errors import EngineDeadError
 from asyncbatch.frontend.detokenizer import IncrementalDetokenizer, NullDetokenizer
+from asyncbatch.frontend.input_processor import InputProcessor, ProcessedRequest, Prompt
 from asyncbatch.frontend.output_processor import OutputProcessor
-from asyncbatch.frontend.prompt_validation import check_fits, check_needs_no_tokenizer, prompt_token_ids
 from asyncbatch.frontend.request_handle import DeltaSink, RequestHandle
 from asyncbatch.frontend.stop_strings import StopStringMatcher
 from asyncbatch.model.loader import resolve_dtype
@@ -34,7 +51,7 @@ from asyncbatch.profiling.marks import RangeCounter, count_ranges, enable_nvtx, 
 from asyncbatch.profiling.timeline import Timeline
 from asyncbatch.sampling_params import MAX_SEED, SamplingParams
 
-Prompt = str | list[int]
+__all__ = ["LLM", "Prompt"]
 
 
 class LLM:
@@ -73,11 +90,12 @@ class LLM:
             hold_switch_interval(self.config.switch_interval_s)  # the core's threads share this process
             self._switch_interval_held = True
         fail_all = weakref.WeakMethod(self._fail_all)
-        self._client = EngineClient(self.config, self._spec, processor.process,
+        self._client = CoreClient(self.config, self._spec, processor.process,
                                     lambda error: (fail_all() or _ignore)(error))
         processor.send = self._client.send
-        self.timeline.last_launched = functools.partial(self._client.call, "last_launched_step")
         self._usable_tokens = self._client.ready.num_usable_blocks * self.config.block_size
+        self.processor = InputProcessor(self.tokenizer, self._spec.vocab_size, self.max_model_len,
+                                        self._usable_tokens)
         self._preemptions = 0
         self._prefix_cache: dict = {"hit_rate": 0.0, "cached_blocks": 0}
 
@@ -90,32 +108,26 @@ class LLM:
 
     # -- submission -----------------------------------------------------------
     def _prepare(self, prompt: Prompt, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
-        return self._check_request(self._prepare_ids(prompt), params)
-
-    def _prepare_ids(self, prompt: Prompt) -> list[int]:
-        return prompt_token_ids(prompt, self.tokenizer, self._spec.vocab_size)
-
-    def _check_request(self, ids: list[int], params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
-        params = SamplingParams() if params is None else params
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        if self.tokenizer is None:
-            check_needs_no_tokenizer(params)
-        check_fits(len(ids), params, self.max_model_len, self._usable_tokens)
-        return ids, params
-
-    def _send(self, message: object) -> None:
-        self._client.send(message)
+        request = self.processor.process(prompt, params)
+        return request.prompt_token_ids, request.params
 
     def _submit(self, items: list[tuple[Prompt, list[int], SamplingParams]], request_id: str | None = None,
-                streaming: bool = False, request_ids: list[str] | None = None,
-                make_sink: Callable[[], DeltaSink] | None = None) -> list[RequestHandle]:
+                streaming: bool = False) -> list[RequestHandle]:
+        """``submit`` of (prompt, ids, params) items taken as they are (tests forge requests past the door)."""
+        requests = [ProcessedRequest(p if isinstance(p, str) else None, ids, sp) for p, ids, sp in items]
+        return self.submit(requests, [request_id] * len(items), streaming=streaming)
+
+    def submit(self, requests: Sequence[ProcessedRequest], request_ids: Sequence[str | None] | None = None, *,
+               streaming: bool = False, make_sink: Callable[[], DeltaSink] | None = None) -> list[RequestHandle]:
         """Register a handle per request, then send them to the core in one message.
 
-        ``request_ids`` names each item (``request_id`` names a single one); ``make_sink`` gives each
-        streaming handle its delta sink (the asyncio API's), instead of a blocking queue.
+        ``requests`` come from ``self.processor`` and are not checked again. ``request_ids`` names each one
+        (None: ``req-<n>``); ``make_sink`` gives each streaming handle its delta sink (the asyncio API's),
+        instead of a blocking queue.
         """
-        names = request_ids if request_ids is not None else [request_id] * len(items)
+        names = list(request_ids) if request_ids is not None else [None] * len(requests)
+        if len(names) != len(requests):
+            raise ValueError(f"request_ids has {len(names)} entries for {len(requests)} requests")
         for name in names:
             if name is not None and not isinstance(name, str):
                 raise TypeError(f"request_id must be a string, got {type(name).__name__}")
@@ -131,13 +143,14 @@ class LLM:
                     raise ValueError(f"request_id {name!r} is already in use by a live request")
             if len({n for n in names if n is not None}) < sum(n is not None for n in names):
                 raise ValueError("request_ids must be distinct")
-            for name, (prompt, ids, params) in zip(names, items):
+            for name, request in zip(names, requests):
+                ids, params = request.prompt_token_ids, request.params
                 seq = next(self._ids)
                 rid = name if name is not None else f"req-{seq}"
                 seed = params.seed if params.seed is not None else _derive_seed(self.config.seed, seq)
                 now = time.perf_counter()
                 handle = RequestHandle(
-                    seq, rid, prompt if isinstance(prompt, str) else None, ids,
+                    seq, rid, request.prompt, ids,
                     self._detokenizer(ids, params),
                     StopStringMatcher(params.stop_strings, params.include_stop_str_in_output),
                     RequestMetrics(arrival_time=now), simulated=self.simulated, streaming=streaming)
@@ -147,7 +160,7 @@ class LLM:
                 self._by_id[rid] = handle
                 handles.append(handle)
                 new.append(NewRequest(seq, ids, params, seed, now))
-            self._send(AddRequests(new))
+            self._client.send(AddRequests(new))
         return handles
 
     def _detokenizer(self, ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | NullDetokenizer:
@@ -173,8 +186,7 @@ class LLM:
             params_list = list(sampling_params)
         else:
             params_list = [sampling_params] * len(prompts)
-        prepared = [self._prepare(p, sp) for p, sp in zip(prompts, params_list)]
-        handles = self._submit([(p, ids, sp) for p, (ids, sp) in zip(prompts, prepared)])
+        handles = self.submit([self.processor.process(p, sp) for p, sp in zip(prompts, params_list)])
         return self._collect(handles, use_tqdm)
 
     def _collect(self, handles: list[RequestHandle], use_tqdm: bool) -> list[RequestOutput]:
@@ -209,21 +221,12 @@ class LLM:
     def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs: object
                         ) -> list[int]:
         """The token ids of one conversation under the model's chat template (or ``chat_template=``)."""
-        if self.tokenizer is None:
-            raise ValueError("chat needs a tokenizer, but the engine has none (skip_tokenizer_init=True)")
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise ValueError("the tokenizer has no chat template; pass chat_template= (--chat-template)")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt, **template_kwargs)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.processor.chat_prompt_ids(messages, add_generation_prompt, **template_kwargs)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                request_id: str | None = None) -> Iterator[StreamDelta]:
         """Yield deltas as tokens arrive; leaving the loop early aborts the request."""
-        ids, params = self._prepare(prompt, sampling_params)
-        handle = self._submit([(prompt, ids, params)], request_id, streaming=True)[0]
+        handle = self.submit([self.processor.process(prompt, sampling_params)], [request_id], streaming=True)[0]
         return self._stream(handle)
 
     def _stream(self, handle: RequestHandle) -> Iterator[StreamDelta]:
@@ -248,14 +251,26 @@ class LLM:
         """Stop a request; it finishes with ``finish_reason="abort"`` within one step."""
         handle = self._by_id.get(request_id)
         if handle is not None and not handle.finished and self._client.alive:
-            self._send(AbortRequests([handle.seq]))
+            self._client.send(AbortRequests([handle.seq]))
+
+    def abort_all(self) -> int:
+        """Abort every unfinished request (a server's drain timeout); returns how many."""
+        handles = [h for h in list(self._handles.values()) if not h.finished]
+        for handle in handles:
+            self.abort(handle.request_id)
+        return len(handles)
+
+    @property
+    def alive(self) -> bool:
+        """False once the engine failed or was closed."""
+        return self._client.alive
 
     # -- measurement ----------------------------------------------------------
     def stats(self) -> dict:
         """Timeline summary of the current window (see ``asyncbatch.profiling.timeline.summarize``)."""
         stats = self.timeline.stats()
         if self._client.alive:  # after close() or a failure, the last count read stands
-            self._preemptions = self._client.call("num_preemptions")
+            self._preemptions = self._client.call(NumPreemptions())
             self._prefix_cache = self.prefix_cache_stats()
         stats.update(mode="overlap" if self.config.overlap else "sync", backend=self.device,
                      simulated=self.simulated, preemptions=self._preemptions,
@@ -266,22 +281,27 @@ class LLM:
     def prefix_cache_stats(self, timeout: float = 60.0) -> dict:
         """The engine core's prefix-cache counters (``enabled``, ``prompt_tokens``, ``cached_tokens``,
         ``hit_rate``, ``cached_blocks``, ``evictions``), read now."""
-        return self._client.call("prefix_cache_stats", timeout=timeout)
+        return self._client.call(PrefixCacheStats(), timeout=timeout)
 
     def prefix_cache_keys(self, max_blocks: int = 4096, timeout: float = 60.0) -> list[int]:
         """Chain keys (``engine.prefix_cache.chain_keys``) of up to ``max_blocks`` cached KV blocks, held ones
         first, then the most recently released: what a cache-aware router matches a prompt's keys against."""
         if max_blocks < 0:
             raise ValueError(f"max_blocks must be >= 0, got {max_blocks}")
-        return self._client.call("prefix_cache_keys", max_blocks, timeout=timeout)
+        return self._client.call(PrefixCacheKeys(max_blocks), timeout=timeout)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached KV block no running request uses, and zero the hit counters; True if the cache
         is now empty (False: blocks of running requests stay cached)."""
-        return self._client.call("reset_prefix_cache")
+        return self._client.call(ResetPrefixCache())
 
     def reset_stats(self) -> None:
         self.timeline.reset()
+
+    def wait_settled(self, timeout_s: float) -> bool:
+        """Wait until every step launched so far was applied and output-processed (a last overlap step may
+        still run after ``generate`` returned); False if that took longer than ``timeout_s``."""
+        return self.timeline.wait_for_step(self._client.call(LastLaunchedStep()), timeout_s)
 
     def export_trace(self, path, torch_trace=None) -> dict:
         """Write the current timeline window as Chrome/Perfetto trace JSON (see ``profiling.trace_export``)."""
@@ -291,34 +311,34 @@ class LLM:
 
     def check_integrity(self) -> None:
         """Raise ``IntegrityError`` if KV block or token-row accounting is inconsistent (call when idle)."""
-        self._client.call("check_integrity")
+        self._client.call(CheckIntegrity())
 
     @property
     def num_free_blocks(self) -> int:
-        return self._client.call("num_free_blocks")
+        return self._client.call(NumFreeBlocks())
 
     def set_nvtx(self, on: bool) -> None:
         """NVTX ranges on or off in this process and in the engine core's (for an Nsight session)."""
         enable_nvtx(on)
         if self.config.engine_process:
-            self._client.call("set_nvtx", on)
+            self._client.call(SetNvtx(on))
 
     @contextlib.contextmanager
     def count_ranges(self) -> Iterator[RangeCounter]:
         """``profiling.marks.count_ranges`` over the frontend and the engine core: ranges on while counting."""
         with count_ranges() as counter:
             if self.config.engine_process:
-                self._client.call("count_ranges_start")
+                self._client.call(CountRangesStart())
             try:
                 yield counter
             finally:
                 if self.config.engine_process:
-                    counter.add_counts(*self._client.call("count_ranges_stop"))
+                    counter.add_counts(*self._client.call(CountRangesStop()))
 
     @property
     def executor_info(self) -> dict:
         """The executor's ``describe()``, read now (CUDA graph counters move as steps run)."""
-        return self._client.call("describe_executor")
+        return self._client.call(DescribeExecutor())
 
     @property
     def num_usable_blocks(self) -> int:

@@ -5,7 +5,9 @@
 # Without arguments: two pytest-xdist workers for everything but the tests marked `exclusive` (they measure
 # how busy the device was, which a neighbour test on the same cores would change), then those alone.
 # Much of the suite waits (servers, Ray, subprocesses, simulated steps), so two workers on two cores halve
-# the wall time; conftest.py gives each worker's engines half the cores. With arguments: one pytest
+# the wall time; conftest.py gives each worker's engines half the cores. Whole modules go to a worker
+# (loadscope), so a module's shared fixtures are built once; loadgroup would be finer, but with pytest 9.2
+# it silently stops grouping (pytest-dev/pytest-xdist#1386). With arguments: one pytest
 # process, as `pytest -q ARGS` (e.g. `bash scripts/test.sh tests/test_sampler.py -k seed`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +22,6 @@ if [[ $# -gt 0 ]]; then
   exec "$PY" -m pytest -q "$@"
 fi
 status=0
-"$PY" -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadgroup -m "not exclusive" || status=$?
+"$PY" -m pytest -q -n "${TEST_WORKERS:-2}" --dist loadscope --no-loadscope-reorder -m "not exclusive" || status=$?
 "$PY" -m pytest -q -m exclusive || { rc=$?; [[ $status -ne 0 ]] || status=$rc; }
 exit "$status"

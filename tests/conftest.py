@@ -43,17 +43,19 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist, modules in an ``xdist_group`` go first, then modules with a test marked slow (so
-    the long ones do not end up alone on one worker at the end). Whole modules move, in their own order.
-    Scheduling the groups first was meant to keep their module-scoped fixtures (the Ray cluster) built once;
-    measured, a worker still tore one down and built it again (profiles/test-suite-amd-epyc-2core)."""
+    """Under pytest-xdist, modules with tests marked slow go first, most slow tests first (so the long ones
+    do not end up alone on one worker at the end). Whole modules move, in their own order: ``scripts/test.sh``
+    hands out whole modules (``--dist loadscope --no-loadscope-reorder``), so a module's fixtures (the Ray
+    cluster, shared engines and references) are built once, on one worker."""
     if _WORKERS > 1 or config.getoption("numprocesses", default=None):
         def module(item: pytest.Item) -> str:
             return item.nodeid.split("::", 1)[0]
 
-        grouped = {module(item) for item in items if item.get_closest_marker("xdist_group") is not None}
-        slow = {module(item) for item in items if item.get_closest_marker("slow") is not None}
-        items.sort(key=lambda item: (module(item) not in grouped, module(item) not in slow))
+        slow: dict[str, int] = {}
+        for item in items:
+            if item.get_closest_marker("slow") is not None:
+                slow[module(item)] = slow.get(module(item), 0) + 1
+        items.sort(key=lambda item: -slow.get(module(item), 0))
 
 
 _post_init = EngineConfig.__post_init__

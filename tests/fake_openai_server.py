@@ -26,11 +26,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
-import threading
-import time
 
 import uvicorn
+from serve_harness import UvicornThread
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -136,42 +134,21 @@ def build_app(token_delay_s: float = 0.002) -> Starlette:
     return app
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class FakeServer:
+class FakeServer(UvicornThread):
     """The app under uvicorn on a free loopback port, in a daemon thread; a context manager."""
 
     def __init__(self, token_delay_s: float = 0.002) -> None:
         self.app = build_app(token_delay_s)
-        self.port = free_port()
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="critical", lifespan="off")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, name="fake-openai-server", daemon=True)
+        config = uvicorn.Config(self.app, log_level="critical", lifespan="off")
+        super().__init__(uvicorn.Server(config), name="fake-openai-server")
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return self.url
 
     @property
     def state(self) -> _State:
         return self.app.state.fake
-
-    def __enter__(self) -> FakeServer:  # noqa: PYI034 - not meant to be subclassed
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the fake server did not start")
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
 
 
 if __name__ == "__main__":

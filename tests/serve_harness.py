@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import uvicorn
+from typing_extensions import Self
 
 from asyncbatch.serve.app import build_app
 from asyncbatch.serve.async_llm import AsyncLLM
@@ -23,27 +25,26 @@ from asyncbatch.serve.settings import ServeSettings
 ROOT = Path(__file__).resolve().parents[1]
 
 
-class ServerThread:
-    """``with ServerThread(engine, settings) as server: server.url`` - stopped and joined on exit."""
+class UvicornThread:
+    """A uvicorn server on its own thread and event loop, serving a socket bound on 127.0.0.1 (a free
+    port); ``with`` starts it and waits until it serves, leaving stops and joins it."""
 
-    def __init__(self, engine: AsyncLLM, settings: ServeSettings) -> None:
-        self.engine = engine
+    def __init__(self, server: uvicorn.Server, name: str = "serve-test") -> None:
+        self.server = server
         self.sock = bind_socket("127.0.0.1", 0)
-        host, port = self.sock.getsockname()[:2]
-        self.url = f"http://{host}:{port}"
-        app, self.state = build_app(engine, settings)
-        self.server = DrainingServer(uvicorn_config(app, settings, "warning", False), self.state)
-        self.thread = threading.Thread(target=self._run, name="serve-test", daemon=True)
+        host, self.port = self.sock.getsockname()[:2]
+        self.url = f"http://{host}:{self.port}"
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def _run(self) -> None:
         asyncio.run(self.server.serve(sockets=[self.sock]))
 
-    def __enter__(self) -> ServerThread:  # noqa: PYI034 - not subclassed
+    def __enter__(self) -> Self:
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:
             if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the test server did not start")
+                raise RuntimeError(f"{self.thread.name} did not start")
             time.sleep(0.01)
         return self
 
@@ -51,6 +52,15 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(30)
         self.sock.close()
+
+
+class ServerThread(UvicornThread):
+    """``with ServerThread(engine, settings) as server: server.url`` - stopped and joined on exit."""
+
+    def __init__(self, engine: AsyncLLM, settings: ServeSettings) -> None:
+        self.engine = engine
+        app, self.state = build_app(engine, settings)
+        super().__init__(DrainingServer(uvicorn_config(app, settings, "warning", False), self.state))
 
 
 @contextlib.contextmanager
@@ -76,17 +86,14 @@ def client(server: ServerThread, **kwargs) -> httpx.Client:
     return httpx.Client(base_url=server.url, timeout=60, **kwargs)
 
 
-def free_port() -> int:
-    sock = bind_socket("127.0.0.1", 0)
-    port = sock.getsockname()[1]
-    sock.close()
-    return port
-
-
 class ServeProcess:
     """``python -m asyncbatch serve --device sim ARGS`` on a free port, healthy when constructed."""
 
     def __init__(self, *args: str) -> None:
+        # Imported here: fake_openai_server.py, run as a script, imports this module without benchmarks/ on
+        # the path.
+        from harness.common import free_port
+
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -14,13 +14,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from harness.records import RequestRecord, RunResult
+from harness.results_schema import RESULTS_SCHEMA, validation_errors
+from harness.run_metrics import run_metrics
+from harness.systems import SYSTEM_NAMES, parse_systems
 from tiny_models import save_tiny_model
 
 from asyncbatch.bench.arrivals import arrival_offsets, parse_rates
-from asyncbatch.bench.metrics import run_metrics, spread
-from asyncbatch.bench.records import RequestRecord, RunResult
-from asyncbatch.bench.schema import RESULTS_SCHEMA, validation_errors
-from asyncbatch.bench.systems import SYSTEM_NAMES, parse_systems
+from asyncbatch.bench.metrics import spread
 from asyncbatch.bench.workloads import (
     SHAREGPT,
     build_workload,
@@ -42,7 +43,7 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 def _run_script(script: str, args: list[str]) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], cwd=ROOT, capture_output=True,
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=180, check=False)
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc

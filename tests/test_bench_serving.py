@@ -19,6 +19,15 @@ from pathlib import Path
 
 import pytest
 from fake_openai_server import MODEL, FakeServer
+from harness.serving_peers import parse_systems, render
+from harness.serving_servers import (
+    ManagedServer,
+    ServerSpec,
+    ServerStartError,
+    asyncbatch_spec,
+    transformers_spec,
+    workload_kv_tokens,
+)
 from tiny_models import save_tiny_model
 
 from asyncbatch.bench.host_load import ServerLoad, process_group_cpu_s
@@ -38,21 +47,7 @@ from asyncbatch.bench.serving_metrics import SLO, summarize
 from asyncbatch.bench.serving_prometheus import parse_prometheus, window
 from asyncbatch.bench.serving_report import comparisons
 from asyncbatch.bench.serving_runner import LoadPoint, RunPlan, load_points, point_requests, run_point
-from asyncbatch.bench.serving_script import (
-    UsageError,
-    choose_prompt_format,
-    parse_concurrency,
-    parse_systems,
-    render,
-)
-from asyncbatch.bench.serving_servers import (
-    ManagedServer,
-    ServerSpec,
-    ServerStartError,
-    asyncbatch_spec,
-    transformers_spec,
-    workload_kv_tokens,
-)
+from asyncbatch.bench.serving_script import UsageError, choose_prompt_format, parse_concurrency
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -269,7 +264,7 @@ def test_a_stream_without_usage_is_counted_by_chunks(fake):
 
 
 def test_a_connection_refused_is_a_failure_not_an_exception():
-    from fake_openai_server import free_port
+    from harness.common import free_port
     run = asyncio.run(replay(f"http://127.0.0.1:{free_port()}", MODEL, [ServingRequest("x", 2)], [0.0], VLLM,
                              ClientOptions(timeout_s=5)))
     assert not run.results[0].success and "ConnectError" in run.results[0].error
@@ -360,12 +355,12 @@ def test_the_cpu_time_of_a_process_group_is_counted():
 
 
 def _python_server_spec(code: str) -> ServerSpec:
-    from fake_openai_server import free_port
+    from harness.common import free_port
     return ServerSpec("test", [sys.executable, "-c", code], free_port(), VLLM, "test")
 
 
 def test_managed_server_starts_answers_and_stops(tmp_path):
-    from fake_openai_server import free_port
+    from harness.common import free_port
     port = free_port()
     spec = ServerSpec("fake", [sys.executable, str(ROOT / "tests" / "fake_openai_server.py"), "--port", str(port)],
                       port, VLLM, "fake server process")
@@ -431,7 +426,7 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 def _run_script(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_serving.py"), *args], cwd=ROOT,
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_serving.py"), *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout, check=False)
     assert proc.returncode == 0, f"bench_serving.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
@@ -483,7 +478,7 @@ def test_an_interrupted_run_reports_the_points_it_finished(fake, tiny_model, tmp
     """SIGTERM during the second load point: the first point is in the report, the system says why it
     stopped, and the exit status is 128 + SIGTERM."""
     out = tmp_path / "interrupted"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "bench_serving.py"), "--base-url", fake.base_url,
+    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "bench_serving.py"), "--base-url", fake.base_url,
                              "--model", str(tiny_model), "--num-prompts", "4", "--request-rates", "inf,0.05",
                              "--output-range", "2,4", "--warmup-requests", "0", "--out", str(out), "--tag", "i"],
                             cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)

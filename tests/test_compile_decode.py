@@ -89,7 +89,8 @@ def test_compiled_w8a8_rows_are_independent_of_the_batch_and_close_to_eager(tiny
     it is batch-independent by design (per-row activation grids); float32's matmul kernels differ with the
     row count in the eager path too, and the engine test covers its tokens."""
     scheme = "w8a8"
-    from asyncbatch.bench.decode_step import decode_batch
+    from harness.decode_step import decode_batch
+
     from asyncbatch.model.compiled_decode import CompiledDecode
     from asyncbatch.model.loader import load_model
 

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from harness import system_llamacpp
+from harness.quality import QUALITY_TEXT, agreement, teacher_forced
+from harness.runner import build_systems
+from harness.system_base import BenchSettings
+from harness.systems import LLAMACPP, parse_systems
 from tiny_models import save_tiny_model
 
-from asyncbatch.bench import system_llamacpp
-from asyncbatch.bench.quality import QUALITY_TEXT, agreement, teacher_forced
-from asyncbatch.bench.runner import build_systems
-from asyncbatch.bench.system_base import BenchSettings
-from asyncbatch.bench.systems import LLAMACPP, parse_systems
 from asyncbatch.bench.workloads import WorkItem
 from asyncbatch.model.loader import load_model
 
@@ -78,7 +78,7 @@ def test_llamacpp_runs_the_requests_greedily():
 
 
 def _run(script: str, *args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], cwd=ROOT, capture_output=True,
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=300, check=False)
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc

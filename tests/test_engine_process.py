@@ -118,7 +118,7 @@ def test_aborts_and_stop_strings_across_the_boundary_free_every_block(make_llm):
         assert list(stream)[-1].finish_reason == "abort"
     assert any(o.stop_reason == "e" for o in outs), "the workload should hit its stop string"
     assert all(o.finish_reason in ("stop", "length") for o in outs)
-    llm.timeline.wait_settled(10.0)
+    llm.wait_settled(10.0)
     llm.check_integrity()  # runs in the core, between two steps
     assert llm.num_free_blocks == llm.num_usable_blocks
 
@@ -147,7 +147,7 @@ def test_nvtx_ranges_are_counted_in_both_processes(make_llm):
     llm = make_llm(device="sim", sim=FAST_SIM)
     with llm.count_ranges() as counter:
         llm.generate([[5, 6, 7]] * 4, SamplingParams(max_tokens=6), use_tqdm=False)
-        llm.timeline.wait_settled(5.0)
+        llm.wait_settled(5.0)
     names = set(counter.by_name)
     assert {"schedule", "launch", "apply"} <= names, names  # the planner's, in the core process
     assert {"output", "detokenize"} <= names, names  # the frontend's, here

@@ -5,7 +5,8 @@ Layers, lowest first (a module may import its own layer and those below):
     0  public data      errors, config, sampling_params, outputs; cuda_graphs
     1  profiling        timeline, marks, gap report, traces, plots, host info
     2  model, sampling  the network over the paged cache; on-device sampling
-    3  engine data      requests, KV blocks, scheduler, staging buffers, step metadata, messages
+    3  engine data      requests, KV blocks, scheduler, staging buffers, step metadata, messages;
+                        the step contract (what the executors read of it)
     4  executors        cpu / cuda / sim devices
     5  engine core      the planner loop, the core process, the builder
     6  frontend         prompts in, text out: handles, output processing, detokenizer, stop strings
@@ -28,9 +29,10 @@ LAYERS = {  # longest matching prefix wins
     "asyncbatch.outputs": 0, "cuda_graphs": 0,
     "asyncbatch.profiling": 1,
     "asyncbatch.model": 2, "asyncbatch.sampling": 2,
-    "asyncbatch.engine": 3,
+    "asyncbatch.engine": 3, "asyncbatch.engine.step_contract": 3,
     "asyncbatch.executors": 4,
     "asyncbatch.engine.core": 5, "asyncbatch.engine.builder": 5, "asyncbatch.engine.core_process": 5,
+    "asyncbatch.engine.core_preload": 5, "asyncbatch.engine.control": 5, "asyncbatch.engine.core_control": 5,
     "asyncbatch.engine.client": 5, "asyncbatch.engine.planner_loop": 5,
     "asyncbatch.frontend": 6,
     "asyncbatch.llm": 7,
@@ -136,6 +138,17 @@ def test_no_module_imports_a_higher_layer_without_a_stated_reason():
                 bad.add(f"{path.relative_to(ROOT)}:{lineno} ({layer_of(name)}) imports {target} "
                            f"({layer_of(target)})")
     assert not bad, "imports of a higher layer without '# layering: <why>':\n" + "\n".join(sorted(bad))
+
+
+def test_the_executors_import_only_the_step_contract_of_the_engine():
+    """What crosses from the engine to the executors lives in ``engine.step_contract``; nothing else of the
+    engine is an executor's business (the engine core imports the executors, not the other way round)."""
+    modules = all_modules()
+    bad = sorted(f"{path.relative_to(ROOT)}:{lineno} imports {target}"
+                 for name, path in modules.items() if name.startswith("asyncbatch.executors")
+                 for target, lineno, _ in imports_of(path, modules)
+                 if target.startswith("asyncbatch.engine") and target != "asyncbatch.engine.step_contract")
+    assert not bad, "executors importing the engine past its step contract:\n" + "\n".join(bad)
 
 
 def test_every_module_is_placed_deliberately():

@@ -361,7 +361,7 @@ def test_engine_on_sim_checks_integrity_after_every_step(make_llm):
                 if n == i:
                     break  # leaving the iterator aborts the request, its blocks possibly shared
         outs = llm.generate(prompts, params, use_tqdm=False)
-        results[caching] = ([o.token_ids for o in outs], llm.stats(), llm._client.call("prefix_cache_stats"))
+        results[caching] = ([o.token_ids for o in outs], llm.stats(), llm.prefix_cache_stats())
         llm.check_integrity()
         assert llm.num_free_blocks == llm.num_usable_blocks
     (on, on_stats, cache), (off, off_stats, _) = results[True], results[False]

@@ -23,9 +23,7 @@ from reference import assert_bfloat16_runs_agree
 
 from asyncbatch import SamplingParams
 
-# One worker for the module under pytest-xdist, so the caching-off references can be shared (a worker may
-# still rebuild module fixtures between two tests; then the reference is made again, same result).
-pytestmark = [pytest.mark.model, pytest.mark.xdist_group("prefix-cache-tokens")]
+pytestmark = pytest.mark.model
 
 SYSTEM = ("You are the assistant of a small bakery in a quiet town. You answer questions about opening hours, "
           "bread, cakes, allergens and prices in one or two short sentences. You are friendly and precise, you "
@@ -72,9 +70,9 @@ def run(make_llm, caching: bool, params: SamplingParams | list[SamplingParams], 
     batch_params, again_params = ((params[:len(batch)], params[len(batch):]) if isinstance(params, list)
                                   else (params, params))
     first = [o.token_ids for o in llm.generate(batch, batch_params, use_tqdm=False)]
-    before = llm._client.call("prefix_cache_stats")
+    before = llm.prefix_cache_stats()
     again = [o.token_ids for o in llm.generate(prefixes, again_params, use_tqdm=False)]
-    after = llm._client.call("prefix_cache_stats")
+    after = llm.prefix_cache_stats()
     stats = llm.stats()
     assert_idle_and_clean(llm)
     assert stats["prefix_cache_hit_rate"] == after["hit_rate"]

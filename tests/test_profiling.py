@@ -52,7 +52,7 @@ def run(make_llm, overlap: bool, sim: SimConfig = FAST_SIM, n: int = 8, max_toke
     llm = make_llm(device="sim", overlap=overlap, sim=sim, engine_process=engine_process)
     prompts, params = workload(n, max_tokens)
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert llm.timeline.wait_settled(10.0), "steps never completed"
+    assert llm.wait_settled(10.0), "steps never completed"
     return llm, outputs
 
 
@@ -115,7 +115,7 @@ def test_export_trace_merges_a_torch_profiler_trace(make_llm, tmp_path):
     with (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof,
           torch.profiler.record_function("probe_generate")):
         llm.generate(prompts, params, use_tqdm=False)
-    assert llm.timeline.wait_settled(10.0), "steps never completed"
+    assert llm.wait_settled(10.0), "steps never completed"
     torch_path = tmp_path / "torch.json"
     prof.export_chrome_trace(str(torch_path))
     trace = export_trace(llm, tmp_path / "merged.json", torch_trace=torch_path)

@@ -1,23 +1,20 @@
-"""Benchmark helpers behind ``scripts/bench_throughput.py`` and ``scripts/bench_latency.py``.
+"""What users run to benchmark asyncbatch: ``python -m asyncbatch.bench --base-url URL --out DIR``.
+
+A serving client against any OpenAI-compatible server (asyncbatch serve, vLLM, transformers serve),
+the workloads, the metrics and the reports, as vLLM keeps them in ``vllm/benchmarks``. The peer
+adapters (transformers, llama.cpp), the offline multi-system harness, plots, studies and before/after
+tools live outside the package, in the repository's ``benchmarks/``, and build on these modules.
 
 One concept per module:
 
-- ``records``: what a run measured (per-request timestamps and tokens);
-- ``metrics``: numbers from records (TTFT, TPOT, ITL, throughput), medians over repeats;
-- ``memory`` / ``host_load``: a system's memory, and how much of the CPUs other processes took;
-- ``arrivals``: Poisson and gamma (bursty) arrival times;
-- ``system_base``: the interface and shared settings; ``system_asyncbatch``,
-  ``system_hf_continuous``, ``system_hf_static`` (+ ``hf_common``): the systems; ``systems``: the registry;
-- ``runner``: repeats, progress bar, correctness check; ``script``: the scripts' common body;
-- ``report``: the JSON document and tables; ``schema``: its schema and validator; ``plots``: PNGs.
-
-Behind ``scripts/bench_serving.py`` (servers over HTTP):
-
+- ``workloads``: the request sets (uniform, random, ShareGPT-like, nano-vllm's, shared prefix,
+  multi-turn); ``arrivals``: Poisson and gamma (bursty) arrival times;
+- ``metrics``: what TTFT, TPOT, ITL and throughput mean, latency distributions, spreads over repeats;
+  ``host_load``: how much of the CPUs other processes (and a server's processes) took;
 - ``serving_client``: the async streaming client and its per-request records; ``serving_metrics``:
   throughput, goodput under an SLO, latency percentiles; ``serving_prometheus``: the server's /metrics
-  (device busy, running requests); ``serving_servers``: asyncbatch serve and transformers serve as
-  subprocesses; ``serving_runner``: warm-up and load points against one server; ``serving_report``:
-  the JSON document, tables and ratios; ``serving_script``: the script's body.
-
-Workloads live in ``asyncbatch.bench.workloads``.
+  (device busy, running requests); ``serving_runner``: warm-up and load points against one server;
+- ``serving_report``: the JSON document, tables and ratios; ``report``: the machine a figure was
+  measured on and how a results JSON is written; ``schema``: the document's schema and validator;
+- ``serving_script``: the benchmark's body and options; ``__main__``: the command.
 """

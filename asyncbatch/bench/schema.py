@@ -1,101 +1,54 @@
-"""The results JSONs' schemas (JSON Schema documents) and a dependency-free validator for them.
+"""The serving results JSON's schema (a JSON Schema document) and a dependency-free validator.
 
-``RESULTS_SCHEMA``: ``bench_throughput.py`` and ``bench_latency.py``; ``SERVING_SCHEMA``: ``bench_serving.py``.
+``SERVING_SCHEMA``: ``python -m asyncbatch.bench`` and ``benchmarks/bench_serving.py``; the offline
+harness's ``RESULTS_SCHEMA`` (``benchmarks/harness/results_schema.py``) reuses ``DISTRIBUTION``,
+``document_schema`` and the validator.
 
-The validator implements the subset of JSON Schema the schema uses: ``type``
+The validator implements the subset of JSON Schema the schemas use: ``type``
 (one or a list), ``required``, ``properties``, ``additionalProperties`` (a
 schema), ``items``, ``enum`` and ``minimum``. Scripts validate their document
-before writing it; the smoke test validates what they wrote (and, where the
-``jsonschema`` package is installed, checks the same document with it too).
+before writing it; the smoke tests validate what they wrote (and, where the
+``jsonschema`` package is installed, check the same document with it too).
 """
 
 from __future__ import annotations
 
-SCHEMA_ID = "asyncbatch-bench/1"
+# A latency distribution in milliseconds (``metrics.distribution``); null where it was not measured.
+DISTRIBUTION = {"type": ["object", "null"], "required": ["mean", "p50", "p90", "p99"],
+                "additionalProperties": {"type": "number"}}
+INT0 = {"type": "integer", "minimum": 0}
 
-_NUM = {"type": ["number", "null"]}
-_DIST = {"type": ["object", "null"], "required": ["mean", "p50", "p90", "p99"],
-         "additionalProperties": {"type": "number"}}
-_SPREAD = {"type": ["object", "null"], "required": ["median", "min", "max", "rel_spread", "n"],
-           "properties": {"median": {"type": "number"}, "n": {"type": "integer", "minimum": 1}}}
-_RUN = {
-    "type": "object",
-    "required": ["num_requests", "prompt_tokens", "output_tokens", "duration_s", "request_throughput",
-                 "output_throughput", "total_token_throughput", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms",
-                 "engine", "memory", "peak_memory_mib"],
-    "properties": {
-        "num_requests": {"type": "integer", "minimum": 1},
-        "output_tokens": {"type": "integer", "minimum": 0},
-        "duration_s": {"type": "number", "minimum": 0},
-        "request_throughput": {"type": "number", "minimum": 0},
-        "output_throughput": {"type": "number", "minimum": 0},
-        "total_token_throughput": {"type": "number", "minimum": 0},
-        "ttft_ms": _DIST, "tpot_ms": _DIST, "itl_ms": _DIST, "e2e_ms": _DIST,
-        "engine": {"type": ["object", "null"], "additionalProperties": {"type": "number"}},
-        "memory": {"type": "object"},
-        "peak_memory_mib": _NUM,
-    },
-}
-_SUMMARY = {
-    "type": "object",
-    "required": ["duration_s", "request_throughput", "output_throughput", "total_token_throughput",
-                 "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "engine", "peak_memory_mib"],
-    "properties": {"output_throughput": _SPREAD, "request_throughput": _SPREAD,
-                   "total_token_throughput": _SPREAD, "duration_s": _SPREAD,
-                   "ttft_ms": {"type": ["object", "null"], "additionalProperties": _SPREAD},
-                   "tpot_ms": {"type": ["object", "null"], "additionalProperties": _SPREAD},
-                   "engine": {"type": ["object", "null"], "additionalProperties": _SPREAD}},
-}
-_RATE = {"type": ["number", "string", "null"]}
-_POINT = {
-    "type": "object",
-    "required": ["request_rate", "runs", "summary", "cdf"],
-    "properties": {"request_rate": _RATE, "runs": {"type": "array", "items": _RUN}, "summary": _SUMMARY,
-                   "cdf": {"type": "object", "additionalProperties": {"type": ["array", "null"],
-                                                                      "items": {"type": "number"}}}},
-}
-RESULTS_SCHEMA: dict = {
-    "$schema": "https://json-schema.org/draft/2020-12/schema",
-    "title": SCHEMA_ID,
-    "type": "object",
-    "required": ["schema", "kind", "created_utc", "command", "git_commit", "machine", "settings", "workload",
-                 "request_rates", "systems", "correctness", "comparisons", "plots"],
-    "properties": {
-        "schema": {"enum": [SCHEMA_ID]},
-        "kind": {"enum": ["throughput", "latency"]},
+
+def document_schema(schema_id: str, kinds: list[str], properties: dict) -> dict:
+    """A results document's schema: what every document states (its schema, kind, time, command, commit,
+    machine and workload), then its own ``properties``, all required."""
+    common = {
+        "schema": {"enum": [schema_id]},
+        "kind": {"enum": kinds},
         "created_utc": {"type": "string"},
         "command": {"type": "string"},
         "git_commit": {"type": ["string", "null"]},
         "machine": {"type": "object", "required": ["cpu", "cores", "torch", "transformers", "device"]},
-        "settings": {"type": "object", "required": ["device", "dtype", "temperature", "ignore_eos", "repeats"]},
         "workload": {"type": "object", "required": ["name", "num_requests", "prompt_tokens", "output_tokens"]},
-        "request_rates": {"type": "array", "items": _RATE},
-        "systems": {"type": "array", "items": {
-            "type": "object", "required": ["name", "description", "config", "load_mib", "points"],
-            "properties": {"name": {"type": "string"}, "points": {"type": "array", "items": _POINT}}}},
-        "correctness": {"type": ["object", "null"]},
-        "comparisons": {"type": "array", "items": {
-            "type": "object", "required": ["request_rate", "numerator", "denominator", "output_throughput_ratio"]}},
-        "plots": {"type": "array", "items": {"type": "string"}},
-    },
-}
+    }
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": schema_id, "type": "object",
+            "required": [*common, *properties], "properties": {**common, **properties}}
 
 SERVING_SCHEMA_ID = "asyncbatch-bench-serving/1"
-_INT0 = {"type": "integer", "minimum": 0}
 _SERVING_SUMMARY = {
     "type": "object",
     "required": ["num_requests", "completed", "failed", "failure_reasons", "duration_s", "prompt_tokens",
                  "output_tokens", "outputs_not_max_tokens", "request_throughput", "output_throughput",
                  "total_token_throughput", "goodput", "slo_attainment", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"],
     "properties": {
-        "num_requests": _INT0, "completed": _INT0, "failed": _INT0, "output_tokens": _INT0,
-        "outputs_not_max_tokens": _INT0,
+        "num_requests": INT0, "completed": INT0, "failed": INT0, "output_tokens": INT0,
+        "outputs_not_max_tokens": INT0,
         "failure_reasons": {"type": "array", "items": {"type": "object", "required": ["error", "count"]}},
         "duration_s": {"type": "number", "minimum": 0},
         "request_throughput": {"type": "number", "minimum": 0},
         "output_throughput": {"type": "number", "minimum": 0},
         "goodput": {"type": "number", "minimum": 0},
-        "ttft_ms": _DIST, "tpot_ms": _DIST, "itl_ms": _DIST, "e2e_ms": _DIST,
+        "ttft_ms": DISTRIBUTION, "tpot_ms": DISTRIBUTION, "itl_ms": DISTRIBUTION, "e2e_ms": DISTRIBUTION,
     },
 }
 _SERVING_POINT = {
@@ -110,31 +63,20 @@ _SERVING_POINT = {
             "type": "object", "required": ["index", "success", "error", "output_tokens", "ttft_ms", "e2e_ms"]}},
     },
 }
-SERVING_SCHEMA: dict = {
-    "$schema": "https://json-schema.org/draft/2020-12/schema",
-    "title": SERVING_SCHEMA_ID,
-    "type": "object",
-    "required": ["schema", "kind", "created_utc", "command", "git_commit", "machine", "settings", "workload",
-                 "loads", "systems", "comparisons", "notes", "plots"],
-    "properties": {
-        "schema": {"enum": [SERVING_SCHEMA_ID]},
-        "kind": {"enum": ["serving"]},
-        "machine": {"type": "object", "required": ["cpu", "cores", "torch", "transformers", "device"]},
-        "settings": {"type": "object", "required": ["device", "dtype", "temperature", "ignore_eos", "slo",
-                                                    "prompt_format", "endpoint"]},
-        "workload": {"type": "object", "required": ["name", "num_requests", "prompt_tokens", "output_tokens"]},
-        "loads": {"type": "array", "items": {"type": "object", "required": ["request_rate", "label"]}},
-        "systems": {"type": "array", "items": {
-            "type": "object", "required": ["name", "description", "dialect", "base_url", "command",
-                                           "served_model", "points"],
-            "properties": {"name": {"type": "string"}, "points": {"type": "array", "items": _SERVING_POINT}}}},
-        "comparisons": {"type": "array", "items": {
-            "type": "object", "required": ["load", "numerator", "denominator", "output_throughput_ratio",
-                                           "p99_ttft_ratio", "p99_tpot_ratio"]}},
-        "notes": {"type": "array", "items": {"type": "string"}},
-        "plots": {"type": "array", "items": {"type": "string"}},
-    },
-}
+SERVING_SCHEMA: dict = document_schema(SERVING_SCHEMA_ID, ["serving"], {
+    "settings": {"type": "object", "required": ["device", "dtype", "temperature", "ignore_eos", "slo",
+                                                "prompt_format", "endpoint"]},
+    "loads": {"type": "array", "items": {"type": "object", "required": ["request_rate", "label"]}},
+    "systems": {"type": "array", "items": {
+        "type": "object", "required": ["name", "description", "dialect", "base_url", "command", "served_model",
+                                       "points"],
+        "properties": {"name": {"type": "string"}, "points": {"type": "array", "items": _SERVING_POINT}}}},
+    "comparisons": {"type": "array", "items": {
+        "type": "object", "required": ["load", "numerator", "denominator", "output_throughput_ratio",
+                                       "p99_ttft_ratio", "p99_tpot_ratio"]}},
+    "notes": {"type": "array", "items": {"type": "string"}},
+    "plots": {"type": "array", "items": {"type": "string"}},
+})
 
 _TYPES = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None)}
 
@@ -147,7 +89,7 @@ def _is_type(value: object, name: str) -> bool:
     return isinstance(value, _TYPES[name])
 
 
-def validation_errors(doc: object, schema: dict = RESULTS_SCHEMA, path: str = "$") -> list[str]:
+def validation_errors(doc: object, schema: dict, path: str = "$") -> list[str]:
     """Every place where ``doc`` breaks ``schema``, as ``"$.a.b: message"``; empty when valid."""
     errors: list[str] = []
     types = schema.get("type")
@@ -173,9 +115,9 @@ def validation_errors(doc: object, schema: dict = RESULTS_SCHEMA, path: str = "$
     return errors
 
 
-def validate(doc: object) -> None:
-    """Raise ``ValueError`` listing the first problems if ``doc`` is not a valid results document."""
-    errors = validation_errors(doc)
+def validate(doc: object, schema: dict, what: str) -> None:
+    """Raise ``ValueError`` listing the first problems if ``doc`` breaks ``schema`` (``what``: its name)."""
+    errors = validation_errors(doc, schema)
     if errors:
         more = f" (and {len(errors) - 10} more)" if len(errors) > 10 else ""
-        raise ValueError("invalid benchmark results: " + "; ".join(errors[:10]) + more)
+        raise ValueError(f"invalid {what}: " + "; ".join(errors[:10]) + more)

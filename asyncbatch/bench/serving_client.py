@@ -307,3 +307,14 @@ async def replay(base_url: str, model: str, requests: list[ServingRequest], offs
         results = await asyncio.gather(*(one(i) for i in range(len(requests))))
         end = max([start, *(r.end for r in results if r.end is not None)])
         return LoadRun(list(results), start, end, time.process_time() - cpu0)
+
+
+def served_model(base_url: str, timeout_s: float = 30.0) -> str:
+    """The first model a server lists at ``/v1/models``: the name its requests must carry."""
+    with httpx.Client(base_url=base_url, timeout=timeout_s, trust_env=False) as client:
+        response = client.get("/v1/models")
+        response.raise_for_status()
+        data = response.json().get("data") or []
+    if not data:
+        raise RuntimeError(f"{base_url}/v1/models lists no model")
+    return str(data[0]["id"])

@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import datetime as _dt
 import importlib.metadata
-import json
-import shlex
-import sys
 from pathlib import Path
 
-from asyncbatch.bench.report import machine_info
-from asyncbatch.bench.schema import SERVING_SCHEMA, SERVING_SCHEMA_ID, validation_errors
+from asyncbatch.bench.report import command_line, machine_info, write_json
+from asyncbatch.bench.schema import SERVING_SCHEMA, SERVING_SCHEMA_ID
 from asyncbatch.profiling.host_info import git_commit
 
 _VERSIONS = ("httpx", "fastapi", "uvicorn", "openai", "prometheus_client")
@@ -79,7 +76,7 @@ def build_document(settings: dict, workload: dict, loads: list[dict], systems: l
         "schema": SERVING_SCHEMA_ID,
         "kind": "serving",
         "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+        "command": command_line(),
         "git_commit": git_commit(mark_dirty=True),
         "machine": {**machine_info(settings["device"]), "packages": package_versions()},
         "settings": settings,
@@ -98,13 +95,9 @@ def build_document(settings: dict, workload: dict, loads: list[dict], systems: l
     return doc
 
 
-def write_json(doc: dict, path: Path) -> Path:
-    errors = validation_errors(doc, SERVING_SCHEMA)
-    if errors:
-        raise ValueError("invalid serving results: " + "; ".join(errors[:10]))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=1, allow_nan=False) + "\n")
-    return path
+def write_serving_json(doc: dict, path: Path) -> Path:
+    """The serving document, validated against ``SERVING_SCHEMA``, as ``path``."""
+    return write_json(doc, path, SERVING_SCHEMA, "serving results")
 
 
 def _f(value: float | None, digits: int = 1) -> str:

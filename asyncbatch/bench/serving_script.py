@@ -1,7 +1,11 @@
-"""The body of ``scripts/bench_serving.py``: requests, servers one after the other, report files.
+"""The serving benchmark's body: requests, the servers under test one after the other, report files.
+
+``python -m asyncbatch.bench`` runs it against a server that is already running (``--base-url``);
+``benchmarks/bench_serving.py`` passes ``servers`` that start asyncbatch serve and its peers itself
+(``benchmarks/harness/serving_peers.py``) and a ``plot``.
 
 Writes into ``--out``: ``<tag>.json`` (validated against ``schema.SERVING_SCHEMA``), ``<tag>.md`` (the
-side-by-side tables), ``<tag>_latency_vs_load.png``, and each started server's log under ``logs/``.
+side-by-side tables), the plot's PNG when one is given, and each started server's log under ``logs/``.
 A server that fails to start is reported (its entry has ``error`` and no points) and the others still
 run; the exit status is then 1.
 """
@@ -9,24 +13,29 @@ run; the exit status is then 1.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import shlex
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from asyncbatch.bench import plots
 from asyncbatch.bench.arrivals import parse_rates
-from asyncbatch.bench.runner import parse_range
 from asyncbatch.bench.serving_client import (
     DIALECTS,
+    ENDPOINTS,
     TRANSFORMERS,
-    VLLM,
     ClientOptions,
     Dialect,
     ServingRequest,
+    served_model,
 )
 from asyncbatch.bench.serving_metrics import SLO
-from asyncbatch.bench.serving_report import build_document, markdown_report, terminal_table, write_json
+from asyncbatch.bench.serving_report import (
+    build_document,
+    markdown_report,
+    terminal_table,
+    write_serving_json,
+)
 from asyncbatch.bench.serving_runner import (
     RunPlan,
     load_points,
@@ -35,32 +44,28 @@ from asyncbatch.bench.serving_runner import (
     stderr_log,
     warmup_requests,
 )
-from asyncbatch.bench.serving_servers import (
-    ManagedServer,
-    ServerSpec,
-    ServerStartError,
-    asyncbatch_spec,
-    kv_capacity_tokens,
-    served_model,
-    transformers_spec,
-    workload_kv_tokens,
-)
-from asyncbatch.bench.workloads import build_workload, describe, sharegpt_params
+from asyncbatch.bench.workloads import WORKLOADS, build_workload, describe, parse_range, sharegpt_params
 from asyncbatch.model.loader import load_config, load_tokenizer, resolve_model_path
 
-SYSTEMS = ("asyncbatch", "transformers")
+# Draws ``<tag>_latency_vs_load.png`` from the document at the path given; returns that path.
+Plot = Callable[[dict, Path], Path]
+
+
+@dataclass(frozen=True)
+class Servers:
+    """Servers the benchmark starts itself, one after the other (``--systems``).
+
+    ``dialects``: each one's request extras, in order; ``run(name, args, model_path, plan, out, systems)``
+    starts one, measures every load point, stops it, and appends its entry to ``systems``.
+    """
+
+    names: list[str]
+    dialects: list[Dialect]
+    run: Callable[[str, argparse.Namespace, Path, RunPlan, Path, list[dict]], None]
 
 
 class UsageError(ValueError):
     """A mistake in the command line (the script prints it in one line and exits 2)."""
-
-
-def parse_systems(text: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in SYSTEMS]
-    if not names or unknown or len(set(names)) != len(names):
-        raise UsageError(f"--systems must be a comma list of distinct names from {SYSTEMS}, got {text!r}")
-    return names
 
 
 def parse_concurrency(text: str | None) -> list[int | None]:
@@ -121,73 +126,16 @@ def _workload_params(args: argparse.Namespace) -> dict:
     return {"source": "nano-vllm bench.py"}
 
 
-def transformers_kv_tokens(args: argparse.Namespace, model_path: Path, plan: RunPlan) -> int | None:
-    """``--transformers-kv-cache``: workload (every request of a point at once), match (asyncbatch's
-    capacity) or auto (None: transformers sizes it from free memory)."""
-    if args.transformers_kv_cache == "workload":
-        return workload_kv_tokens(plan.requests)
-    if args.transformers_kv_cache == "match":
-        return kv_capacity_tokens(str(model_path), args.device, args.dtype, args.max_num_seqs,
-                                  args.max_num_batched_tokens)
-    return None
-
-
-def server_spec(name: str, args: argparse.Namespace, model_path: Path, plan: RunPlan) -> ServerSpec:
-    extra = shlex.split(getattr(args, f"{name}_args") or "")
-    if name == "asyncbatch":
-        if args.api_key:
-            extra += ["--api-key", args.api_key]
-        return asyncbatch_spec(str(model_path), args.device, args.dtype, args.max_num_seqs,
-                               args.max_num_batched_tokens, args.seed, extra, torch_threads=args.torch_threads)
-    kv_tokens = transformers_kv_tokens(args, model_path, plan)
-    return transformers_spec(str(model_path), args.device, args.dtype, args.max_num_batched_tokens, kv_tokens, extra,
-                             torch_threads=args.torch_threads)
-
-
-def _system_entry(name: str, description: str, dialect: Dialect, base_url: str, command: list[str] | None,
+def system_entry(name: str, description: str, dialect: Dialect, base_url: str, command: list[str] | None,
                   log: Path | None, config: dict | None = None) -> dict:
     return {"name": name, "description": description, "dialect": dialect.name, "base_url": base_url,
             "command": command, "log": None if log is None else str(log), "config": config or {},
             "served_model": None, "ready_s": None, "exit_code": None, "error": None, "warmup": None, "points": []}
 
 
-def server_config(name: str, args: argparse.Namespace, model_path: Path, plan: RunPlan) -> dict:
-    """The limits a server runs with, as the report states them (KV capacity in tokens included)."""
-    config = {"max_num_batched_tokens": args.max_num_batched_tokens, "torch_threads": args.torch_threads}
-    if name == "asyncbatch":
-        capacity = kv_capacity_tokens(str(model_path), args.device, args.dtype, args.max_num_seqs,
-                                      args.max_num_batched_tokens)
-        return {**config, "max_num_seqs": args.max_num_seqs, "kv_cache_tokens": capacity}
-    return {**config, "kv_cache": args.transformers_kv_cache,
-            "kv_cache_tokens": transformers_kv_tokens(args, model_path, plan)}
-
-
-def run_managed(name: str, args: argparse.Namespace, model_path: Path, plan: RunPlan, out: Path,
-                systems: list[dict]) -> None:
-    """Start the server, run every point against it, stop it; its entry joins ``systems`` at once."""
-    spec = server_spec(name, args, model_path, plan)
-    log_path = out / "logs" / f"{args.tag}_{name}.log"
-    entry = _system_entry(name, spec.description, spec.dialect, spec.base_url, spec.argv, log_path,
-                          server_config(name, args, model_path, plan))
-    systems.append(entry)
-    stderr_log(f"{name}: starting {shlex.join(spec.argv)}")
-    server = ManagedServer(spec, log_path, startup_timeout_s=args.startup_timeout)
-    try:
-        with server:
-            entry["ready_s"] = server.ready_s
-            entry["served_model"] = server.served_model()
-            stderr_log(f"{name}: ready in {server.ready_s:.1f} s at {spec.base_url}, model {entry['served_model']!r}")
-            run_system(entry, spec.base_url, entry["served_model"], spec.dialect, plan, stderr_log, server.pgid)
-    except ServerStartError as exc:
-        entry["error"] = str(exc).splitlines()[0]
-        stderr_log(f"{name}: {exc}")
-    finally:
-        entry["exit_code"] = server.returncode
-
-
 def run_external(args: argparse.Namespace, plan: RunPlan, systems: list[dict]) -> None:
     dialect = DIALECTS[args.base_url_dialect]
-    entry = _system_entry(args.base_url_name, f"already running server at {args.base_url}", dialect,
+    entry = system_entry(args.base_url_name, f"already running server at {args.base_url}", dialect,
                           args.base_url, None, None)
     systems.append(entry)
     entry["served_model"] = args.served_model or served_model(args.base_url)
@@ -195,13 +143,13 @@ def run_external(args: argparse.Namespace, plan: RunPlan, systems: list[dict]) -
 
 
 def write_report(args: argparse.Namespace, out: Path, settings: dict, workload: dict, plan: RunPlan,
-                 systems: list[dict], prompt_format: str) -> dict:
+                 systems: list[dict], prompt_format: str, plot: Plot | None = None) -> dict:
     doc = build_document(settings, workload, [p.as_dict() for p in plan.points], systems,
                          notes_for(args, systems, prompt_format))
     png = out / f"{args.tag}_latency_vs_load.png"
-    if any(s["points"] for s in systems):
-        doc["plots"] = [plots.latency_vs_load(doc, png).name]
-    json_path = write_json(doc, out / f"{args.tag}.json")
+    if plot is not None and any(s["points"] for s in systems):
+        doc["plots"] = [plot(doc, png).name]
+    json_path = write_serving_json(doc, out / f"{args.tag}.json")
     (out / f"{args.tag}.md").write_text(markdown_report(doc) + "\n")
     print(terminal_table(doc), flush=True)
     stderr_log(f"wrote {json_path}, {args.tag}.md{''.join(', ' + p for p in doc['plots'])}")
@@ -224,7 +172,7 @@ def notes_for(args: argparse.Namespace, systems: list[dict], prompt_format: str)
                    "match": "matched to asyncbatch's capacity in tokens",
                    "auto": "sized by transformers itself from free memory"}[args.transformers_kv_cache]
         notes.append(f"transformers serve's KV cache: {setting}; on CPU its steps slow down with the cache's size "
-                     "(see asyncbatch/bench/serving_servers.py), so 'match' measures that, not the server")
+                     "(see benchmarks/harness/serving_servers.py), so 'match' measures that, not the server")
     if args.ignore_eos and TRANSFORMERS.name in dialects:
         notes.append("transformers serve rejects vLLM's ignore_eos (HTTP 422 'Unexpected fields'); it got a "
                      "generation_config request field with eos_token_id -1 instead (its continuous batching "
@@ -254,20 +202,9 @@ def notes_for(args: argparse.Namespace, systems: list[dict], prompt_format: str)
     return notes
 
 
-def render(path: Path, out: Path, tag: str) -> dict:
-    """The Markdown and the PNG again from a results JSON (they read nothing else), e.g. after a change
-    to how they are drawn."""
-    doc = json.loads(path.read_text())
-    out.mkdir(parents=True, exist_ok=True)
-    if any(s["points"] for s in doc["systems"]):
-        doc["plots"] = [plots.latency_vs_load(doc, out / f"{tag}_latency_vs_load.png").name]
-    (out / f"{tag}.md").write_text(markdown_report(doc) + "\n")
-    print(terminal_table(doc), flush=True)
-    return doc
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run the benchmark the arguments describe; returns the exit status."""
+def run(args: argparse.Namespace, servers: Servers | None = None, plot: Plot | None = None) -> int:
+    """Run the benchmark the arguments describe against ``--base-url``, else against ``servers``;
+    returns the exit status."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     try:
@@ -277,11 +214,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     points = load_points(rates, parse_concurrency(args.max_concurrency))
-    names = [] if args.base_url else parse_systems(args.systems)
-    if args.device == "sim" and "transformers" in names:
-        raise UsageError("transformers serve cannot run on the simulated device: use --systems asyncbatch")
-    dialects = [DIALECTS[args.base_url_dialect]] if args.base_url else [
-        VLLM if n == "asyncbatch" else TRANSFORMERS for n in names]
+    if not args.base_url and servers is None:
+        raise UsageError("--base-url is required (benchmarks/bench_serving.py starts servers itself)")
+    names = [] if args.base_url else servers.names
+    dialects = [DIALECTS[args.base_url_dialect]] if args.base_url else servers.dialects
     prompt_format = choose_prompt_format(args.prompt_format, dialects, args.endpoint)
     model_path = resolve_model_path(args.model)
     warm_n = max(args.warmup_requests, 0)
@@ -298,19 +234,82 @@ def run(args: argparse.Namespace) -> int:
                 "burstiness": args.burstiness, "seed": args.seed, "warmup_requests": warm_n,
                 "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                 "request_timeout_s": args.request_timeout, "metrics_interval_s": args.metrics_interval,
-                "torch_threads": args.torch_threads}
+                "torch_threads": getattr(args, "torch_threads", None)}
     systems: list[dict] = []
     try:
         if args.base_url:
             run_external(args, plan, systems)
         for name in names:
-            run_managed(name, args, model_path, plan, out, systems)
+            servers.run(name, args, model_path, plan, out, systems)
     except (KeyboardInterrupt, SystemExit) as exc:
         # Ctrl-C or SIGTERM (made SystemExit by the script): the servers are down; keep what was measured.
         for entry in systems:
             if len(entry["points"]) < len(plan.points) and entry["error"] is None:
                 entry["error"] = f"interrupted ({type(exc).__name__}) after {len(entry['points'])} load points"
-        write_report(args, out, settings, workload, plan, systems, prompt_format)
+        write_report(args, out, settings, workload, plan, systems, prompt_format, plot)
         raise
-    write_report(args, out, settings, workload, plan, systems, prompt_format)
+    write_report(args, out, settings, workload, plan, systems, prompt_format, plot)
     return 1 if any(s.get("error") for s in systems) else 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The options of every serving run; returns the ``servers`` group, for a script's own server options."""
+    target = p.add_argument_group("servers")
+    target.add_argument("--base-url", default=None, help="benchmark this running server (e.g. http://127.0.0.1:8000)")
+    target.add_argument("--base-url-name", default="server", help="its name in the report")
+    target.add_argument("--base-url-dialect", default="vllm", choices=sorted(DIALECTS),
+                        help="its request extras: vllm (ignore_eos, token-id prompts), transformers, openai")
+    target.add_argument("--served-model", default=None, help="model name to request (default: /v1/models' first)")
+    target.add_argument("--model", default=None, help="model path, for the workload's tokenizer and vocabulary "
+                                                      "(default: asyncbatch's SmolLM2-135M)")
+    target.add_argument("--device", default="cpu", choices=("cpu", "cuda", "sim", "auto"))
+    target.add_argument("--dtype", default="float32", choices=("auto", "float32", "bfloat16", "float16"))
+    target.add_argument("--max-num-seqs", type=int, default=256)
+    target.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="per step; transformers gets it as --cb-max-batch-tokens")
+    target.add_argument("--api-key", default=None)
+
+    load = p.add_argument_group("load")
+    load.add_argument("--request-rates", default="1,2,4", help="comma list of req/s; inf = all at once")
+    load.add_argument("--burstiness", type=float, default=1.0,
+                      help="gamma shape of inter-arrival gaps: 1 = Poisson, < 1 burstier")
+    load.add_argument("--max-concurrency", default=None, help="comma list of caps on requests in flight")
+    load.add_argument("--num-prompts", type=int, default=32, help="requests per load point")
+    load.add_argument("--warmup-requests", type=int, default=4)
+    load.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    load.add_argument("--metrics-interval", type=float, default=1.0, help="seconds between /metrics samples")
+
+    work = p.add_argument_group("requests")
+    work.add_argument("--workload", default="uniform", choices=WORKLOADS)
+    work.add_argument("--prompt-range", default="16,128", help="uniform workload: inclusive prompt length range")
+    work.add_argument("--output-range", default="16,64", help="uniform workload: inclusive output length range")
+    work.add_argument("--input-len", type=int, default=128, help="random workload: mean prompt length")
+    work.add_argument("--output-len", type=int, default=64, help="random workload: mean output length")
+    work.add_argument("--range-ratio", type=float, default=0.0, help="random workload: lengths in len*(1±r)")
+    work.add_argument("--seed", type=int, default=0)
+    work.add_argument("--endpoint", default="completions", choices=sorted(ENDPOINTS))
+    work.add_argument("--prompt-format", default="auto", choices=("auto", "text", "token-ids"),
+                      help="auto: token ids when every server takes them, else text decoded from them")
+    work.add_argument("--temperature", type=float, default=0.0)
+    work.add_argument("--honor-eos", dest="ignore_eos", action="store_false",
+                      help="let outputs stop at EOS (default: ask every server for exactly max_tokens)")
+
+    report = p.add_argument_group("report")
+    report.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput SLO on TTFT")
+    report.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput SLO on TPOT")
+    report.add_argument("--out", required=True, help="directory for the JSON, Markdown, PNG and server logs")
+    report.add_argument("--tag", default="serving", help="file name prefix of the outputs")
+    return target
+
+
+def command(parser: argparse.ArgumentParser, args: argparse.Namespace,
+            servers: Callable[[argparse.Namespace], Servers] | None = None, plot: Plot | None = None) -> int:
+    """``run`` for a command line: ``servers(args)`` unless ``--base-url``; a mistake the user can fix
+    prints one line naming it and returns 2."""
+    if args.num_prompts < 1:
+        parser.error("--num-prompts must be >= 1")
+    try:
+        return run(args, None if args.base_url or servers is None else servers(args), plot)
+    except UsageError as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2

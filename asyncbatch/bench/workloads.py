@@ -234,3 +234,11 @@ def describe(items: list[WorkItem]) -> dict:
 
 def sharegpt_params() -> dict:
     return asdict(SHAREGPT)
+
+
+def parse_range(text: str) -> tuple[int, int]:
+    """``"low,high"`` (inclusive token counts, as the ``--prompt-range`` options take them)."""
+    low, high = (int(x) for x in text.split(","))
+    if not 1 <= low <= high:
+        raise ValueError(f"a range must be 'low,high' with 1 <= low <= high, got {text!r}")
+    return low, high

@@ -142,7 +142,7 @@ def _run_mode(args: argparse.Namespace, overlap: bool, out_dir: Path | None) -> 
         warmup = uniform_requests(args.warmup_requests, _range(args.prompt_len), (8, 8), vocab, seed=args.seed + 1)
         with llm.count_ranges() as counter:  # ranges per step, both processes (NVTX on only for the warmup)
             _generate(llm, warmup, 0.0, args.seed + 1)
-            llm.timeline.wait_settled(5.0)
+            llm.wait_settled(5.0)
         warm_steps = max(len(llm.timeline.window()), 1)
         llm.set_nvtx(args.nvtx or nvtx_was_on)
         llm.reset_stats()
@@ -151,7 +151,7 @@ def _run_mode(args: argparse.Namespace, overlap: bool, out_dir: Path | None) -> 
         with profiler if profiler is not None else contextlib.nullcontext():
             outputs = _generate(llm, items, args.request_rate, args.seed)
         wall = time.perf_counter() - start
-        llm.timeline.wait_settled(5.0)
+        llm.wait_settled(5.0)
         llm.set_nvtx(nvtx_was_on)
         lifetimes = lifetimes_of(outputs)
         run = ModeRun("overlap" if overlap else "sync", llm.device, llm.simulated, wall, outputs, llm.stats(),

@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator
 
 from asyncbatch.cluster.cache_summary import CacheSummary
 from asyncbatch.cluster.request import ReplicaRequest
+from asyncbatch.frontend.engine_client import EngineClient
+from asyncbatch.frontend.input_processor import ProcessedRequest
 from asyncbatch.outputs import StreamDelta
 from asyncbatch.serve.async_llm import AsyncLLM
 
@@ -27,15 +29,18 @@ class EngineReplica:
         if summary_max_blocks < 0:
             raise ValueError(f"summary_max_blocks must be >= 0, got {summary_max_blocks}")
         self.engine = AsyncLLM(model, **engine_kwargs)
+        self.client: EngineClient = self.engine.llm  # stats, health, prefix-cache keys
         self._summary_max_blocks = summary_max_blocks
-        self._block_size = self.engine.llm.config.block_size
-        self._usable_blocks = self.engine.llm.num_usable_blocks
+        self._block_size = self.client.config.block_size
+        self._usable_blocks = self.client.num_usable_blocks
         self._served = 0
 
     async def generate(self, request: ReplicaRequest) -> AsyncIterator[StreamDelta]:
         """Stream one choice's deltas (the last has ``finish_reason`` and ``output``). Cancelling the call
         (the caller went away) closes the iteration, which aborts the request in the engine."""
-        (handle,) = self.engine.submit_ids([request.prompt_token_ids], [request.params], [request.request_id])
+        # The ingress validated it against this engine's limits (``info``): taken as it is, not checked again.
+        processed = ProcessedRequest(None, request.prompt_token_ids, request.params)
+        (handle,) = self.engine.submit_processed([processed], [request.request_id])
         self._served += 1
         async for delta in handle:
             yield delta
@@ -45,19 +50,19 @@ class EngineReplica:
         return (await asyncio.to_thread(self.summary)).to_stats()
 
     def summary(self) -> CacheSummary:
-        llm = self.engine.llm
-        keys = llm.prefix_cache_keys(self._summary_max_blocks, timeout=5.0)
-        free = llm.num_free_blocks
+        client = self.client
+        keys = client.prefix_cache_keys(self._summary_max_blocks, timeout=5.0)
+        free = client.num_free_blocks
         unfinished, waiting = self.engine.num_requests()
         return CacheSummary(self._block_size, frozenset(keys), unfinished - waiting, waiting,
                             min(1.0, free / max(1, self._usable_blocks)), time.time())
 
     async def stats(self) -> dict:
         """For studies and tests: prefix-cache counters, device busy, requests served, and the process id."""
-        llm = self.engine.llm
-        timeline = await asyncio.to_thread(llm.stats)
-        prefix = await asyncio.to_thread(llm.prefix_cache_stats)
-        busy = [(s.device_start, s.device_end) for s in llm.timeline.window()
+        client = self.client
+        timeline = await asyncio.to_thread(client.stats)
+        prefix = await asyncio.to_thread(client.prefix_cache_stats)
+        busy = [(s.device_start, s.device_end) for s in client.timeline.window()
                 if s.device_end > 0]
         return {"pid": os.getpid(), "served": self._served, "prefix": prefix, "timeline": timeline,
                 "busy_intervals": busy, "clock": "perf_counter", "perf_now": time.perf_counter(),
@@ -65,9 +70,9 @@ class EngineReplica:
 
     async def reset(self) -> bool:
         """Forget the prefix cache and the step timeline (between runs of a study)."""
-        self.engine.llm.reset_stats()
+        self.client.reset_stats()
         self._served = 0
-        return await asyncio.to_thread(self.engine.llm.reset_prefix_cache)
+        return await asyncio.to_thread(self.client.reset_prefix_cache)
 
     def pid(self) -> int:
         return os.getpid()

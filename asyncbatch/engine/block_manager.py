@@ -43,17 +43,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from asyncbatch.engine.prefix_cache import ROOT_KEY, ROOT_SERIAL, CachedBlock, PrefixCache
+from asyncbatch.engine.step_contract import DUMMY_BLOCK, blocks_for_tokens
 
-DUMMY_BLOCK = 0
+__all__ = ["DUMMY_BLOCK", "BlockManager", "IntegrityError", "blocks_for_tokens"]  # the constants: step_contract
 
 
 class IntegrityError(AssertionError):
     """Block or row accounting is inconsistent: a bug, never the user's fault."""
-
-
-def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
-    """Blocks that hold ``num_tokens`` tokens: the one ceiling division of the project."""
-    return -(-num_tokens // block_size)
 
 
 class BlockManager:

@@ -27,15 +27,18 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable
+from typing import TypeVar
 
 from asyncbatch.config import EngineConfig
 from asyncbatch.engine.builder import ModelSpec, build_core
+from asyncbatch.engine.control import Call, ControlCall, Reply
 from asyncbatch.engine.core import EngineCore
 from asyncbatch.engine.core_process import core_main
-from asyncbatch.engine.messages import Call, CoreFailed, CoreReady, Reply, Shutdown
+from asyncbatch.engine.messages import CoreFailed, CoreReady, Shutdown
 from asyncbatch.errors import EngineDeadError
 
-_live: weakref.WeakSet[EngineClient] = weakref.WeakSet()
+R = TypeVar("R")
+_live: weakref.WeakSet[CoreClient] = weakref.WeakSet()
 _context = None
 _context_lock = threading.RLock()
 _CLOSED = object()  # ends the in-process receiver
@@ -71,11 +74,11 @@ def _process_context():
     with _context_lock:
         if _context is None:
             _context = multiprocessing.get_context("forkserver")
-            _context.set_forkserver_preload(["asyncbatch.engine.core_process"])
+            _context.set_forkserver_preload(["asyncbatch.engine.core_preload"])
         return _context
 
 
-class EngineClient:
+class CoreClient:
     """Starts the core, forwards messages to it, and delivers its messages to ``on_message``.
 
     ``on_message`` runs on the receiver thread for every ``StepOutputs``; ``on_dead`` once, with an
@@ -129,25 +132,25 @@ class EngineClient:
             except (OSError, EOFError) as exc:
                 raise EngineDeadError("the engine core is gone") from exc
 
-    def call(self, name: str, arg: object = None, timeout: float = 60.0) -> object:
-        """Run ``name`` (with ``arg``) on the planner thread between two steps and return its result."""
+    def call(self, call: ControlCall[R], timeout: float = 60.0) -> R:
+        """Run ``call`` on the planner thread between two steps and return its reply (a ``call.reply_type``).
+
+        An exception the core raised answering it is raised here as its own type (``engine.control``);
+        ``EngineDeadError`` if the core dies first, ``TimeoutError`` if it does not answer in ``timeout`` s.
+        """
         call_id = next(self._call_ids)
         slot: list = [threading.Event()]
         self._calls[call_id] = slot
         try:
-            self.send(Call(call_id, name, arg))
+            self.send(Call(call_id, call))
             if not slot[0].wait(timeout):
-                raise TimeoutError(f"the engine core did not answer {name!r} within {timeout} s")
+                raise TimeoutError(f"the engine core did not answer {call!r} within {timeout} s")
         finally:
             self._calls.pop(call_id, None)
         reply: Reply | BaseException = slot[1]
         if isinstance(reply, BaseException):
             raise reply
-        if reply.error is not None:
-            from asyncbatch.engine.block_manager import IntegrityError
-
-            raise IntegrityError(reply.error) if reply.error.startswith("IntegrityError") else RuntimeError(reply.error)
-        return reply.value
+        return reply.result()
 
     # -- receiving -----------------------------------------------------------------
     def _recv_process(self) -> object:

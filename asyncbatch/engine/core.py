@@ -33,25 +33,25 @@ from dataclasses import dataclass
 import numpy as np
 
 from asyncbatch.config import EngineConfig
+from asyncbatch.engine.control import Call
+from asyncbatch.engine.core_control import ControlHandler
 from asyncbatch.engine.host_staging import StagingPair
 from asyncbatch.engine.messages import (
     AbortRequests,
     AddRequests,
-    Call,
     CoreFailed,
     Finish,
     FinishRequests,
-    Reply,
     Shutdown,
     StepAck,
     StepOutputs,
     ended_only,
 )
 from asyncbatch.engine.request import Request
-from asyncbatch.engine.scheduler import Scheduler, StepPlan
+from asyncbatch.engine.scheduler import RequestRefused, Scheduler, StepPlan
 from asyncbatch.engine.step_metadata import StepMeta, StepMetadataWriter
 from asyncbatch.executors.base import Executor, StepHandle
-from asyncbatch.profiling.marks import count_ranges, enable_nvtx, mark, step_begin, step_end
+from asyncbatch.profiling.marks import mark, step_begin, step_end
 from asyncbatch.profiling.timeline import StepRecord, stage
 
 
@@ -85,12 +85,11 @@ class EngineCore:
         self._send = send
         self._requests: dict[int, Request] = {}  # live requests by seq
         self._acked = 0  # synchronous mode: the newest step the frontend has processed
-        self._last_launched = 0
+        self.last_launched_step = 0  # the newest launched step's id (``LastLaunchedStep``)
         self._idle = False  # the planner blocked for lack of work since the last launched step
         self._gc_pause = 0.0
         self._gc_started = 0.0
-        self._range_count = None  # an open ``count_ranges`` context, between the frontend's start and stop calls
-        self._range_counter = None
+        self.control = ControlHandler(self, send)  # answers the frontend's control calls between two steps
         self._thread = threading.Thread(target=self._run, name="asyncbatch-planner", daemon=True)
 
     def start(self) -> None:
@@ -103,6 +102,11 @@ class EngineCore:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    @property
+    def num_live_requests(self) -> int:
+        """Requests added and not ended yet (``NumLiveRequests``)."""
+        return len(self._requests)
 
     # -- the loops -------------------------------------------------------------
     def _run(self) -> None:
@@ -169,7 +173,7 @@ class EngineCore:
         record.kv_blocks_usable = blocks.num_usable_blocks
         record.kv_blocks_used = record.kv_blocks_usable - blocks.num_free_blocks
         record.after_idle, self._idle = self._idle, False
-        self._last_launched = plan.step_id
+        self.last_launched_step = plan.step_id
         if self.config.debug_check_integrity:
             self.scheduler.check_integrity()
         return InFlight(plan, meta, handle, record, nvtx)
@@ -229,10 +233,17 @@ class EngineCore:
     def _handle(self, message: object) -> bool:
         with mark("inbox"):
             if isinstance(message, AddRequests):
+                refused = []
                 for new in message.requests:
                     request = Request(str(new.seq), new.seq, new.prompt_token_ids, new.params, new.seed, new.arrival_time)
+                    try:
+                        self.scheduler.add(request)
+                    except RequestRefused:  # that request alone ends; the engine goes on
+                        refused.append(new.seq)
+                        continue
                     self._requests[new.seq] = request
-                    self.scheduler.add(request)
+                if refused:
+                    self._send(ended_only(refused, Finish.REFUSED))
             elif isinstance(message, AbortRequests):
                 ended = [seq for seq in message.seqs if self._end(seq, Finish.ABORT)]
                 if ended:
@@ -243,7 +254,7 @@ class EngineCore:
             elif isinstance(message, StepAck):
                 self._acked = max(self._acked, message.step_id)
             elif isinstance(message, Call):
-                self._answer(message)
+                self.control.handle(message)
             elif isinstance(message, Shutdown):
                 return False
             else:
@@ -256,35 +267,6 @@ class EngineCore:
             return False
         self.scheduler.finish(request, Finish(code).reason)
         return True
-
-    def _answer(self, call: Call) -> None:
-        calls = {
-            "set_nvtx": lambda: enable_nvtx(bool(call.arg)),
-            "count_ranges_start": self._count_ranges_start,
-            "count_ranges_stop": self._count_ranges_stop,
-            "check_integrity": self.scheduler.check_integrity,
-            "num_free_blocks": lambda: self.scheduler.blocks.num_free_blocks,
-            "num_preemptions": lambda: self.scheduler.num_preemptions,
-            "prefix_cache_stats": self.scheduler.prefix_cache_stats,
-            "reset_prefix_cache": self.scheduler.reset_prefix_cache,
-            "prefix_cache_keys": lambda: self.scheduler.prefix_cache_keys(call.arg),
-            "last_launched_step": lambda: self._last_launched,
-            "num_live_requests": lambda: len(self._requests),
-            "describe_executor": self.executor.describe,
-        }
-        try:
-            self._send(Reply(call.call_id, calls[call.name]()))
-        except Exception as exc:  # noqa: BLE001 - the caller re-raises it; the engine goes on
-            self._send(Reply(call.call_id, None, f"{type(exc).__name__}: {exc}"))
-
-    def _count_ranges_start(self) -> None:
-        """Count this process's NVTX ranges until ``_count_ranges_stop`` (the frontend's ``count_ranges``)."""
-        self._range_count = count_ranges()
-        self._range_counter = self._range_count.__enter__()
-
-    def _count_ranges_stop(self) -> tuple[int, int, dict[str, int]]:
-        self._range_count.__exit__(None, None, None)
-        return self._range_counter.counts()
 
     def _gc_callback(self, phase: str, info: dict) -> None:
         if threading.current_thread() is not self._thread:

@@ -9,36 +9,27 @@ A frontend slower than the device (its detokenization, or a caller hogging its
 GIL) makes the outbox grow instead of blocking the planner on a full pipe: the
 device keeps running and the outputs reach the frontend as fast as it reads them.
 
-Importing this module imports the engine (torch, the executors, the model
-code): the fork server preloads it once, so every core after the first starts
-by a fork of an interpreter that has already paid for those imports.
+The fork server preloads ``core_preload`` (this module, the executors, the
+model families' config modules, torch._dynamo) once, so every core after the
+first starts by a fork of an interpreter that has already paid for those
+imports; the frontend importing this module pays for none of them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import importlib
 import queue
 import signal
 import threading
 import traceback
 from multiprocessing.connection import Connection
 
-import asyncbatch.executors.sim_executor
-import asyncbatch.executors.torch_executor  # noqa: F401 - preloaded by the fork server
 from asyncbatch.config import EngineConfig
 from asyncbatch.engine.builder import ModelSpec, build_core
 from asyncbatch.engine.messages import CoreFailed, CoreReady, Shutdown
 from asyncbatch.profiling.marks import enable_nvtx
 
 _POLL_S = 0.5  # how often the main thread checks that the planner is still alive
-# transformers imports a model type's config module on first use (about 2 s here): pay it once, in the
-# fork server, for the families the engine runs.
-_CONFIG_MODULES = ("llama", "mistral", "qwen2", "qwen3")
-for _name in _CONFIG_MODULES:
-    with contextlib.suppress(ImportError):
-        importlib.import_module(f"transformers.models.{_name}.configuration_{_name}")
 
 
 def core_main(config: EngineConfig, spec: ModelSpec, conn: Connection) -> None:

@@ -4,11 +4,11 @@
       AddRequests ─────────────────────────────────────►  queue, schedule
       AbortRequests / FinishRequests (stop strings) ────►  finish, free blocks
       StepAck (synchronous mode only) ─────────────────►  plan the next step
-      Call (integrity check, block counts) ────────────►  runs between two steps
+      Call (``engine.control``: one type per call) ────►  answered between two steps
       Shutdown ────────────────────────────────────────►  stop
       ◄──────────────────────────────────────────────── CoreReady (once)
       ◄──────────────────────────────────────────────── StepOutputs (one per applied step)
-      ◄──────────────────────────────────────────────── Reply (one per Call)
+      ◄──────────────────────────────────────────────── Reply (one per Call: a value or an exception)
       ◄──────────────────────────────────────────────── CoreFailed (then nothing)
 
 A request is named by its ``seq`` (the frontend's submission counter) on both
@@ -37,6 +37,7 @@ class Finish(enum.IntEnum):
     ABORT = 4
     ERROR = 5  # non-finite logits, or the frontend failed to process the request
     STOP_STRING = 6  # found by the frontend; the core only frees the request
+    REFUSED = 7  # the scheduler could never place it (a request built past the input processor)
 
     @property
     def reason(self) -> str:
@@ -45,9 +46,12 @@ class Finish(enum.IntEnum):
 
 
 _REASONS = {Finish.NONE: "", Finish.EOS: "stop", Finish.STOP_TOKEN: "stop", Finish.LENGTH: "length",
-            Finish.ABORT: "abort", Finish.ERROR: "error", Finish.STOP_STRING: "stop"}
+            Finish.ABORT: "abort", Finish.ERROR: "error", Finish.STOP_STRING: "stop", Finish.REFUSED: "error"}
 
 NON_FINITE_MESSAGE = "the model produced NaN or infinite logits for this request"
+REFUSED_MESSAGE = ("the engine core refused this request: its prompt + max_tokens exceed what one request can "
+                   "hold (max_model_len, or the whole KV cache); the input processor refuses such requests "
+                   "at submission")
 
 
 # -- frontend -> core --------------------------------------------------------
@@ -86,15 +90,6 @@ class StepAck:
 
 
 @dataclass(slots=True)
-class Call:
-    """Run ``name`` on the planner thread between two steps and ``Reply`` with its result."""
-
-    call_id: int
-    name: str
-    arg: object = None
-
-
-@dataclass(slots=True)
 class Shutdown:
     pass
 
@@ -118,13 +113,6 @@ class StepOutputs:
     ended_codes: np.ndarray  # [E] int8 Finish
     first_scheduled: np.ndarray  # [F] int64: requests whose first chunk ran in this step
     record: StepRecord | None = None  # the step's timeline (None for a step-less message, e.g. an abort)
-
-
-@dataclass(slots=True)
-class Reply:
-    call_id: int
-    value: object = None
-    error: str | None = None
 
 
 @dataclass(slots=True)

@@ -10,9 +10,12 @@ launched steps is back (``num_pending == 0``).
 
 The decode phase normally needs no Python per row (``Scheduler._schedule_decode``
 gives every crossing row a block at once); when the crossing rows need more
-blocks than are free, ``_decode_under_pressure`` replays the pass one row at a
+blocks than are free, ``decode_under_pressure`` replays the pass one row at a
 time so that victims are chosen exactly as a sequential pass would.
-``Preemptor`` is that half of ``Scheduler``, in its own file as ``StepApplier`` is.
+``Preemptor`` is the part of ``Scheduler`` that does this: the scheduler hands
+it the containers they share (never rebound, so both always see the same
+requests) and the function that gives a request's row back; the preemption
+count is the preemptor's own.
 """
 
 from __future__ import annotations
@@ -30,19 +33,24 @@ _RUNNING = RequestStatus.RUNNING
 
 
 class Preemptor:
-    """Victim choice and preemption for ``Scheduler`` (which sets these attributes)."""
+    """Victim choice and preemption over the scheduler's shared state; only the planner thread calls it.
 
-    rows: RowState
-    blocks: BlockManager
-    waiting: deque[Request]
-    running: dict[int, Request]  # seq -> request, admission order
-    num_preemptions: int
-    _owners: list[Request | None]
+    ``rows``, ``blocks``, ``waiting``, ``running`` (seq -> request, admission order) and ``owners`` (token row ->
+    request holding it) are the scheduler's own objects; ``release`` gives a request's row and blocks back
+    (``Scheduler._release``). ``num_preemptions`` counts preemptions since the start.
+    """
 
-    def _release(self, request: Request) -> None:
-        raise NotImplementedError
+    def __init__(self, rows: RowState, blocks: BlockManager, waiting: deque[Request], running: dict[int, Request],
+                 owners: list[Request | None], release: Callable[[Request], None]) -> None:
+        self.rows = rows
+        self.blocks = blocks
+        self.waiting = waiting
+        self.running = running
+        self.owners = owners
+        self.release = release
+        self.num_preemptions = 0
 
-    def _decode_under_pressure(self, rows: np.ndarray, preempted: list[Request]) -> tuple[np.ndarray, np.ndarray]:
+    def decode_under_pressure(self, rows: np.ndarray, preempted: list[Request]) -> tuple[np.ndarray, np.ndarray]:
         """The decode pass one row at a time, as blocks run out: returns the kept mask ``[D]`` and the
         indices (into the kept rows) of those given a block."""
         st, blocks = self.rows, self.blocks
@@ -50,13 +58,13 @@ class Preemptor:
         grew: list[int] = []
         scheduled: set[int] = set()
         for i, row in enumerate(rows.tolist()):
-            request = self._owners[row]
+            request = self.owners[row]
             if request is None or request.status is not _RUNNING or request.token_row != row:
                 kept[i] = False  # preempted earlier in this pass
                 continue
             end = int(st.num_computed[row]) + 1
             if end > int(blocks.num_row_blocks[row]) * blocks.block_size:
-                if not self._reserve(request, end, lambda r: r.arrival_seq in scheduled, preempted):
+                if not self.reserve(request, end, lambda r: r.arrival_seq in scheduled, preempted):
                     kept[i] = False
                     continue
                 grew.append(i)
@@ -66,26 +74,26 @@ class Preemptor:
         grew_array = np.asarray(grew, dtype=np.int64)
         return kept, grew_array - dropped_before[grew_array] if len(grew) else NO_ROWS
 
-    def _reserve(self, request: Request, num_tokens: int, is_scheduled: Callable[[Request], bool],
-                 preempted: list[Request]) -> bool:
+    def reserve(self, request: Request, num_tokens: int, is_scheduled: Callable[[Request], bool],
+                preempted: list[Request]) -> bool:
         """Make room for ``num_tokens`` of KV, preempting newer unscheduled requests if needed."""
         need = self.blocks.extra_blocks_needed(request.token_row, num_tokens)
         while not self.blocks.can_allocate(need):
             victim = next((r for r in reversed(self.running.values())
                            if r is not request and r.status is _RUNNING and not is_scheduled(r)), None)
-            self._preempt(victim or request)
+            self.preempt(victim or request)
             preempted.append(victim or request)
             if victim is None:
                 return False
         self.blocks.allocate(request.token_row, num_tokens)
         return True
 
-    def _preempt(self, request: Request) -> None:
+    def preempt(self, request: Request) -> None:
         """Back to the queue, to be recomputed; the caller records it in the plan's ``preempted``."""
         self.num_preemptions += 1
         request.num_preemptions += 1
         request.output_token_ids = self.rows.outputs(request.token_row)
-        self._release(request)
+        self.release(request)
         del self.running[request.arrival_seq]
         request.status = RequestStatus.WAITING
         # Back into the queue at its arrival position, so admission stays FIFO.

@@ -66,18 +66,23 @@ NO_HIT = PrefixHit([], np.zeros(0, dtype=np.int64), 0, 0)
 
 
 class PrefixSharer:
-    """The prefix-cache half of ``Scheduler`` (which sets these attributes)."""
+    """Prefix reuse at admission and block registration for ``Scheduler`` (planner thread only).
 
-    blocks: BlockManager
-    rows: RowState
-    _to_register: list[Request]  # requests whose prefill chunk in the plan being built may fill blocks
+    ``blocks`` and ``rows`` are the scheduler's own; the requests whose prefill chunk in the plan being built
+    may fill blocks (``note_prefill``, registered by ``register_planned``) are this object's own state.
+    """
+
+    def __init__(self, blocks: BlockManager, rows: RowState) -> None:
+        self.blocks = blocks
+        self.rows = rows
+        self._to_register: list[Request] = []  # prefilled in the plan being built (prefix caching)
 
     @staticmethod
     def _prefill_tokens(request: Request) -> list[int]:
         """The tokens a (re)admission prefills: the prompt, plus the outputs to recompute after a preemption."""
         return request.all_token_ids() if request.output_token_ids else request.prompt_token_ids
 
-    def _prefix_hit(self, request: Request, prefill_len: int) -> PrefixHit:
+    def hit(self, request: Request, prefill_len: int) -> PrefixHit:
         """The cached blocks ``request`` would reuse if admitted now (nothing is taken yet)."""
         cache = self.blocks.prefix
         if cache is None:
@@ -90,7 +95,7 @@ class PrefixSharer:
         reclaimed = len(cached) - int(np.count_nonzero(self.blocks.ref[blocks]))
         return PrefixHit(cached, blocks, len(cached) * self.blocks.block_size, reclaimed)
 
-    def _take_blocks(self, row: int, hit: PrefixHit, prefill_len: int, num_new_tokens: int) -> None:
+    def take_blocks(self, row: int, hit: PrefixHit, prefill_len: int, num_new_tokens: int) -> None:
         """Give ``row`` (just admitted) ``hit``'s blocks, then fresh ones for its first chunk; count the admission."""
         cache = self.blocks.prefix
         if cache is not None:  # shared first: allocating might otherwise evict a block of the hit
@@ -99,12 +104,12 @@ class PrefixSharer:
             cache.stats.cached_tokens += hit.num_tokens
         self.blocks.allocate(row, hit.num_tokens + num_new_tokens)
 
-    def _note_prefill(self, request: Request) -> None:
+    def note_prefill(self, request: Request) -> None:
         """``request``'s chunk in the plan being built may fill blocks: register them when the plan is final."""
         if self.blocks.prefix is not None:
             self._to_register.append(request)
 
-    def _register_planned(self) -> None:
+    def register_planned(self) -> None:
         """End of ``schedule``: the full blocks this plan's prefill chunks wrote become cached."""
         if not self._to_register:
             return
@@ -116,7 +121,7 @@ class PrefixSharer:
                 blocks.register(row, request.block_keys, request.block_contents, num_full)
         self._to_register.clear()
 
-    def _register_known(self, request: Request, row: int) -> None:
+    def register_known(self, request: Request, row: int) -> None:
         """``request`` gives back ``row``: cache the full blocks of known tokens its launched steps wrote."""
         if self.blocks.prefix is None:
             return
@@ -134,7 +139,7 @@ class PrefixSharer:
         self.blocks.register(row, request.block_keys, request.block_contents, num_full)
 
     # -- reporting -----------------------------------------------------------------------
-    def prefix_cache_stats(self) -> dict:
+    def stats(self) -> dict:
         """Cumulative since the start or the last ``reset_prefix_cache``: prefilled and reused tokens at
         admissions (a recompute counts again), their ratio, blocks cached now and blocks evicted."""
         cache = self.blocks.prefix
@@ -146,12 +151,12 @@ class PrefixSharer:
                 "hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
                 "cached_blocks": cache.num_cached, "evictions": s.evictions}
 
-    def prefix_cache_keys(self, max_blocks: int) -> list[int]:
+    def keys(self, max_blocks: int) -> list[int]:
         """Chain keys of up to ``max_blocks`` cached blocks (``PrefixCache.recent_keys``); empty without caching."""
         cache = self.blocks.prefix
         return [] if cache is None else cache.recent_keys(self.blocks.ref, int(max_blocks))
 
-    def reset_prefix_cache(self) -> bool:
+    def reset(self) -> bool:
         """Forget every cached block no running request lists and zero the counters; True if the cache is now
         empty (False: blocks that running requests list stay cached)."""
         return self.blocks.reset_prefix_cache()

@@ -35,6 +35,7 @@ from typing import NamedTuple
 import numpy as np
 
 from asyncbatch.engine.block_manager import BlockManager, IntegrityError
+from asyncbatch.engine.messages import AppliedStep
 from asyncbatch.engine.preemption import Preemptor
 from asyncbatch.engine.prefix_sharing import PrefixSharer
 from asyncbatch.engine.request import Request, RequestStatus
@@ -56,11 +57,17 @@ class _DecodePart(NamedTuple):
     version: int
 
 
-class Scheduler(Preemptor, StepApplier, PrefixSharer):
+class RequestRefused(ValueError):
+    """A request the scheduler can never place; the core ends that request alone (``Finish.REFUSED``)."""
+
+
+class Scheduler:
     """Owns the queue, the running set and the per-row arrays; only the planner thread calls it.
 
-    ``apply`` (a step's sampled tokens) comes from ``StepApplier``, preemption from ``Preemptor``, prefix reuse
-    and registration from ``PrefixSharer``.
+    It is composed of three parts it owns and hands its state to at construction: ``preemptor`` (victims and
+    preemption), ``applier`` (``apply``: a step's sampled tokens) and ``prefix`` (prefix reuse and block
+    registration). They share ``rows``, ``blocks``, ``waiting``, ``running``, ``_owners`` and ``_off_row`` by
+    reference, so none of these is ever rebound.
 
     ``running`` maps seq -> request in admission order (preemption victims come from the end). Rows are
     held by running requests and by drained ones until ``release_drained``; a request that leaves its row
@@ -82,19 +89,29 @@ class Scheduler(Preemptor, StepApplier, PrefixSharer):
         self._owners: list[Request | None] = [None] * self.max_num_seqs  # token row -> request holding it
         self._off_row: dict[int, Request] = {}  # seq -> request without a row whose tokens are in flight
         self._unreleased: list[Request] = []  # drained by the last plan, rows not yet released
-        self._to_register: list[Request] = []  # prefilled in the plan being built (prefix caching)
         self._free_rows: list[int] = list(range(self.max_num_seqs - 1, -1, -1))
         self._step_id = 0
         self._admissions = 0
-        self.num_preemptions = 0
         self.num_releases = 0  # token rows given back so far
+        self.preemptor = Preemptor(self.rows, block_manager, self.waiting, self.running, self._owners, self._release)
+        self.applier = StepApplier(self.rows, self._owners, self._off_row, self.finish, eos_token_id)
+        self.prefix = PrefixSharer(block_manager, self.rows)
 
     # -- queue ---------------------------------------------------------------
     def add(self, request: Request) -> None:
+        """Queue ``request``, or raise ``RequestRefused`` if it could never be placed (the input processor
+        refuses such requests at the door; this guards the planner against one forged past it)."""
         total = len(request.prompt_token_ids) + request.params.max_tokens
         if total > self.max_model_len:
-            raise ValueError(f"prompt + max_tokens = {total} exceeds the block table's {self.max_model_len} tokens")
+            raise RequestRefused(f"prompt + max_tokens = {total} exceeds the block table's {self.max_model_len} tokens")
+        if self.blocks.blocks_for(total) > self.blocks.num_usable_blocks:
+            raise RequestRefused(f"prompt + max_tokens = {total} needs more than the KV cache's "
+                                 f"{self.blocks.num_usable_blocks} blocks")
         self.waiting.append(request)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.preemptor.num_preemptions
 
     @property
     def next_step_id(self) -> int:
@@ -117,7 +134,7 @@ class Scheduler(Preemptor, StepApplier, PrefixSharer):
         prefill: list[ScheduledRow] = []
         budget = self._schedule_prefills(prefill, budget, preempted, drained)
         budget = self._admit_waiting(prefill, budget, drained)
-        self._register_planned()
+        self.prefix.register_planned()
         for request in drained:  # no later step includes them; their rows go once the metadata is written
             del self.running[request.arrival_seq]
             if self.rows.decoding[request.token_row]:
@@ -147,7 +164,7 @@ class Scheduler(Preemptor, StepApplier, PrefixSharer):
         positions = st.num_computed[rows]  # [D] the input token's position, i.e. its KV slot
         grew = (positions >= blocks.num_row_blocks[rows] * blocks.block_size).nonzero()[0]  # [G] need a block
         if len(grew) > blocks.num_free_blocks:
-            kept, grew = self._decode_under_pressure(rows, preempted)
+            kept, grew = self.preemptor.decode_under_pressure(rows, preempted)
             rows, seqs, positions = rows[kept], seqs[kept], positions[kept]
             self.decode.mark_removed()  # rebuild next time, whatever this pass kept
             version = self.decode.new_version()
@@ -179,7 +196,7 @@ class Scheduler(Preemptor, StepApplier, PrefixSharer):
             row = request.token_row
             start = int(st.num_computed[row])
             n = min(int(st.prefill_len[row]) - start, budget)
-            if not self._reserve(request, start + n, is_scheduled, preempted):
+            if not self.preemptor.reserve(request, start + n, is_scheduled, preempted):
                 continue
             prefill.append(self._advance_prefill(request, row, start, n, drained))
             chunked.add(request.arrival_seq)
@@ -193,13 +210,13 @@ class Scheduler(Preemptor, StepApplier, PrefixSharer):
             if request.num_pending:
                 break
             target = len(request.prompt_token_ids) + request.num_outputs
-            hit = self._prefix_hit(request, target)
+            hit = self.prefix.hit(request, target)
             n = min(target - hit.num_tokens, budget)
             if not self.blocks.can_allocate(hit.blocks_needed(self.blocks, n)):
                 break
             self.waiting.popleft()
             row = self._admit(request, target)
-            self._take_blocks(row, hit, target, n)
+            self.prefix.take_blocks(row, hit, target, n)
             prefill.append(self._advance_prefill(request, row, hit.num_tokens, n, drained, True, hit.num_tokens))
             budget -= n
         return budget
@@ -220,7 +237,7 @@ class Scheduler(Preemptor, StepApplier, PrefixSharer):
         st = self.rows
         end = start + n
         st.num_computed[row] = end
-        self._note_prefill(request)
+        self.prefix.note_prefill(request)
         if end < st.prefill_len[row]:
             return ScheduledRow(request, row, start, n, False, 0, first, num_cached)
         self._prefilling.remove(request)
@@ -233,6 +250,11 @@ class Scheduler(Preemptor, StepApplier, PrefixSharer):
             st.decoding[row] = True
             self.decode.add(row, int(st.admit_key[row]))
         return ScheduledRow(request, row, start, n, True, step, first, num_cached)
+
+    # -- results -------------------------------------------------------------
+    def apply(self, plan: StepPlan, token_ids: np.ndarray, finite: np.ndarray) -> AppliedStep:
+        """Step ``plan``'s sampled tokens (``StepApplier.apply``)."""
+        return self.applier.apply(plan, token_ids, finite, self.num_releases)
 
     # -- leaving -------------------------------------------------------------
     def release_drained(self, plan: StepPlan) -> None:
@@ -266,7 +288,7 @@ class Scheduler(Preemptor, StepApplier, PrefixSharer):
         request.num_pending = int(st.num_scheduled[row]) - request.num_outputs
         if request.num_pending:
             self._off_row[request.arrival_seq] = request
-        self._register_known(request, row)
+        self.prefix.register_known(request, row)
         self.blocks.free(row)
         st.seq[row] = NO_SEQ
         if st.decoding[row]:
@@ -278,6 +300,16 @@ class Scheduler(Preemptor, StepApplier, PrefixSharer):
         self._free_rows.append(row)
         self.num_releases += 1
         request.token_row = None
+
+    # -- prefix cache (``PrefixSharer``) -------------------------------------
+    def prefix_cache_stats(self) -> dict:
+        return self.prefix.stats()
+
+    def prefix_cache_keys(self, max_blocks: int) -> list[int]:
+        return self.prefix.keys(max_blocks)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.prefix.reset()
 
     def check_integrity(self) -> None:
         st = self.rows

@@ -6,7 +6,7 @@ A row is on the array path when its request still holds the row
 the token is appended to the row's history and its finish code computed by
 masks (EOS, else a stop token id, else ``max_tokens`` reached). Python runs only
 for rows that end, rows with stop token ids, and rows whose request left its
-row after the plan (drained, preempted or finished since; ``Scheduler._off_row``):
+row after the plan (drained, preempted or finished since; ``StepApplier.off_row``):
 
 - a finished request's token is dropped (the one-step-late finish of overlap
   mode: never emitted, never counted);
@@ -14,12 +14,15 @@ row after the plan (drained, preempted or finished since; ``Scheduler._off_row``
 - a drained or preempted request gets the token on its ``Request`` counters.
 
 Every request that ends here has been through ``Scheduler.finish`` (row and
-blocks freed) before ``apply`` returns. ``StepApplier`` is the results half of
-``Scheduler`` (a base class, so the two halves sit in files of one concept
-each without importing each other).
+blocks freed) before ``apply`` returns. ``StepApplier`` is the part of
+``Scheduler`` that does this: the scheduler hands it the state they share and
+its ``finish``, so the two sit in files of one concept each without importing
+each other.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 
@@ -47,21 +50,26 @@ def finish_code(token: int, params: SamplingParams, num_outputs: int, eos_token_
 
 
 class StepApplier:
-    """``Scheduler.apply`` and what it needs from the scheduler (set by ``Scheduler.__init__``)."""
+    """``Scheduler.apply``: a step's sampled tokens into the scheduler's shared state (planner thread only).
 
-    rows: RowState
-    eos_token_id: int | None
-    num_releases: int  # token rows given back so far
-    _owners: list[Request | None]  # token row -> request holding it
-    _off_row: dict[int, Request]  # seq -> request without a row whose tokens are in flight
+    ``rows``, ``owners`` (token row -> request holding it) and ``off_row`` (seq -> request without a row whose
+    tokens are in flight) are the scheduler's own objects, never rebound; ``finish(request, reason,
+    stop_reason=None)`` ends a request and frees what it holds (``Scheduler.finish``).
+    """
 
-    def finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
-        raise NotImplementedError
+    def __init__(self, rows: RowState, owners: list[Request | None], off_row: dict[int, Request],
+                 finish: Callable[..., None], eos_token_id: int | None) -> None:
+        self.rows = rows
+        self.owners = owners
+        self.off_row = off_row
+        self.finish = finish
+        self.eos_token_id = eos_token_id
 
-    def apply(self, plan: StepPlan, token_ids: np.ndarray, finite: np.ndarray) -> AppliedStep:
+    def apply(self, plan: StepPlan, token_ids: np.ndarray, finite: np.ndarray, num_releases: int) -> AppliedStep:
         """Append step ``plan``'s tokens (one per sampled row, in plan order) and end requests on EOS, a stop
         token id, ``max_tokens`` or non-finite logits. Returns the kept rows (plan order) with their finish
-        codes, and the seqs ended by errors."""
+        codes, and the seqs ended by errors. ``num_releases``: token rows the scheduler has given back so far
+        (rows change hands only when released)."""
         st = self.rows
         rows, seqs = plan.sample_rows, plan.sample_seqs  # [R]
         r = len(rows)
@@ -70,7 +78,7 @@ class StepApplier:
         tokens = np.asarray(token_ids, dtype=np.int64)  # [R]
         good = np.asarray(finite, dtype=bool)  # [R]
         # Rows change hands only when released: without a release since the plan, every row is still its own.
-        on_row = None if self.num_releases == plan.release_epoch else st.seq[rows] == seqs  # [R]
+        on_row = None if num_releases == plan.release_epoch else st.seq[rows] == seqs  # [R]
         fast = good if on_row is None else on_row & good  # [R]
         all_fast = np.count_nonzero(fast) == r
         fast_rows, fast_tokens = (rows, tokens) if all_fast else (rows[fast], tokens[fast])  # [F]
@@ -79,7 +87,7 @@ class StepApplier:
         codes_fast = (counts >= st.max_tokens[fast_rows]).view(np.int8) * np.int8(_LENGTH)  # [F] LENGTH or NONE
         with_stop_ids = st.has_stop_ids[fast_rows]  # [F]
         if np.count_nonzero(with_stop_ids):
-            owners = self._owners
+            owners = self.owners
             for i in with_stop_ids.nonzero()[0].tolist():
                 if int(fast_tokens[i]) in owners[int(fast_rows[i])].params.stop_token_ids:
                     codes_fast[i] = _STOP_TOKEN
@@ -106,14 +114,14 @@ class StepApplier:
             if keep is None or keep[i]:
                 code = Finish(int(codes[i]))
                 stop_reason = int(tokens[i]) if code is Finish.STOP_TOKEN else None
-                self.finish(self._owners[int(rows[i])], code.reason, stop_reason)
+                self.finish(self.owners[int(rows[i])], code.reason, stop_reason)
             elif on_row is None or on_row[i]:  # non-finite logits on a held row
                 row = int(rows[i])
                 st.num_scheduled[row] -= 1  # this token never comes
                 errored.append(int(seqs[i]))
-                self.finish(self._owners[row], Finish.ERROR.reason)
+                self.finish(self.owners[row], Finish.ERROR.reason)
             else:
-                code = self._apply_off_row(self._off_row[int(seqs[i])], int(tokens[i]), bool(good[i]), errored)
+                code = self._apply_off_row(self.off_row[int(seqs[i])], int(tokens[i]), bool(good[i]), errored)
                 if code is not None:
                     keep[i] = True
                     codes[i] = code
@@ -125,7 +133,7 @@ class StepApplier:
         """A token for a request that left its row after the plan; returns its code, or None if dropped."""
         request.num_pending -= 1
         if request.num_pending == 0:
-            del self._off_row[request.arrival_seq]
+            del self.off_row[request.arrival_seq]
         if request.status is RequestStatus.FINISHED:
             return None
         if not good:

@@ -25,53 +25,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from asyncbatch.engine.block_manager import BlockManager
-from asyncbatch.engine.host_staging import StagingBuffer
 from asyncbatch.engine.row_state import RowState
+from asyncbatch.engine.step_contract import CachedContext, PrefillRowMeta, StagingBuffer, StepMeta
 from asyncbatch.engine.step_plan import StepPlan
 
+__all__ = ["CachedContext", "PrefillRowMeta", "StepMeta", "StepMetadataWriter"]  # the data: step_contract
+
 _RECENT_PLANS = 4  # block additions remembered for buffers last written up to this many plans ago
-
-
-@dataclass(slots=True)
-class PrefillRowMeta:
-    token_start: int
-    q_len: int
-    ctx_len: int
-    token_row: int
-    block_count: int
-
-
-@dataclass(slots=True)
-class CachedContext:
-    """Tokens of reused cached prefixes of penalised rows, in this step's first chunks ([K] each).
-
-    The penalty state of a row is rebuilt from the tokens its prefill computes; a prefix reused from the
-    prefix cache is not computed, so its tokens come here to count as if it had been. Plain host arrays
-    (rarely used, unbounded in size): they stay referenced by the ``StepMeta`` until the step completes.
-    """
-
-    rows: np.ndarray  # [K] int64 token row of each token
-    token_ids: np.ndarray  # [K] int64
-    is_output: np.ndarray  # [K] bool: a former output of a recomputed request
-
-
-@dataclass(slots=True)
-class StepMeta:
-    """Host-side header of a written staging buffer: sizes and per-step flags."""
-
-    step_id: int
-    staging: StagingBuffer
-    num_tokens: int
-    num_decode: int
-    decode_max_blocks: int
-    prefill_rows: list[PrefillRowMeta]
-    num_sampled: int
-    context_tokens: int  # total context attended over, for cost models
-    all_greedy: bool
-    any_filter: bool  # some row uses top-k, top-p or min-p
-    any_penalty: bool
-    first_chunk_rows: list[int]  # token rows whose request (re)starts its prefill in this step
-    cached_context: CachedContext | None = None  # penalised first chunks after a prefix-cache hit
 
 
 @dataclass(slots=True)

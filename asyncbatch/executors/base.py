@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from asyncbatch.engine.step_metadata import StepMeta
+from asyncbatch.engine.step_contract import StepMeta
 
 
 @dataclass(slots=True)

@@ -46,8 +46,7 @@ from typing import NamedTuple
 
 import torch
 
-from asyncbatch.engine.block_manager import blocks_for_tokens
-from asyncbatch.engine.step_metadata import StepMeta
+from asyncbatch.engine.step_contract import StepMeta, blocks_for_tokens
 from asyncbatch.executors.base import Executor, StepHandle, StepResult
 from asyncbatch.executors.decode_graph import DecodeGraphStep, SamplingVariant
 from asyncbatch.executors.torch_executor import DeviceStep, TorchStep

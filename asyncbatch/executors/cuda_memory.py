@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncbatch.engine.block_manager import blocks_for_tokens
+from asyncbatch.engine.step_contract import blocks_for_tokens
 from asyncbatch.model.forward_batch import ForwardBatch, PrefillRow
 from asyncbatch.model.llama import CausalLM
 from asyncbatch.sampling.sampler import SamplingTensors, sample

@@ -26,9 +26,7 @@ from enum import Enum
 
 import torch
 
-from asyncbatch.engine.block_manager import DUMMY_BLOCK
-from asyncbatch.engine.host_staging import StagingBuffer
-from asyncbatch.engine.step_metadata import StepMeta
+from asyncbatch.engine.step_contract import DUMMY_BLOCK, StagingBuffer, StepMeta
 from asyncbatch.model.forward_batch import ForwardBatch
 from asyncbatch.model.llama import CausalLM
 from asyncbatch.sampling.sampler import SamplingTensors, sample

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from asyncbatch.engine.step_metadata import StepMeta
+from asyncbatch.engine.step_contract import StepMeta
 from asyncbatch.executors.base import Executor, StepHandle, StepResult
 
 _STOP = object()

@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from asyncbatch.config import SimConfig
-from asyncbatch.engine.step_metadata import StepMeta
+from asyncbatch.engine.step_contract import StepMeta
 from asyncbatch.executors.base import StepHandle, StepResult
 from asyncbatch.executors.device_thread import DeviceThread, ThreadedExecutor
 from asyncbatch.profiling.marks import mark

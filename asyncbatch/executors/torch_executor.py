@@ -21,12 +21,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from asyncbatch.engine.step_metadata import StepMeta
+from asyncbatch.engine.step_contract import StepMeta
 from asyncbatch.executors.base import StepHandle, StepResult
 from asyncbatch.executors.device_thread import DeviceThread, ThreadedExecutor
 from asyncbatch.model.compiled_decode import CompiledDecode, is_pure_decode
 from asyncbatch.model.forward_batch import ForwardBatch, PagedForwardBatch, PrefillRow
 from asyncbatch.model.llama import CausalLM
+from asyncbatch.model.quantization import packed_bytes
 from asyncbatch.profiling.marks import mark
 from asyncbatch.profiling.memory import module_mib, tensor_mib
 from asyncbatch.sampling.penalties import PenaltyState
@@ -185,8 +186,7 @@ class TorchStep:
 
     def memory_info(self) -> dict:
         """``weights_mib``, ``kv_cache_mib`` and the weights' precision, for the executors' ``describe``."""
-        packed = sum(getattr(m, "_packed_bytes", 0) for m in self.model.modules())  # fbgemm handles
-        return {"weights_mib": module_mib(self.model) + packed / 2**20,
+        return {"weights_mib": module_mib(self.model) + packed_bytes(self.model) / 2**20,
                 "kv_cache_mib": tensor_mib(t for kv in self.kv_caches for t in kv),
                 "dtype": str(self.model.model.embed_tokens.weight.dtype).removeprefix("torch."),
                 "quantization": self.model.quantization}

@@ -19,13 +19,20 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from asyncbatch.engine.messages import NON_FINITE_MESSAGE, Finish, FinishRequests, StepAck, StepOutputs
+from asyncbatch.engine.messages import (
+    NON_FINITE_MESSAGE,
+    REFUSED_MESSAGE,
+    Finish,
+    FinishRequests,
+    StepAck,
+    StepOutputs,
+)
 from asyncbatch.frontend.request_handle import RequestHandle
 from asyncbatch.outputs import StreamDelta
 from asyncbatch.profiling.marks import mark
 from asyncbatch.profiling.timeline import Timeline
 
-_ENDED_MESSAGES = {Finish.ERROR: NON_FINITE_MESSAGE}
+_ENDED_MESSAGES = {Finish.ERROR: NON_FINITE_MESSAGE, Finish.REFUSED: REFUSED_MESSAGE}
 _NONE, _STOP_TOKEN = int(Finish.NONE), int(Finish.STOP_TOKEN)
 
 

@@ -1,4 +1,4 @@
-"""Checks a prompt at submission, before it can reach the scheduler.
+"""Checks a prompt at submission, before it can reach the scheduler (``input_processor`` runs them, once).
 
 Every refusal is a ``ValueError`` or ``TypeError`` that names the field and the
 allowed range; nothing is queued, so other requests are untouched.

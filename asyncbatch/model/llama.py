@@ -15,6 +15,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from asyncbatch.model.forward_batch import ForwardBatch
+from asyncbatch.model.host_zeros import host_zeros
 from asyncbatch.model.paged_attention import paged_attention
 from asyncbatch.model.rope import apply_rope, rope_cos_sin
 
@@ -144,10 +145,18 @@ class CausalLM(nn.Module):
 
     def new_kv_caches(self, num_blocks: int, block_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Zeroed key and value caches for every layer, ``[num_blocks, block_size, kv_heads, head_dim]`` each
-        (``paged_attention``'s layout), in the weights' dtype and on their device."""
+        (``paged_attention``'s layout), in the weights' dtype and on their device; separate tensors (compiled
+        steps write them in place, which aliased views of one buffer would complicate). On the CPU they are
+        ``calloc``'d (``host_zeros``): pages are zeroed by the kernel when a step first writes them."""
         weight = self.model.embed_tokens.weight
         shape = (num_blocks, block_size, self.num_kv_heads, self.head_dim)
-        return [(weight.new_zeros(shape), weight.new_zeros(shape)) for _ in self.model.layers]
+        if weight.device.type == "cpu":
+            def zeros() -> torch.Tensor:
+                return host_zeros(shape, weight.dtype)
+        else:
+            def zeros() -> torch.Tensor:
+                return weight.new_zeros(shape)
+        return [(zeros(), zeros()) for _ in self.model.layers]
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Returns logits ``[R, vocab]`` in float32 for ``batch.logits_indices``."""

@@ -350,5 +350,9 @@ def weight_bytes(model: nn.Module) -> int:
             continue
         seen.add(t.data_ptr())
         total += t.numel() * t.element_size()
-    total += sum(getattr(m, "_packed_bytes", 0) for m in model.modules())
-    return total
+    return total + packed_bytes(model)
+
+
+def packed_bytes(model: nn.Module) -> int:
+    """Bytes of the weights held as fbgemm packed handles (``w8a8``): no tensors, so no buffer counts them."""
+    return sum(getattr(m, "_packed_bytes", 0) for m in model.modules())

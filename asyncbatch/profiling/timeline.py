@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -85,8 +84,8 @@ class stage:
 class Timeline:
     """The frontend's record of every step, in the order their outputs were processed.
 
-    ``last_launched`` (set by the frontend) asks the engine core for the newest launched step, so
-    ``wait_settled`` knows which records are still to come.
+    ``wait_for_step`` waits for the record of a given step (the frontend passes the newest launched
+    step, which only the engine core knows: ``LLM.wait_settled``).
 
     A long-running engine (a server) would grow ``records`` without end, so past ``max_records`` the
     oldest quarter is dropped (the measurement window shrinks with it). ``busy_s_total`` and
@@ -97,7 +96,6 @@ class Timeline:
     """
 
     records: list[StepRecord] = field(default_factory=list)
-    last_launched: Callable[[], int] | None = None
     max_records: int = 200_000
     busy_s_total: float = 0.0
     span_s_total: float = 0.0
@@ -137,15 +135,14 @@ class Timeline:
     def stats(self) -> dict:
         return summarize(self.window())
 
-    def wait_settled(self, timeout_s: float) -> bool:
-        """Wait until every launched step was applied and output-processed (a last overlap step may still
-        run after ``generate`` returned); False if that took longer than ``timeout_s``."""
+    def wait_for_step(self, step_id: int, timeout_s: float) -> bool:
+        """Wait until step ``step_id`` and every step before it were added (applied and output-processed);
+        False if that took longer than ``timeout_s``."""
         deadline = time.perf_counter() + timeout_s
-        target = self.last_launched() if self.last_launched is not None else 0
         while True:
             with self._lock:
                 newest = self.records[-1].step_id if self.records else 0
-            if newest >= target:
+            if newest >= step_id:
                 return True
             if time.perf_counter() >= deadline:
                 return False

@@ -22,9 +22,9 @@ from starlette.responses import JSONResponse, Response
 
 import asyncbatch
 from asyncbatch.serve.asgi_guard import ASGIGuard
-from asyncbatch.serve.async_llm import AsyncLLM
 from asyncbatch.serve.chat import chat_prompt_ids, create_chat_completion
 from asyncbatch.serve.completions import create_completion
+from asyncbatch.serve.engine_protocol import AsyncEngineClient
 from asyncbatch.serve.metrics import CONTENT_TYPE, ServeMetrics
 from asyncbatch.serve.openai_errors import OpenAIError, install_error_handlers
 from asyncbatch.serve.protocol import (
@@ -37,28 +37,28 @@ from asyncbatch.serve.settings import ServeSettings
 from asyncbatch.serve.state import ServerState
 
 
-def _prefix_stats(engine: AsyncLLM):
+def _prefix_stats(engine: AsyncEngineClient):
     """The engine's prefix-cache figures for ``/metrics``, if it has a prefix cache."""
     def read() -> dict | None:
         if not engine.alive:
             return None
         try:
-            return engine.llm.prefix_cache_stats(timeout=2.0)
+            return engine.prefix_cache_stats(timeout=2.0)
         except (KeyError, RuntimeError, TimeoutError):
             return None
     return read
 
 
-def build_app(engine: AsyncLLM, settings: ServeSettings, *,
+def build_app(engine: AsyncEngineClient, settings: ServeSettings, *,
               unhealthy: Callable[[], Awaitable[str | None]] | None = None,
               prefix_stats: Callable[[], dict | None] | None = None) -> tuple[ASGIGuard, ServerState]:
     """The ASGI application serving ``engine`` (the caller owns and closes the engine), and its state.
 
-    ``engine`` is an ``AsyncLLM`` or anything with its surface (the cluster's ingress passes its
-    ``ClusterEngine``); ``unhealthy`` (a coroutine returning why the server cannot serve, or None) adds to
+    ``engine`` is an ``AsyncEngineClient``: an ``AsyncLLM``, or the cluster ingress's ``ClusterEngine``;
+    ``unhealthy`` (a coroutine returning why the server cannot serve, or None) adds to
     ``/health``'s own checks, ``prefix_stats`` replaces the engine's prefix-cache figures in ``/metrics``.
     """
-    metrics = ServeMetrics(settings.served_model_names[0], engine.llm.timeline, engine.num_requests,
+    metrics = ServeMetrics(settings.served_model_names[0], engine.timeline, engine.num_requests,
                            prefix_stats or _prefix_stats(engine))
     state = ServerState(engine, settings, metrics)
     app = FastAPI(title="asyncbatch", version=asyncbatch.__version__)
@@ -76,7 +76,7 @@ def build_app(engine: AsyncLLM, settings: ServeSettings, *,
     @app.get("/v1/models")
     async def models() -> JSONResponse:
         data = [{"id": name, "object": "model", "created": started, "owned_by": "asyncbatch",
-                 "root": str(engine.llm.model_path), "max_model_len": engine.max_model_len}
+                 "root": str(engine.model_path), "max_model_len": engine.max_model_len}
                 for name in settings.served_model_names]
         return JSONResponse({"object": "list", "data": data})
 
@@ -120,7 +120,7 @@ def build_app(engine: AsyncLLM, settings: ServeSettings, *,
         state.check_model(body.model)
         if engine.tokenizer is None:
             raise OpenAIError(400, "the server has no tokenizer (skip_tokenizer_init)")
-        vocab = engine.llm._spec.vocab_size
+        vocab = engine.processor.vocab_size
         bad = [t for t in body.tokens if not 0 <= t < vocab]
         if bad:
             raise OpenAIError(400, f"tokens must be in [0, {vocab - 1}], got {bad[:5]}", param="tokens")

@@ -16,37 +16,35 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 
+from asyncbatch.frontend.engine_client import EngineClient
+from asyncbatch.frontend.input_processor import InputProcessor, ProcessedRequest, Prompt
 from asyncbatch.frontend.request_handle import RequestHandle
-from asyncbatch.llm import LLM, Prompt
+from asyncbatch.llm import LLM
 from asyncbatch.outputs import RequestOutput, StreamDelta
+from asyncbatch.profiling.timeline import Timeline
 from asyncbatch.sampling_params import SamplingParams
 from asyncbatch.serve.async_stream import AsyncDeltaStream, LoopWaker, merge_deltas
+from asyncbatch.serve.engine_protocol import AsyncEngineClient
+from asyncbatch.serve.request_stream import RequestStream
 
 # Text prompts longer than this are tokenized on a worker thread (a few ms of tokenizer work would stall
 # every stream on the loop); shorter ones cost less than the thread hop.
 _OFFLOAD_CHARS = 4096
 
 
-class AsyncRequest:
-    """One submitted request: iterate it for its deltas (once); leaving early aborts it."""
+class AsyncRequest(RequestStream):
+    """One submitted request of this process's engine: iterate it for its deltas (once); leaving early aborts it."""
 
-    def __init__(self, llm: LLM, handle: RequestHandle, stream: AsyncDeltaStream) -> None:
-        self._llm = llm
+    def __init__(self, client: EngineClient, handle: RequestHandle, stream: AsyncDeltaStream) -> None:
+        super().__init__(handle.request_id, handle.prompt_token_ids)
+        self._client = client
         self._handle = handle
         self._stream = stream
 
     @property
-    def request_id(self) -> str:
-        return self._handle.request_id
-
-    @property
-    def prompt_token_ids(self) -> list[int]:
-        return self._handle.prompt_token_ids
-
-    @property
     def output(self) -> RequestOutput | None:
-        """The final output, once the last delta was taken."""
         return self._handle.output
 
     @property
@@ -55,11 +53,10 @@ class AsyncRequest:
 
     def abort(self) -> None:
         if not self._handle.finished:
-            self._llm.abort(self._handle.request_id)
+            self._client.abort(self._handle.request_id)
 
     async def final_output(self) -> RequestOutput | None:
-        """After the iteration was left early (and the request aborted): wait for the output it ended with;
-        None if it failed. Reads what the iteration left in the stream."""
+        """Reads what the iteration left in the stream."""
         while not self._handle.finished or self._stream.items:
             for item in await self._stream.next_batch():
                 if isinstance(item, BaseException):
@@ -68,37 +65,32 @@ class AsyncRequest:
                     return self._handle.output
         return self._handle.output
 
-    def __aiter__(self) -> AsyncIterator[StreamDelta]:
-        return self._deltas()
-
-    async def _deltas(self) -> AsyncIterator[StreamDelta]:
-        try:
-            while True:
-                batch = await self._stream.next_batch()
-                deltas: list[StreamDelta] = []
-                for item in batch:
-                    if isinstance(item, BaseException):
-                        if deltas:
-                            yield merge_deltas(deltas)
-                        raise item
-                    deltas.append(item)
-                delta = merge_deltas(deltas)
-                yield delta
-                if delta.finish_reason is not None:
-                    return
-        finally:  # cancelled, closed early, or failed: the engine stops working on it
-            self.abort()
+    async def deltas(self) -> AsyncIterator[StreamDelta]:
+        while True:
+            batch = await self._stream.next_batch()
+            deltas: list[StreamDelta] = []
+            for item in batch:
+                if isinstance(item, BaseException):
+                    if deltas:
+                        yield merge_deltas(deltas)
+                    raise item
+                deltas.append(item)
+            delta = merge_deltas(deltas)
+            yield delta
+            if delta.finish_reason is not None:
+                return
 
 
-class AsyncLLM:
+class AsyncLLM(AsyncEngineClient):
     """An inference engine for asyncio programs; see ``LLM`` for the keywords (``AsyncLLM(model, **kwargs)``).
 
     Build it with ``await AsyncLLM.create(...)`` inside a running loop (loading takes seconds, on a
     worker thread), or ``AsyncLLM(...)`` outside one. Methods must be called from one event loop.
+    It is an ``AsyncEngineClient`` (``serve.engine_protocol``) over ``llm``, an ``EngineClient``.
     """
 
     def __init__(self, model: str | None = None, *, llm: LLM | None = None, **kwargs: object) -> None:
-        self.llm = llm if llm is not None else LLM(model, **kwargs)
+        self.llm: LLM = llm if llm is not None else LLM(model, **kwargs)
         self._waker: LoopWaker | None = None
 
     @classmethod
@@ -107,21 +99,25 @@ class AsyncLLM:
 
     # -- what the engine serves ------------------------------------------------
     @property
-    def tokenizer(self):
-        return self.llm.tokenizer
+    def processor(self) -> InputProcessor:
+        return self.llm.processor
 
     @property
-    def max_model_len(self) -> int:
-        return self.llm.max_model_len
+    def model_path(self) -> Path:
+        return self.llm.model_path
+
+    @property
+    def timeline(self) -> Timeline:
+        return self.llm.timeline
 
     @property
     def alive(self) -> bool:
-        return self.llm._client.alive
+        return self.llm.alive
 
     # -- requests --------------------------------------------------------------
     def _sink_factory(self):
         loop = asyncio.get_running_loop()
-        if self._waker is None or self._waker._loop is not loop:
+        if self._waker is None or not self._waker.serves(loop):
             self._waker = LoopWaker(loop)
         waker = self._waker
         return lambda: AsyncDeltaStream(waker)
@@ -129,8 +125,8 @@ class AsyncLLM:
     async def prompt_ids(self, prompt: Prompt) -> list[int]:
         """Token ids of a prompt, validated (long texts are tokenized off the loop)."""
         if isinstance(prompt, str) and len(prompt) > _OFFLOAD_CHARS:
-            return await asyncio.to_thread(self.llm._prepare_ids, prompt)
-        return self.llm._prepare_ids(prompt)
+            return await asyncio.to_thread(self.processor.prompt_ids, prompt)
+        return self.processor.prompt_ids(prompt)
 
     async def submit(self, prompts: Sequence[Prompt], params: Sequence[SamplingParams],
                      request_ids: Sequence[str | None]) -> list[AsyncRequest]:
@@ -141,16 +137,10 @@ class AsyncLLM:
         """
         return self.submit_ids([await self.prompt_ids(p) for p in prompts], params, request_ids, prompts)
 
-    def submit_ids(self, prompt_ids: Sequence[list[int]], params: Sequence[SamplingParams],
-                   request_ids: Sequence[str | None], prompts: Sequence[Prompt] | None = None) -> list[AsyncRequest]:
-        """``submit`` for prompts already turned into validated token ids (``prompt_ids``), so they are not
-        tokenized and checked a second time; ``prompts`` (text) only names them in the outputs."""
-        if not len(prompt_ids) == len(params) == len(request_ids):
-            raise ValueError("prompts, params and request_ids must have the same length")
-        texts = prompts if prompts is not None else prompt_ids
-        items = [(text, *self.llm._check_request(ids, sp)) for text, ids, sp in zip(texts, prompt_ids, params)]
-        handles = self.llm._submit(items, streaming=True, request_ids=list(request_ids),
-                                   make_sink=self._sink_factory())
+    def submit_processed(self, requests: Sequence[ProcessedRequest],
+                         request_ids: Sequence[str | None]) -> list[AsyncRequest]:
+        """Submit requests validated elsewhere (a replica's, by the ingress) as they are."""
+        handles = self.llm.submit(requests, list(request_ids), streaming=True, make_sink=self._sink_factory())
         return [AsyncRequest(self.llm, h, h.deltas) for h in handles]
 
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
@@ -165,9 +155,16 @@ class AsyncLLM:
         """Stop a request; its stream ends with ``finish_reason="abort"`` within a step."""
         self.llm.abort(request_id)
 
+    def abort_all(self) -> int:
+        return self.llm.abort_all()
+
     # -- measurement and lifetime ------------------------------------------------
     async def stats(self) -> dict:
         return await asyncio.to_thread(self.llm.stats)
+
+    def prefix_cache_stats(self, timeout: float = 60.0) -> dict | None:
+        """The engine core's prefix-cache counters (blocks until the core answers: call off the loop)."""
+        return self.llm.prefix_cache_stats(timeout=timeout)
 
     async def check_integrity(self) -> None:
         await asyncio.to_thread(self.llm.check_integrity)

@@ -35,6 +35,10 @@ class LoopWaker:
         self._pending: list[AsyncDeltaStream] = []
         self._armed = False
 
+    def serves(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """True if this waker wakes streams on ``loop``."""
+        return self._loop is loop
+
     def notify(self, stream: AsyncDeltaStream) -> None:
         """Any thread: ``stream`` has something; wake its consumer soon."""
         with self._lock:

@@ -29,9 +29,8 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
 
 
 def chat_prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
-    llm = state.engine.llm
     try:
-        return llm.chat_prompt_ids(template_messages(body.messages), body.add_generation_prompt,
+        return state.engine.processor.chat_prompt_ids(template_messages(body.messages), body.add_generation_prompt,
                                    **(body.chat_template_kwargs or {}))
     except ValueError:
         raise
@@ -47,7 +46,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     ids = await engine.prompt_ids(chat_prompt_ids(state, body))  # checked against the model's vocabulary
     max_tokens = chat_max_tokens(body)
     if max_tokens is None:  # OpenAI: as many as the context allows
-        room = min(engine.max_model_len, engine.llm._usable_tokens) - len(ids)
+        room = engine.processor.usable_context - len(ids)
         if room < 1:
             raise OpenAIError(400, f"the messages take {len(ids)} tokens, which leaves no room in the "
                               f"context of {engine.max_model_len} tokens", param="messages")

@@ -24,8 +24,8 @@ from starlette.responses import StreamingResponse
 
 from asyncbatch.errors import EngineDeadError, RequestFailedError
 from asyncbatch.outputs import RequestOutput, StreamDelta
-from asyncbatch.serve.async_llm import AsyncRequest
 from asyncbatch.serve.openai_errors import OpenAIError, error_body
+from asyncbatch.serve.request_stream import RequestStream
 from asyncbatch.serve.state import ServerState
 
 ChunkBuilder = Callable[[int, StreamDelta], dict]
@@ -39,7 +39,7 @@ class Generation:
     state: ServerState
     response_id: str
     model: str
-    requests: list[AsyncRequest]
+    requests: list[RequestStream]
     prompt_tokens: int  # every distinct prompt counted once
     include_usage: bool = False
     continuous_usage: bool = False
@@ -68,7 +68,7 @@ class Generation:
                 _background.add(task)
                 task.add_done_callback(_background.discard)
 
-    async def _await_final(self, index: int, request: AsyncRequest) -> None:
+    async def _await_final(self, index: int, request: RequestStream) -> None:
         output = await asyncio.wait_for(request.final_output(), timeout=60.0)
         if output is not None and self.outputs[index] is None:
             self.outputs[index] = output
@@ -83,7 +83,7 @@ class Generation:
             return
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(index: int, request: AsyncRequest) -> None:
+        async def pump(index: int, request: RequestStream) -> None:
             try:
                 async for delta in request:
                     queue.put_nowait((index, delta))
@@ -141,7 +141,7 @@ class Generation:
     # -- whole responses -------------------------------------------------------
     async def collect(self, request: Request) -> list[RequestOutput]:
         """Every choice's final output; aborts them all if the client disconnects first."""
-        async def drain(index: int, choice: AsyncRequest) -> None:
+        async def drain(index: int, choice: RequestStream) -> None:
             async for delta in choice:
                 if delta.finish_reason is not None:
                     self._finished(index, delta)

@@ -19,7 +19,7 @@ import sys
 import uvicorn
 
 from asyncbatch.serve.app import build_app
-from asyncbatch.serve.async_llm import AsyncLLM
+from asyncbatch.serve.engine_protocol import AsyncEngineClient
 from asyncbatch.serve.settings import ServeSettings
 from asyncbatch.serve.state import ServerState
 
@@ -51,12 +51,9 @@ class DrainingServer(uvicorn.Server):
 
 def abort_all(state: ServerState) -> None:
     """Abort every unfinished request; their responses end normally with ``finish_reason="abort"``."""
-    llm = state.engine.llm
-    handles = [h for h in list(llm._handles.values()) if not h.finished]
-    if handles:
-        log.warning("shutdown timeout: aborting %d in-flight requests", len(handles))
-    for handle in handles:
-        llm.abort(handle.request_id)
+    aborted = state.engine.abort_all()
+    if aborted:
+        log.warning("shutdown timeout: aborting %d in-flight requests", aborted)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -79,7 +76,7 @@ def uvicorn_config(app, settings: ServeSettings, log_level: str, access_log: boo
                           timeout_graceful_shutdown=settings.shutdown_timeout_s + 5.0, timeout_keep_alive=5)
 
 
-def run_server(engine: AsyncLLM, settings: ServeSettings, sock: socket.socket, log_level: str = "info",
+def run_server(engine: AsyncEngineClient, settings: ServeSettings, sock: socket.socket, log_level: str = "info",
                access_log: bool = False) -> int:
     """Serve until a stop signal; returns 0 after a clean drain. The caller closes ``engine``."""
     app, state = build_app(engine, settings)

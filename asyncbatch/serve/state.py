@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass
 
 from asyncbatch.outputs import RequestOutput
-from asyncbatch.serve.async_llm import AsyncLLM
+from asyncbatch.serve.engine_protocol import AsyncEngineClient
 from asyncbatch.serve.metrics import ServeMetrics
 from asyncbatch.serve.openai_errors import OpenAIError
 from asyncbatch.serve.settings import ServeSettings
@@ -16,7 +16,7 @@ log = logging.getLogger("asyncbatch.serve")
 
 @dataclass
 class ServerState:
-    engine: AsyncLLM
+    engine: AsyncEngineClient
     settings: ServeSettings
     metrics: ServeMetrics
     draining: bool = False  # SIGTERM received: new requests are refused, in-flight ones finish

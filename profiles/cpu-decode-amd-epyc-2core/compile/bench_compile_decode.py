@@ -1,6 +1,6 @@
 """Eager vs compiled decode step (``CompiledDecode``), one process: python bench_compile_decode.py PRECISION THREADS ROWS."""
 import sys, time, json, statistics, torch
-from asyncbatch.bench.decode_step import DecodeStepBench, decode_batch, greedy_sampling
+from harness.decode_step import DecodeStepBench, decode_batch, greedy_sampling
 from asyncbatch.model.compiled_decode import CompiledDecode
 from asyncbatch.sampling.sampler import sample
 prec = sys.argv[1]; threads = int(sys.argv[2]); rows = [int(r) for r in sys.argv[3].split(",")]

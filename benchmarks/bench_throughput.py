@@ -9,24 +9,22 @@ over ``--repeats`` as a terminal table, ``<tag>.json``, ``<tag>_table.md`` and P
 plots under ``--results-dir``.
 
 Examples:
-    python scripts/bench_throughput.py --workload uniform --num-requests 32 \\
+    python benchmarks/bench_throughput.py --workload uniform --num-requests 32 \\
         --prompt-range 16,128 --output-range 8,128 --results-dir profiles/bench-cpu
-    python scripts/bench_throughput.py --workload nanovllm --num-requests 32 --results-dir /tmp/nano
-    python scripts/bench_throughput.py --workload random --input-len 512 --output-len 128 \\
+    python benchmarks/bench_throughput.py --workload nanovllm --num-requests 32 --results-dir /tmp/nano
+    python benchmarks/bench_throughput.py --workload random --input-len 512 --output-len 128 \\
         --range-ratio 0.5 --systems overlap,generate_batch --results-dir /tmp/rand
 """
 
 from __future__ import annotations
 
-import argparse
-
-from asyncbatch.bench.runner import add_common_args
-from asyncbatch.bench.script import run
+from harness.common import parser as script_parser
+from harness.runner import add_common_args
+from harness.script import run
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = script_parser(__doc__)
     add_common_args(parser)
     parser.add_argument("--tag", default="throughput", help="file name prefix of the outputs")
     args = parser.parse_args(argv)

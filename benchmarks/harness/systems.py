@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from asyncbatch.bench.system_base import BenchSettings, BenchSystem
+from harness.system_base import BenchSettings, BenchSystem
 
 OVERLAP, SYNC = "asyncbatch-overlap", "asyncbatch-sync"
 GENERATE_BATCH, STATIC = "transformers-generate_batch", "transformers-static"
@@ -21,31 +21,31 @@ ALIASES = {"overlap": OVERLAP, "sync": SYNC, "generate_batch": GENERATE_BATCH, "
 
 
 def _overlap(s: BenchSettings) -> BenchSystem:
-    from asyncbatch.bench.system_asyncbatch import AsyncBatchSystem
+    from harness.system_asyncbatch import AsyncBatchSystem
 
     return AsyncBatchSystem(s, overlap=True)
 
 
 def _sync(s: BenchSettings) -> BenchSystem:
-    from asyncbatch.bench.system_asyncbatch import AsyncBatchSystem
+    from harness.system_asyncbatch import AsyncBatchSystem
 
     return AsyncBatchSystem(s, overlap=False)
 
 
 def _generate_batch(s: BenchSettings) -> BenchSystem:
-    from asyncbatch.bench.system_hf_continuous import HFContinuousSystem
+    from harness.system_hf_continuous import HFContinuousSystem
 
     return HFContinuousSystem(s)
 
 
 def _static(s: BenchSettings) -> BenchSystem:
-    from asyncbatch.bench.system_hf_static import HFStaticSystem
+    from harness.system_hf_static import HFStaticSystem
 
     return HFStaticSystem(s)
 
 
 def _llamacpp(s: BenchSettings) -> BenchSystem:
-    from asyncbatch.bench.system_llamacpp import LlamaCppSystem
+    from harness.system_llamacpp import LlamaCppSystem
 
     return LlamaCppSystem(s)
 

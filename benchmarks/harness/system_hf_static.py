@@ -21,11 +21,11 @@ import time
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from asyncbatch.bench.hf_common import cut_at_eos, generation_config, load_hf_model
-from asyncbatch.bench.memory import MemorySampler
-from asyncbatch.bench.records import RequestRecord, RunResult
-from asyncbatch.bench.system_base import BenchSettings, BenchSystem, ThreadErrors, timed_replay
 from asyncbatch.bench.workloads import WorkItem
+from harness.hf_common import cut_at_eos, generation_config, load_hf_model
+from harness.memory import MemorySampler
+from harness.records import RequestRecord, RunResult
+from harness.system_base import BenchSettings, BenchSystem, ThreadErrors, timed_replay
 
 
 class _StepClock(BaseStreamer):

@@ -24,12 +24,12 @@ import torch
 from transformers import ContinuousBatchingConfig
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
-from asyncbatch.bench.hf_common import effective_eos, generation_config, load_hf_model
-from asyncbatch.bench.memory import MemorySampler
-from asyncbatch.bench.records import RequestRecord, RunResult
-from asyncbatch.bench.system_base import BenchSettings, BenchSystem, ThreadErrors, timed_replay
 from asyncbatch.bench.workloads import WorkItem
 from asyncbatch.engine.builder import kv_bytes_per_token
+from harness.hf_common import effective_eos, generation_config, load_hf_model
+from harness.memory import MemorySampler
+from harness.records import RequestRecord, RunResult
+from harness.system_base import BenchSettings, BenchSystem, ThreadErrors, timed_replay
 
 _PAGE_SIZE = 256  # transformers' default page (block) size
 _POLL_S = 0.05  # result-queue poll; a result wakes the consumer at once, the timeout only bounds liveness checks

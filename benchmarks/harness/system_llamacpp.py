@@ -25,10 +25,10 @@ from pathlib import Path
 
 import numpy as np
 
-from asyncbatch.bench.memory import MemorySampler
-from asyncbatch.bench.records import RequestRecord, RunResult
-from asyncbatch.bench.system_base import BenchSettings, BenchSystem
 from asyncbatch.bench.workloads import WorkItem
+from harness.memory import MemorySampler
+from harness.records import RequestRecord, RunResult
+from harness.system_base import BenchSettings, BenchSystem
 
 INSTALL_HINT = "pip install 'asyncbatch[llamacpp]' (compiles llama.cpp: ~10 min on 2 cores)"
 

@@ -13,11 +13,11 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 from transformers.utils import logging as hf_logging
 
-from asyncbatch.bench.memory import module_mib
-from asyncbatch.bench.system_base import BenchSettings
 from asyncbatch.config import EngineConfig
 from asyncbatch.engine.builder import choose_num_blocks, kv_bytes_per_token, resolve_device
 from asyncbatch.model.loader import load_tokenizer, max_model_len, resolve_dtype, resolve_model_path
+from harness.memory import module_mib
+from harness.system_base import BenchSettings
 
 
 @dataclass(slots=True)

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Prefix caching on vs off, side by side in one run: the default model on CPU, and the planner on ``sim``.
 
-    python scripts/bench_prefix_cache.py                       # both parts, into profiles/prefix-cache-<machine>
-    python scripts/bench_prefix_cache.py --skip-model          # the sim part only (a minute)
-    python scripts/bench_prefix_cache.py --workload multiturn --turns 4 --results-dir /tmp/pc
+    python benchmarks/bench_prefix_cache.py                       # both parts, into profiles/prefix-cache-<machine>
+    python benchmarks/bench_prefix_cache.py --skip-model          # the sim part only (a minute)
+    python benchmarks/bench_prefix_cache.py --workload multiturn --turns 4 --results-dir /tmp/pc
 
 Model part: ``--num-requests`` requests of one ``--system-len``-token system
 prompt plus a ``--question-len``-token question each (``shared_prefix``; or
@@ -59,7 +59,6 @@ Writes ``report.json`` and ``report.md`` into ``--results-dir``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import re
@@ -71,11 +70,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+from harness.common import parser as script_parser
+from harness.runner import correctness, run_all, warmup_items
+from harness.system_asyncbatch import AsyncBatchSystem
+from harness.system_base import BenchSettings
 
 from asyncbatch import LLM, SamplingParams
-from asyncbatch.bench.runner import correctness, run_all, warmup_items
-from asyncbatch.bench.system_asyncbatch import AsyncBatchSystem
-from asyncbatch.bench.system_base import BenchSettings
+from asyncbatch.bench.report import write_json
 from asyncbatch.bench.workloads import build_workload, describe, prefix_share
 from asyncbatch.model.loader import load_config, resolve_model_path
 from asyncbatch.profiling.host_info import cpu_name, git_commit
@@ -144,7 +145,7 @@ def sim_once(args: argparse.Namespace, caching: bool, items: list) -> dict:
         llm.reset_stats()
         params = [SamplingParams(max_tokens=it.max_tokens, temperature=0.0, ignore_eos=True) for it in items]
         outs = llm.generate([it.prompt_token_ids for it in items], params, use_tqdm=False)
-        llm.timeline.wait_settled(5.0)
+        llm.wait_settled(5.0)
         stats = llm.stats()
         records = llm.timeline.window()
     prefill, decode = [r for r in records if r.num_prefill], [r for r in records if not r.num_prefill]
@@ -245,8 +246,7 @@ def markdown(doc: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = script_parser(__doc__)
     p.add_argument("--model", default=None)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"))
     p.add_argument("--dtype", default="float32", choices=("auto", "float32", "bfloat16", "float16"))
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.results_dir) if args.results_dir else ROOT / "profiles" / f"prefix-cache-{machine_slug()}"
     started = time.time()
     doc: dict = {"created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-                 "command": "python " + shlex.join(["scripts/bench_prefix_cache.py", *(argv or sys.argv[1:])]),
+                 "command": "python " + shlex.join(["benchmarks/bench_prefix_cache.py", *(argv or sys.argv[1:])]),
                  "git_commit": git_commit(mark_dirty=True), "machine": f"{cpu_name()}, {os.cpu_count()} cores",
                  "python": platform.python_version(), "workload_name": args.workload, "args": vars(args)}
     loads = {"start": os.getloadavg()}
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                          + ", ".join(f"{k}: {' / '.join(f'{x:.1f}' for x in v)}" for k, v in loads.items())
                          + f" (the run itself keeps about {1 if args.skip_model else 2} cores busy).")
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "report.json").write_text(json.dumps(doc, indent=1) + "\n")
+    write_json(doc, out_dir / "report.json", nan_as_null=True)
     text = markdown(doc)
     (out_dir / "report.md").write_text(text + "\n")
     print(text)

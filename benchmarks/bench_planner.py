@@ -1,7 +1,7 @@
 """Planner critical path per step in steady decode: this tree against an older commit, side by side.
 
-    python scripts/bench_planner.py                    # this tree only
-    python scripts/bench_planner.py --ref 8a388b8      # and the per-request planner of 8a388b8
+    python benchmarks/bench_planner.py                    # this tree only
+    python benchmarks/bench_planner.py --ref 8a388b8      # and the per-request planner of 8a388b8
 
 The critical path is what the planner thread does between two launches:
 ``Scheduler.schedule``, ``StepMetadataWriter.write`` into a host staging
@@ -45,18 +45,18 @@ with ~7 arrivals per step, against 1.6 and 9.8 ms for 8a388b8).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from harness.common import COMMON, ROOT, ref_worktree, run_in_tree
+
 SIZES = (16, 64, 256, 1024, 2048)
 BLOCK_SIZE = 16
 MAX_BLOCKS_PER_SEQ = 512  # 8192-token contexts
@@ -128,22 +128,10 @@ def measure(api: str, n: int, steps: int) -> dict:
 
 
 def run_child(tree: Path, api: str, n: int, steps: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", api, "--sizes", str(n), "--steps", str(steps)]
-    done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, check=False)
+    done = run_in_tree(tree, Path(__file__), ["--child", api, "--sizes", str(n), "--steps", str(steps)])
     if done.returncode:
         raise RuntimeError(f"{api} planner at {n} failed:\n{done.stderr}")
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def main() -> None:
@@ -160,13 +148,10 @@ def main() -> None:
         print(json.dumps(measure(args.child, sizes[0], args.steps)))
         return
 
-    ref_tree: Path | None = None
-    if args.ref:
-        ref_tree = Path(tempfile.mkdtemp(prefix="bench-planner-ref-"))
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(ref_tree), args.ref],
-                       check=True, capture_output=True)
-    rows = []
-    try:
+    with contextlib.ExitStack() as stack:
+        ref_tree = (stack.enter_context(ref_worktree(args.ref, [Path(__file__), COMMON, COMMON.with_name("__init__.py")]))
+                    if args.ref else None)
+        rows = []
         for n in sizes:
             runs: dict[str, list[dict]] = {"new": [], "old": []}
             for _ in range(args.repeat):  # interleaved, so that a burst of load hits both
@@ -176,15 +161,14 @@ def main() -> None:
             best = {api: min(r, key=lambda m: m["median_us"]) if r else None for api, r in runs.items()}
             rows.append((n, best["new"], best["old"]))
             print(f"  measured {n} running", file=sys.stderr)
-    finally:
-        if ref_tree is not None:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(ref_tree)], check=False)
 
     import numpy as np
 
+    from asyncbatch.profiling.host_info import cpu_name
+
     print(f"planner critical path per decode step (schedule + write + release_drained + apply), "
           f"{args.steps} steps, block size {BLOCK_SIZE}, best of {args.repeat} processes")
-    print(f"machine: {cpu_model()}, {os.cpu_count()} cores; Python {platform.python_version()}, "
+    print(f"machine: {cpu_name()}, {os.cpu_count()} cores; Python {platform.python_version()}, "
           f"numpy {np.__version__}; times in us")
     head = f"{'running':>8} | {'new median':>10} {'new p90':>8}"
     if ref_tree:

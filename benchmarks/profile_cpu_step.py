@@ -3,7 +3,7 @@
 
 Builds the default model (or ``--model``) as the engine does, in ``--dtype`` and
 ``--quantization``, and runs pure decode steps of ``--rows`` rows at context
-``--context`` (``asyncbatch.bench.decode_step``). Each part of the network is
+``--context`` (``harness.decode_step``). Each part of the network is
 wrapped in a labelled profiler range (module hooks and wrappers installed by
 this script only; the engine carries no ranges), and every torch op's self time
 goes to the innermost range around it:
@@ -21,26 +21,24 @@ without the profiler are measured separately and reported beside it.
 Writes ``report.md`` and ``report.json`` (and ``--trace`` Chrome traces) into ``--out``.
 
 Example:
-    python scripts/profile_cpu_step.py --rows 32,128 --out profiles/cpu-decode-amd-epyc-2core/before
+    python benchmarks/profile_cpu_step.py --rows 32,128 --out profiles/cpu-decode-amd-epyc-2core/before
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
-import shlex
 import sys
 from collections import defaultdict
 from pathlib import Path
 
 import torch
+from harness.common import parser as script_parser
+from harness.decode_step import DecodeStepBench
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from asyncbatch.bench.decode_step import DecodeStepBench
+from asyncbatch.bench.report import command_line, machine_info, write_json
 from asyncbatch.model import llama, paged_attention
-from asyncbatch.profiling.host_info import cpu_name, git_commit
+from asyncbatch.profiling.host_info import git_commit
 
 PREFIX = "ab:"
 LINEAR_GROUPS = {"q_proj": "linear q/k/v", "k_proj": "linear q/k/v", "v_proj": "linear q/k/v",
@@ -105,7 +103,7 @@ def install_labels(bench: DecodeStepBench) -> list:
     undo.append(_wrap(paged_attention, "write_kv", "attention: write K/V"))
     undo.append(_wrap(paged_attention, "gather_blocks", "attention: gather blocks"))
     undo.append(_wrap(bench.model, "compute_logits", "lm head"))
-    from asyncbatch.bench import decode_step
+    from harness import decode_step
     undo.append(_wrap(decode_step, "sample", "sampling"))
     return undo
 
@@ -202,8 +200,7 @@ def markdown(doc: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = script_parser(__doc__)
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="float32", choices=("auto", "float32", "bfloat16"))
     parser.add_argument("--quantization", default=None, help="None, int8 or int4 (weight-only)")
@@ -223,16 +220,15 @@ def main(argv: list[str] | None = None) -> int:
                             threads=threads)
     quant = args.quantization or "none"
     doc = {"title": args.title or f"{bench.dtype}, quantization {quant}",
-           "command": " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+           "command": command_line(),
            "git_commit": git_commit(), "threads": threads, "load_average": [round(x, 2) for x in os.getloadavg()],
-           "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
-                       "capability": torch.backends.cpu.get_cpu_capability(), "platform": platform.platform()},
+           "machine": {**machine_info("cpu"), "capability": torch.backends.cpu.get_cpu_capability()},
            "weights": f"{bench.dtype}, quantization {quant}, {bench.weight_bytes() / 2**20:.0f} MiB read per step",
            "context": args.context, "results": []}
     for r in rows:
         print(f"profiling {r} rows ...", file=sys.stderr, flush=True)
         doc["results"].append(profile_rows(bench, r, args.steps, out / f"trace_{r}.json" if args.trace else None))
-    (out / "report.json").write_text(json.dumps(doc, indent=1) + "\n")
+    write_json(doc, out / "report.json", nan_as_null=True)
     text = markdown(doc)
     (out / "report.md").write_text(text + "\n")
     print(text)

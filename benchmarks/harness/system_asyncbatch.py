@@ -14,12 +14,12 @@ from __future__ import annotations
 import threading
 import time
 
-from asyncbatch.bench.memory import MemorySampler
-from asyncbatch.bench.records import RequestRecord, RunResult
-from asyncbatch.bench.system_base import BenchSettings, BenchSystem, ThreadErrors, timed_replay
 from asyncbatch.bench.workloads import WorkItem
 from asyncbatch.llm import LLM
 from asyncbatch.sampling_params import SamplingParams
+from harness.memory import MemorySampler
+from harness.records import RequestRecord, RunResult
+from harness.system_base import BenchSettings, BenchSystem, ThreadErrors, timed_replay
 
 
 class AsyncBatchSystem(BenchSystem):

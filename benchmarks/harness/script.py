@@ -1,7 +1,7 @@
 """The common body of the benchmark scripts: workload, systems, runs, table, JSON and plots.
 
 Writes into ``--results-dir``: ``<tag>.json`` (validated against
-``schema.RESULTS_SCHEMA``), ``<tag>_table.md`` and the PNG plots the document
+``results_schema.RESULTS_SCHEMA``), ``<tag>_table.md`` and the PNG plots the document
 lists under ``plots``.
 """
 
@@ -9,26 +9,21 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from pathlib import Path
 
-from asyncbatch.bench import plots
-from asyncbatch.bench.report import build_document, markdown_table, table, write_json
-from asyncbatch.bench.runner import (
+from asyncbatch.bench.workloads import build_workload, describe, parse_range, prefix_share, sharegpt_params
+from asyncbatch.model.loader import load_config, resolve_model_path
+from harness import plots
+from harness.common import log as _log
+from harness.report import build_document, markdown_table, table, write_results
+from harness.runner import (
     build_systems,
     correctness,
-    parse_range,
     rate_key,
     run_all,
     settings_from_args,
     warmup_items,
 )
-from asyncbatch.bench.workloads import build_workload, describe, prefix_share, sharegpt_params
-from asyncbatch.model.loader import load_config, resolve_model_path
-
-
-def _log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def workload_doc(args: argparse.Namespace, items: list) -> dict:
@@ -90,7 +85,7 @@ def run(kind: str, args: argparse.Namespace, rates: list[float | None], ignore_e
         drawn = [plots.throughput_vs_rate(doc, out_dir / f"{tag}_throughput_vs_rate.png"),
                  plots.latency_cdfs(doc, out_dir / f"{tag}_latency_cdf.png", rate=rate_key(cdf_rate))]
     doc["plots"] = [p.name for p in drawn]
-    json_path = write_json(doc, out_dir, f"{tag}.json")
+    json_path = write_results(doc, out_dir, f"{tag}.json")
     text = table(doc)
     (out_dir / f"{tag}_table.md").write_text(markdown_table(doc) + "\n")
     print(text)

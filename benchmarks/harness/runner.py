@@ -22,11 +22,11 @@ from tqdm.auto import tqdm
 
 from asyncbatch.bench.arrivals import arrival_offsets
 from asyncbatch.bench.host_load import HostLoad
-from asyncbatch.bench.metrics import run_metrics, summarize_runs
-from asyncbatch.bench.records import RunResult
-from asyncbatch.bench.system_base import BenchSettings, BenchSystem
-from asyncbatch.bench.systems import OPTIONAL, OVERLAP, build_system, parse_systems
 from asyncbatch.bench.workloads import WORKLOADS, WorkItem
+from harness.records import RunResult
+from harness.run_metrics import run_metrics, summarize_runs
+from harness.system_base import BenchSettings, BenchSystem
+from harness.systems import OPTIONAL, OVERLAP, build_system, parse_systems
 
 CDF_POINTS = 101  # quantiles stored per metric: enough for a smooth CDF, small JSON at any scale
 
@@ -61,13 +61,6 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-requests", type=int, default=4)
     p.add_argument("--results-dir", required=True, help="where the JSON and PNG files go")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def parse_range(text: str) -> tuple[int, int]:
-    low, high = (int(x) for x in text.split(","))
-    if not 1 <= low <= high:
-        raise ValueError(f"a range must be 'low,high' with 1 <= low <= high, got {text!r}")
-    return low, high
 
 
 def settings_from_args(args: argparse.Namespace, ignore_eos: bool) -> BenchSettings:
@@ -121,7 +114,7 @@ class SystemData:
 
 
 def build_systems(names: str, settings: BenchSettings, warmup: list[WorkItem], log=print) -> list[BenchSystem]:
-    from asyncbatch.bench.system_llamacpp import LlamaCppUnavailable
+    from harness.system_llamacpp import LlamaCppUnavailable
 
     systems: list[BenchSystem] = []
     try:

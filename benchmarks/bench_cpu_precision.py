@@ -2,7 +2,7 @@
 """CPU precisions side by side in one run: decode step time vs rows beside the memory floor, and output tok/s.
 
 1. Memory bandwidth: the best of several copies of a 256 MiB tensor (bytes read + written / time).
-2. Decode step time (forward + greedy sampling, ``asyncbatch.bench.decode_step``) at each of ``--rows``
+2. Decode step time (forward + greedy sampling, ``harness.decode_step``) at each of ``--rows``
    per precision, beside the step's memory-traffic floor: (weights read in full + the rows' KV cache)
    / bandwidth.
 3. Offline output tok/s on two workloads, 32 x (64 prompt + 128 output) tokens and the README's 32 requests
@@ -15,38 +15,32 @@ alternating; the load average is recorded around every run. Writes ``precision.j
 ``precision.png`` into ``--out``.
 
 Example:
-    python scripts/bench_cpu_precision.py --out profiles/cpu-decode-amd-epyc-2core
+    python benchmarks/bench_cpu_precision.py --out profiles/cpu-decode-amd-epyc-2core
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import os
-import platform
-import shlex
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
+from harness.common import log
+from harness.common import parser as script_parser
+from harness.decode_step import DecodeStepBench
+from harness.run_metrics import run_metrics
+from harness.system_base import BenchSettings, BenchSystem
 
-from asyncbatch.bench.decode_step import DecodeStepBench
-from asyncbatch.bench.metrics import run_metrics
-from asyncbatch.bench.system_base import BenchSettings, BenchSystem
+from asyncbatch.bench.report import command_line, machine_info, write_json
 from asyncbatch.bench.workloads import WorkItem, uniform_requests
 from asyncbatch.model.cpu_features import choose_cpu_dtype, cpu_flags
 from asyncbatch.model.loader import load_config, load_tokenizer, resolve_model_path
-from asyncbatch.profiling.host_info import cpu_name, git_commit
+from asyncbatch.profiling.host_info import git_commit
 
 PRECISIONS = ("float32", "bfloat16", "int8", "int4", "w8a8")
 CHAT = "Name three rivers."
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def precision_args(name: str) -> tuple[str, str | None]:
@@ -92,14 +86,14 @@ def step_sweep(model: str | None, precisions: list[str], rows: list[int], contex
 
 def build(kind: str, settings: BenchSettings) -> BenchSystem:
     if kind == "llama.cpp":
-        from asyncbatch.bench.system_llamacpp import LlamaCppSystem
+        from harness.system_llamacpp import LlamaCppSystem
 
         return LlamaCppSystem(settings)
     if kind == "transformers-generate_batch":
-        from asyncbatch.bench.system_hf_continuous import HFContinuousSystem
+        from harness.system_hf_continuous import HFContinuousSystem
 
         return HFContinuousSystem(settings)
-    from asyncbatch.bench.system_asyncbatch import AsyncBatchSystem
+    from harness.system_asyncbatch import AsyncBatchSystem
 
     return AsyncBatchSystem(settings, overlap=True, name=f"asyncbatch {kind}")
 
@@ -253,8 +247,7 @@ def plot(doc: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = script_parser(__doc__)
     parser.add_argument("--model", default=None)
     parser.add_argument("--precisions", default=",".join(PRECISIONS), help="for the step sweep")
     parser.add_argument("--throughput-precisions", default=None,
@@ -278,11 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = [int(x) for x in args.rows.split(",")]
     precisions = [p for p in args.precisions.split(",") if p]
     auto = choose_cpu_dtype()
-    doc: dict = {"command": " ".join(shlex.quote(a) for a in [Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+    doc: dict = {"command": command_line(),
                  "git_commit": git_commit(), "load_average_start": [round(x, 2) for x in os.getloadavg()],
-                 "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
-                             "capability": torch.backends.cpu.get_cpu_capability(),
-                             "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
+                 "machine": {**machine_info("cpu"), "capability": torch.backends.cpu.get_cpu_capability(),
                              "simd_flags": sorted(f for f in cpu_flags() if f.startswith(("avx", "amx", "fma",
                                                                                           "f16c")))},
                  "auto_dtype": auto.reason, "rows": rows, "context": args.context,
@@ -327,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
             same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
             t["same_first_tokens_as_float32"] = f"{same}/{sum(len(r) for r in a)}"
     doc["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
-    (out / "precision.json").write_text(json.dumps(doc, indent=1) + "\n")
+    write_json(doc, out / "precision.json", nan_as_null=True)
     text = markdown(doc)
     (out / "precision.md").write_text(text)
     plot(doc, out / "precision.png")

@@ -14,8 +14,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from asyncbatch.bench.records import RunResult
 from asyncbatch.bench.workloads import WorkItem
+from harness.records import RunResult
 
 
 @dataclass(slots=True)

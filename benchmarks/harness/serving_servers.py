@@ -23,7 +23,6 @@ import atexit
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,7 +32,8 @@ from pathlib import Path
 import httpx
 
 import asyncbatch
-from asyncbatch.bench.serving_client import TRANSFORMERS, VLLM, Dialect, ServingRequest
+from asyncbatch.bench.serving_client import TRANSFORMERS, VLLM, Dialect, ServingRequest, served_model
+from harness.common import free_port
 
 _POLL_S = 0.25
 _LOG_TAIL_CHARS = 4000
@@ -60,14 +60,6 @@ class ServerSpec:
     @property
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}"
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on now (another process could still take it before the server binds;
-    the server then fails to start and says so in its log)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _python_path_env() -> dict[str, str]:
@@ -245,16 +237,6 @@ def _signal_group(proc: subprocess.Popen, sig: signal.Signals) -> None:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def served_model(base_url: str, timeout_s: float = 30.0) -> str:
-    with httpx.Client(base_url=base_url, timeout=timeout_s, trust_env=False) as client:
-        response = client.get("/v1/models")
-        response.raise_for_status()
-        data = response.json().get("data") or []
-    if not data:
-        raise RuntimeError(f"{base_url}/v1/models lists no model")
-    return str(data[0]["id"])
 
 
 @atexit.register

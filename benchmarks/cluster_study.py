@@ -1,6 +1,6 @@
 """Cluster traffic study on ``sim`` replicas: routers side by side on one multi-tenant bursty load.
 
-    .venv/bin/python scripts/cluster_study.py --out profiles/cluster-sim
+    .venv/bin/python benchmarks/cluster_study.py --out profiles/cluster-sim
 
 For each router (cache-aware, Ray Serve's power of two choices, Ray's PrefixCacheAffinityRouter) it deploys
 ``--replicas`` sim engines on one local Ray, replays the same requests (``--tenants`` tenants, each with its own
@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
-import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -30,9 +28,11 @@ import ray
 from ray import serve
 
 from asyncbatch.bench.arrivals import arrival_offsets
+from asyncbatch.bench.report import write_json
 from asyncbatch.cluster import launch
 from asyncbatch.cluster.request import ReplicaRequest
 from asyncbatch.config import SimConfig
+from asyncbatch.profiling.host_info import cpu_name
 from asyncbatch.sampling_params import SamplingParams
 
 VOCAB_LOW, VOCAB_HIGH = 100, 40000  # token ids of the synthetic prompts (inside SmolLM2's vocabulary)
@@ -201,12 +201,12 @@ def main() -> int:
     finally:
         serve.shutdown()
         ray.shutdown()
-    machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+    machine = f"{cpu_name()}, {os.cpu_count()} cores"
     doc = {"simulated": True, "command": " ".join(sys.argv), "args": {k: str(v) for k, v in vars(args).items()},
            "machine": machine, "loadavg_before": load_before, "loadavg_after_each": loads,
            "prefix_blocks_per_tenant": args.system_tokens // 16,
            "tenant_blocks_total": args.tenants * (args.system_tokens // 16), "summaries": summaries}
-    (args.out / "results.json").write_text(json.dumps(doc, indent=1))
+    write_json(doc, args.out / "results.json", nan_as_null=True)
     keys = ["router", "requests", "failed", "throughput_rps", "output_tok_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms",
             "prefix_hit_rate", "served_per_replica", "load_spread", "cluster_device_busy", "evictions"]
     with open(args.out / "summary.csv", "w", newline="") as f:

@@ -1,26 +1,26 @@
 #!/usr/bin/env python
 """Quality per weight precision: teacher-forced top-1 agreement with float32, and perplexity, side by side.
 
-Every precision reads the same shipped text (``asyncbatch/bench/data/quality_text.txt``,
+Every precision reads the same shipped text (``benchmarks/harness/data/quality_text.txt``,
 ~2,400 tokens of prose written for the project) through the engine's own model code
-over the paged KV cache (``asyncbatch.bench.quality``); the float32 model is the reference.
+over the paged KV cache (``harness.quality``); the float32 model is the reference.
 
 Example:
-    python scripts/eval_quality.py --out profiles/cpu-decode-amd-epyc-2core
+    python benchmarks/eval_quality.py --out profiles/cpu-decode-amd-epyc-2core
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
 import torch
+from harness.common import parser as script_parser
+from harness.quality import QUALITY_TEXT, agreement, teacher_forced
 
-from asyncbatch.bench.quality import QUALITY_TEXT, agreement, teacher_forced
+from asyncbatch.bench.report import write_json
 from asyncbatch.model.loader import load_model, load_tokenizer, resolve_model_path
 
 PRECISIONS = ("float32", "bfloat16", "int8", "int4", "w8a8")
@@ -34,8 +34,7 @@ def parse_precision(name: str) -> tuple[torch.dtype, str | None]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = script_parser(__doc__)
     parser.add_argument("--model", default=None)
     parser.add_argument("--precisions", default=",".join(PRECISIONS))
     parser.add_argument("--chunk", type=int, default=8, help="tokens per forward (rows each linear sees)")
@@ -75,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "quality.json").write_text(json.dumps(doc, indent=1) + "\n")
+        write_json(doc, out / "quality.json", nan_as_null=True)
         (out / "quality.md").write_text(
             f"Teacher-forced on {len(ids)} tokens of `{QUALITY_TEXT.name}`, {args.chunk} tokens per forward.\n\n"
             + "\n".join(table) + "\n")

@@ -9,13 +9,12 @@ Part 2 (real CPU execution): a tiny model whose forward takes about as long as
 planning, both modes side by side.
 Every sim figure is labelled simulated. Writes a JSON next to the printed table.
 
-    python scripts/sweep_overlap.py --out profiles/sweep-overlap
+    python benchmarks/sweep_overlap.py --out profiles/sweep-overlap
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
@@ -23,6 +22,7 @@ import time
 from pathlib import Path
 
 from asyncbatch import LLM, SamplingParams, SimConfig
+from asyncbatch.bench.report import write_json
 from asyncbatch.profiling.host_info import cpu_name, git_commit
 from asyncbatch.profiling.timeline import steady_decode_window, summarize
 
@@ -137,7 +137,7 @@ def main() -> int:
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "sweep.json").write_text(json.dumps(report, indent=2))
+        write_json(report, out / "sweep.json", nan_as_null=True, indent=2)
         print(f"\nwrote {out / 'sweep.json'}")
     return 0
 

@@ -10,22 +10,21 @@ TTFT, TPOT, ITL and end-to-end latency (mean, P50, P90, P99), throughput per
 rate, and plots throughput versus rate and latency CDFs.
 
 Example:
-    python scripts/bench_latency.py --workload uniform --num-requests 32 \\
+    python benchmarks/bench_latency.py --workload uniform --num-requests 32 \\
         --request-rates 0.5,1,2,inf --burstiness 1.0 --results-dir /tmp/lat
 """
 
 from __future__ import annotations
 
-import argparse
+from harness.common import parser as script_parser
+from harness.runner import add_common_args
+from harness.script import run
 
 from asyncbatch.bench.arrivals import parse_rates
-from asyncbatch.bench.runner import add_common_args
-from asyncbatch.bench.script import run
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = script_parser(__doc__)
     add_common_args(parser)
     parser.add_argument("--request-rates", default="1,2,4,inf", help="comma list of req/s; inf = all at once")
     parser.add_argument("--burstiness", type=float, default=1.0,

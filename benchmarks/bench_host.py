@@ -23,11 +23,11 @@ the tree this script lives in). No timing is asserted; goals are printed as met 
 
 Full report, before vs after::
 
-    python scripts/bench_host.py --ref <commit> --out profiles/host-vs-device-<machine>
+    python benchmarks/bench_host.py --ref <commit> --out profiles/host-vs-device-<machine>
 
 Smoke run (well under a minute on two cores)::
 
-    python scripts/bench_host.py --quick --skip-cpu --out /tmp/bench-host
+    python benchmarks/bench_host.py --quick --skip-cpu --out /tmp/bench-host
 """
 
 from __future__ import annotations
@@ -38,24 +38,23 @@ import dataclasses
 import gc
 import json
 import math
-import os
-import platform
 import random
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness.common import COMMON, git, log, ref_worktree, run_in_tree
+
 ROOT = Path(__file__).resolve().parents[1]
-# Run as ``python scripts/bench_host.py``, sys.path[0] is scripts/, and the editable install would import
-# whichever checkout it points at; the script measures the tree it lives in, so that tree comes first.
+# Run as ``python benchmarks/bench_host.py``, sys.path[0] is benchmarks/, and the editable install would
+# import whichever checkout it points at; the script measures the tree it lives in, so that tree comes first.
 if (ROOT / "asyncbatch").is_dir() and str(ROOT) not in sys.path[:1]:
     sys.path.insert(0, str(ROOT))
 
@@ -254,7 +253,7 @@ def run_once(llm: Any, prompts: list, params: list, hog: bool = False) -> RunRes
         outputs = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - t0
     # An overlap step launched before the last finish may still be in flight when generate returns.
-    wait_settled = getattr(getattr(llm, "timeline", None), "wait_settled", None)
+    wait_settled = getattr(llm, "wait_settled", None) or getattr(getattr(llm, "timeline", None), "wait_settled", None)
     if callable(wait_settled):
         wait_settled(5.0)
     after = timeline_records(llm)
@@ -354,10 +353,6 @@ def median_metrics(runs: list[dict[str, float]]) -> dict[str, float]:
 Row = dict[str, Any]  # {"key": str, "config": dict, "metrics": dict[str, float]}
 
 
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def measure_sim(running: int, step_ms: float, sizes: Sizes, engine_process: bool | None,
                 hog_variants: tuple[bool, ...] = (False,)) -> tuple[str, dict[bool, dict[str, float]]]:
     """One engine, ``sizes.repeats`` runs of each hog variant (interleaved), medians per variant."""
@@ -446,27 +441,6 @@ SECTION_FUNCS: dict[str, Callable[[Sizes], list[Row]]] = {
 
 # -- facts about the machine and the revision ------------------------------------------------------
 
-def git(*args: str, cwd: Path = ROOT) -> str:
-    return subprocess.run(["git", "-C", str(cwd), *args], capture_output=True, text=True, check=True,
-                          timeout=60).stdout.strip()
-
-
-def cpu_model() -> str:
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine() or "unknown CPU"
-
-
-def machine_info() -> dict[str, Any]:
-    import numpy
-    import torch
-
-    return {"cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__, "numpy": numpy.__version__, "platform": platform.platform()}
-
-
 def revision_info() -> dict[str, Any]:
     import asyncbatch
 
@@ -480,8 +454,9 @@ def revision_info() -> dict[str, Any]:
 
 
 def measure(sizes: Sizes, sections: list[str]) -> dict[str, Any]:
-    """This tree's document: revision, machine, and the rows of each section (or its error)."""
-    doc: dict[str, Any] = {"revision": revision_info(), "machine": machine_info(), "sections": {}}
+    """This tree's document: revision and the rows of each section (or its error). The machine is the
+    parent's to describe (``asyncbatch.bench.report``, which an older tree may lack)."""
+    doc: dict[str, Any] = {"revision": revision_info(), "sections": {}}
     for name in sections:
         try:
             doc["sections"][name] = {"rows": SECTION_FUNCS[name](sizes)}
@@ -494,35 +469,13 @@ def measure(sizes: Sizes, sections: list[str]) -> dict[str, Any]:
 
 # -- before vs after: subprocesses on two trees ---------------------------------------------------
 
-@contextlib.contextmanager
-def ref_worktree(ref: str) -> Iterator[Path]:
-    """A detached worktree of ``ref`` holding this very script (old revisions lack it, and the same
-    measurement code must run on both sides)."""
-    tmp = Path(tempfile.mkdtemp(prefix="bench-host-ref-"))
-    tree = tmp / "tree"
-    try:
-        git("worktree", "add", "--detach", str(tree), ref)
-        (tree / "scripts").mkdir(exist_ok=True)
-        shutil.copy2(Path(__file__), tree / "scripts" / "bench_host.py")
-        yield tree
-    finally:
-        with contextlib.suppress(subprocess.SubprocessError, OSError):
-            git("worktree", "remove", "--force", str(tree))
-        shutil.rmtree(tmp, ignore_errors=True)
-        with contextlib.suppress(subprocess.SubprocessError, OSError):
-            git("worktree", "prune")
-
-
 def run_child(tree: Path, sizes: Sizes, section: str, timeout_s: float) -> dict[str, Any]:
     """Measure one section on ``tree`` in a fresh interpreter that imports that tree's package."""
     with tempfile.TemporaryDirectory(prefix="bench-host-") as tmp:
         out = Path(tmp) / "doc.json"
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")])))
-        cmd = [sys.executable, str(tree / "scripts" / "bench_host.py"), "--json-out", str(out),
-               "--sections", section, *sizes_to_argv(sizes)]
         try:
-            proc = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout_s,
-                                  check=False)
+            proc = run_in_tree(tree, Path(__file__), ["--json-out", str(out), "--sections", section,
+                                                      *sizes_to_argv(sizes)], timeout_s)
         except subprocess.TimeoutExpired:
             return {"sections": {section: {"error": f"timed out after {timeout_s:.0f} s"}}}
         sys.stderr.write(proc.stderr)
@@ -533,9 +486,8 @@ def run_child(tree: Path, sizes: Sizes, section: str, timeout_s: float) -> dict[
 
 def merge_child(doc: dict[str, Any] | None, child: dict[str, Any]) -> dict[str, Any]:
     if doc is None:
-        return {"revision": child.get("revision"), "machine": child.get("machine"), "sections": child["sections"]}
+        return {"revision": child.get("revision"), "sections": child["sections"]}
     doc["revision"] = doc.get("revision") or child.get("revision")
-    doc["machine"] = doc.get("machine") or child.get("machine")
     doc["sections"].update(child["sections"])
     return doc
 
@@ -635,9 +587,11 @@ def merge_section(name: str, after: dict[str, Any] | None, before: dict[str, Any
 
 def build_report(after: dict[str, Any], before: dict[str, Any] | None, sizes: Sizes, sections: list[str],
                  ref: str | None) -> dict[str, Any]:
+    from asyncbatch.bench.report import machine_info  # this tree's: the parent's, never an older one's
+
     report: dict[str, Any] = {
         "label": SIM_LABEL + " (sections planner, busy, gil); cpu section is real execution on this CPU",
-        "machine": after.get("machine") or (before or {}).get("machine"),
+        "machine": machine_info("sim (sections planner, busy, gil); cpu (section cpu)"),
         "ref": ref, "revisions": {"after": after.get("revision")}, "sizes": dataclasses.asdict(sizes),
         "sections": {}, "goals": []}
     if before is not None:
@@ -720,7 +674,7 @@ def markdown(report: dict[str, Any]) -> str:
     two_sided = "before" in report["revisions"]
     m = report["machine"] or {}
     lines = ["# Host vs device: does the host outrun the device?", "",
-             (f"Machine: {m.get('cpu_model')}, {m.get('cpu_count')} cores; Python {m.get('python')}, "
+             (f"Machine: {m.get('cpu')}, {m.get('cores')} cores; Python {m.get('python')}, "
               f"torch {m.get('torch')}, numpy {m.get('numpy')}."), ""]
     for side, rev in report["revisions"].items():
         rev = rev or {}
@@ -736,20 +690,6 @@ def markdown(report: dict[str, Any]) -> str:
     for section in report["sections"].values():
         lines += section_markdown(section, two_sided)
     return "\n".join(lines)
-
-
-def write_json(path: Path, doc: dict[str, Any]) -> None:
-    # NaN is not JSON; null says "not measured" to every reader.
-    def clean(value: Any) -> Any:
-        if isinstance(value, float) and not math.isfinite(value):
-            return None
-        if isinstance(value, dict):
-            return {k: clean(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [clean(v) for v in value]
-        return value
-
-    path.write_text(json.dumps(clean(doc), indent=2) + "\n")
 
 
 # -- command line --------------------------------------------------------------------------------
@@ -786,10 +726,11 @@ def main(argv: list[str] | None = None) -> int:
     sizes = resolve_sizes(args)
     sections = [s for s in dict.fromkeys(args.sections) if not (s == "cpu" and args.skip_cpu)]
     if args.json_out:
-        write_json(Path(args.json_out), measure(sizes, sections))
+        # To the parent only: NaN (not measured) stays NaN until the report is written.
+        Path(args.json_out).write_text(json.dumps(measure(sizes, sections)))
         return 0
     if args.ref:
-        with ref_worktree(args.ref) as tree:
+        with ref_worktree(args.ref, [Path(__file__), COMMON, COMMON.with_name("__init__.py")]) as tree:
             after, before = measure_both(tree, sizes, sections, args.child_timeout_s)
     else:
         after, before = measure(sizes, sections), None
@@ -800,7 +741,9 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "report.md").write_text(text)
-        write_json(out / "report.json", report)
+        from asyncbatch.bench.report import write_json  # the parent's tree, as above
+
+        write_json(report, out / "report.json", nan_as_null=True, indent=2)
         log(f"wrote {out / 'report.md'} and {out / 'report.json'}")
     failed = [n for n, s in report["sections"].items() if "after_error" in s or "before_error" in s]
     return 1 if failed else 0

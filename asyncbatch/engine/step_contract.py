@@ -1,0 +1,168 @@
+"""What crosses from the engine to the executors: the step's metadata, its staging buffer, the block constants.
+
+The planner writes one step into a ``StagingBuffer`` (``step_metadata``) and
+hands the executor a ``StepMeta`` that points at it; the executor reads both and
+nothing else of the engine. This module is the whole of that boundary: the
+engine's modules import these names from here (``host_staging``,
+``step_metadata`` and ``block_manager`` re-export them for their own callers),
+and the executors import nothing else of ``asyncbatch.engine``
+(``tests/test_layering.py`` checks it).
+
+Invariants the two sides share:
+
+* A staging buffer is written only after its ``fence`` fired, i.e. after the
+  copy out of it (launched for the step that last used it) has completed; the
+  executor signals the fence once the buffer's contents are copied out.
+* Sizes: T tokens (``max_num_batched_tokens``), S rows (``max_num_seqs``),
+  B blocks per row. A ``StepMeta`` says how much of each array is live
+  (``num_tokens``, ``num_decode``, ``num_sampled``, ``prefill_rows``); entries
+  past that are stale and never read.
+* Block ``DUMMY_BLOCK`` is never given to a request: padding rows of a
+  captured CUDA graph write their keys and values there.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+DUMMY_BLOCK = 0  # the KV block padding rows write to; never allocated
+
+
+def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold ``num_tokens`` tokens: the one ceiling division of the project."""
+    return -(-num_tokens // block_size)
+
+
+class Fence:
+    """Signalled once the last copy out of a staging buffer has finished."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._event.set()
+        self._cuda_event: torch.cuda.Event | None = None
+
+    def arm(self) -> None:
+        self._event.clear()
+        self._cuda_event = None
+
+    def signal(self) -> None:
+        self._event.set()
+
+    def signal_with_cuda_event(self, event: torch.cuda.Event) -> None:
+        self._cuda_event = event
+        self._event.set()
+
+    def wait(self) -> None:
+        self._event.wait()
+        if self._cuda_event is not None:
+            self._cuda_event.synchronize()
+
+
+def _host_array(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> np.ndarray:
+    tensor = torch.zeros(shape, dtype=dtype, pin_memory=pinned)
+    return tensor.numpy()
+
+
+@dataclass(slots=True)
+class StagingBuffer:
+    """Metadata buffers for one step. Sizes: T tokens, S rows, B blocks per row."""
+
+    index: int
+    input_ids: np.ndarray  # [T] int64 (decode rows' entries are overwritten on device)
+    positions: np.ndarray  # [T] int64
+    slot_mapping: np.ndarray  # [T] int64, flat KV index per token
+    token_is_output: np.ndarray  # [T] bool, for penalties when a preempted request is recomputed
+    token_owner_row: np.ndarray  # [T] int64, token row of the row each token belongs to
+    decode_token_rows: np.ndarray  # [S] int64, where decode rows read their input token
+    decode_block_tables: np.ndarray  # [S, B] int64
+    decode_context_lens: np.ndarray  # [S] int64
+    prefill_block_tables: np.ndarray  # [S, B] int64
+    prefill_row_spans: np.ndarray  # [S, 3] int64: token_start, q_len, ctx_len of each prefill row
+    first_chunk_token_rows: np.ndarray  # [S] int64: token rows whose request (re)starts its prefill
+    logits_indices: np.ndarray  # [S] int64
+    sample_token_rows: np.ndarray  # [S] int64, where sampled tokens are written
+    sample_seed: np.ndarray  # [S] int64
+    sample_step: np.ndarray  # [S] int64
+    sample_top_k: np.ndarray  # [S] int64
+    sample_temperature: np.ndarray  # [S] float32
+    sample_top_p: np.ndarray  # [S] float32
+    sample_min_p: np.ndarray  # [S] float32
+    sample_presence: np.ndarray  # [S] float32
+    sample_frequency: np.ndarray  # [S] float32
+    sample_repetition: np.ndarray  # [S] float32
+    fence: Fence = field(default_factory=Fence)
+
+    @classmethod
+    def allocate(cls, index: int, max_tokens: int, max_rows: int, max_blocks: int, pinned: bool) -> StagingBuffer:
+        i64, f32 = torch.int64, torch.float32
+        return cls(
+            index=index,
+            input_ids=_host_array((max_tokens,), i64, pinned),
+            positions=_host_array((max_tokens,), i64, pinned),
+            slot_mapping=_host_array((max_tokens,), i64, pinned),
+            token_is_output=_host_array((max_tokens,), torch.bool, pinned),
+            token_owner_row=_host_array((max_tokens,), i64, pinned),
+            decode_token_rows=_host_array((max_rows,), i64, pinned),
+            decode_block_tables=_host_array((max_rows, max_blocks), i64, pinned),
+            decode_context_lens=_host_array((max_rows,), i64, pinned),
+            prefill_block_tables=_host_array((max_rows, max_blocks), i64, pinned),
+            prefill_row_spans=_host_array((max_rows, 3), i64, pinned),
+            first_chunk_token_rows=_host_array((max_rows,), i64, pinned),
+            logits_indices=_host_array((max_rows,), i64, pinned),
+            sample_token_rows=_host_array((max_rows,), i64, pinned),
+            sample_seed=_host_array((max_rows,), i64, pinned),
+            sample_step=_host_array((max_rows,), i64, pinned),
+            sample_top_k=_host_array((max_rows,), i64, pinned),
+            sample_temperature=_host_array((max_rows,), f32, pinned),
+            sample_top_p=_host_array((max_rows,), f32, pinned),
+            sample_min_p=_host_array((max_rows,), f32, pinned),
+            sample_presence=_host_array((max_rows,), f32, pinned),
+            sample_frequency=_host_array((max_rows,), f32, pinned),
+            sample_repetition=_host_array((max_rows,), f32, pinned),
+        )
+
+
+@dataclass(slots=True)
+class PrefillRowMeta:
+    token_start: int
+    q_len: int
+    ctx_len: int
+    token_row: int
+    block_count: int
+
+
+@dataclass(slots=True)
+class CachedContext:
+    """Tokens of reused cached prefixes of penalised rows, in this step's first chunks ([K] each).
+
+    The penalty state of a row is rebuilt from the tokens its prefill computes; a prefix reused from the
+    prefix cache is not computed, so its tokens come here to count as if it had been. Plain host arrays
+    (rarely used, unbounded in size): they stay referenced by the ``StepMeta`` until the step completes.
+    """
+
+    rows: np.ndarray  # [K] int64 token row of each token
+    token_ids: np.ndarray  # [K] int64
+    is_output: np.ndarray  # [K] bool: a former output of a recomputed request
+
+
+@dataclass(slots=True)
+class StepMeta:
+    """Host-side header of a written staging buffer: sizes and per-step flags."""
+
+    step_id: int
+    staging: StagingBuffer
+    num_tokens: int
+    num_decode: int
+    decode_max_blocks: int
+    prefill_rows: list[PrefillRowMeta]
+    num_sampled: int
+    context_tokens: int  # total context attended over, for cost models
+    all_greedy: bool
+    any_filter: bool  # some row uses top-k, top-p or min-p
+    any_penalty: bool
+    first_chunk_rows: list[int]  # token rows whose request (re)starts its prefill in this step
+    cached_context: CachedContext | None = None  # penalised first chunks after a prefix-cache hit

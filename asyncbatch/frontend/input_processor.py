@@ -1,0 +1,90 @@
+"""The door every request goes through: a prompt (text, token ids, or a chat) in, a ``ProcessedRequest`` out.
+
+    prompt ─► prompt_ids (tokenize; empty / type / vocabulary checks) ─┐   once per prompt
+    chat   ─► chat_prompt_ids (the chat template) ─► prompt_ids ──────┤
+                                                                        ▼
+    params ─────────────────────────────────────────────────► request (params type, tokenizer needs,
+                                                                   context and KV-cache fit) once per request
+                                                                        ▼
+                                                               ProcessedRequest ─► EngineClient.submit
+
+Every front door (``LLM``, ``AsyncLLM``, the HTTP routes, the cluster's ingress) validates here and nowhere
+else: ``EngineClient.submit`` and a Ray replica take a ``ProcessedRequest`` as it is. A refusal is a
+``ValueError``/``TypeError`` naming the field and the allowed range, raised before anything is queued, so
+other requests are untouched (DESIGN invariant 6). Should the engine core still be unable to place a request
+(one built past this door), that request alone ends with ``finish_reason="error"``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from asyncbatch.frontend.prompt_validation import check_fits, check_needs_no_tokenizer, prompt_token_ids
+from asyncbatch.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessedRequest:
+    """A validated request: what ``EngineClient.submit`` takes as it is. Built by ``InputProcessor.request``;
+    whoever builds one otherwise vouches for it (a replica, for the ingress's validated request)."""
+
+    prompt: str | None  # the user's text, when the prompt was text (names it in the output)
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class InputProcessor:
+    """Tokenizes and validates against one engine's limits: its vocabulary, ``max_model_len`` and KV cache.
+
+    Stateless past construction and thread-safe (the tokenizer is only read), so the asyncio API may
+    tokenize on a worker thread.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, max_model_len: int,
+                 usable_tokens: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.usable_tokens = usable_tokens  # tokens the whole KV cache holds
+
+    @property
+    def usable_context(self) -> int:
+        """The most tokens (prompt + output) one request can have: the context, bounded by the KV cache."""
+        return min(self.max_model_len, self.usable_tokens)
+
+    def prompt_ids(self, prompt: object) -> list[int]:
+        """Token ids of a text prompt or a list of token ids, checked against the vocabulary."""
+        return prompt_token_ids(prompt, self.tokenizer, self.vocab_size)
+
+    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True,
+                        **template_kwargs: object) -> list[int]:
+        """The token ids of one conversation under the model's chat template (or ``chat_template=``); not yet
+        checked: pass them through ``prompt_ids``."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer, but the engine has none (skip_tokenizer_init=True)")
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("the tokenizer has no chat template; pass chat_template= (--chat-template)")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt, **template_kwargs)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def request(self, prompt_ids: list[int], params: SamplingParams | None,
+                prompt: str | None = None) -> ProcessedRequest:
+        """One request of ``prompt_ids`` (from ``prompt_ids``) under ``params`` (None: the defaults)."""
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if self.tokenizer is None:
+            check_needs_no_tokenizer(params)
+        check_fits(len(prompt_ids), params, self.max_model_len, self.usable_tokens)
+        return ProcessedRequest(prompt, prompt_ids, params)
+
+    def process(self, prompt: object, params: SamplingParams | None) -> ProcessedRequest:
+        """``prompt_ids`` then ``request``: one prompt, one request."""
+        return self.request(self.prompt_ids(prompt), params, prompt if isinstance(prompt, str) else None)
