@@ -141,6 +141,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300, help="timed decode steps per size")
     parser.add_argument("--repeat", type=int, default=3,
                         help="processes per size and implementation; the run with the lowest median is shown")
+    parser.add_argument("--ref-api", choices=("old", "new"), default="old",
+                        help="the planner API at --ref: old (per-request, up to 8a388b8) or new (array planner)")
     parser.add_argument("--child", choices=("new", "old"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -157,7 +159,7 @@ def main() -> None:
             for _ in range(args.repeat):  # interleaved, so that a burst of load hits both
                 runs["new"].append(run_child(ROOT, "new", n, args.steps))
                 if ref_tree:
-                    runs["old"].append(run_child(ref_tree, "old", n, args.steps))
+                    runs["old"].append(run_child(ref_tree, args.ref_api, n, args.steps))
             best = {api: min(r, key=lambda m: m["median_us"]) if r else None for api, r in runs.items()}
             rows.append((n, best["new"], best["old"]))
             print(f"  measured {n} running", file=sys.stderr)
