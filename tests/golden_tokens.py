@@ -9,7 +9,7 @@ and of transformers' implementation, so the committed file carries that key:
 
 Where the key does not match (another transformers, another GGUF), or a request
 is missing, the caller generates the reference live and ``save`` rewrites the
-file; ``scripts/golden_tokens.py`` does the same by hand. A divergence from a
+file; ``scripts/update_golden_tokens.py`` does the same by hand. A divergence from a
 golden token is still judged by the near-tie rule, whose top-2 gap comes from a
 live float32 forward (``reference.compare_greedy``), so the golden file only
 saves the generation, never the judgement.

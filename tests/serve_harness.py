@@ -90,7 +90,7 @@ class ServeProcess:
     """``python -m asyncbatch serve --device sim ARGS`` on a free port, healthy when constructed."""
 
     def __init__(self, *args: str) -> None:
-        # Imported here: fake_openai_server.py, run as a script, imports this module without benchmarks/ on
+        # Imported here: fake_openai_server.py, run as a script, imports this module without scripts/ on
         # the path.
         from harness.common import free_port
 

@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/bench_host.py: the quick run on this tree writes a complete, sane report.
+"""Smoke test of scripts/bench_host.py: the quick run on this tree writes a complete, sane report.
 
 Only the shape and ranges of the numbers are checked, never their speed: the figures depend on the
 machine and on whatever else runs on it.
@@ -40,7 +40,7 @@ def _check_sim_row(section: str, key: str, metrics: dict) -> None:
 @pytest.mark.slow
 def test_quick_report_is_complete(tmp_path: Path) -> None:
     out = tmp_path / "report"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_host.py"), "--quick", "--skip-cpu",
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_host.py"), "--quick", "--skip-cpu",
                            "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
     assert proc.returncode == 0, f"bench_host failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert "simulated device" in (out / "report.md").read_text()

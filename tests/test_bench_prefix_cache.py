@@ -1,4 +1,4 @@
-"""The prefix-caching workloads and ``benchmarks/bench_prefix_cache.py`` (run end to end on a tiny model)."""
+"""The prefix-caching workloads and ``scripts/bench_prefix_cache.py`` (run end to end on a tiny model)."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def test_bench_prefix_cache_script_end_to_end(tmp_path):
     args = ["--model", str(model), "--num-requests", "6", "--system-len", "48", "--question-len", "8",
             "--output-len", "4", "--max-num-batched-tokens", "64", "--max-num-seqs", "8", "--sim-requests", "24", "--sim-max-num-seqs", "16",
             "--sim-repeats", "1", "--warmup-requests", "2", "--no-progress", "--results-dir", str(out)]
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_prefix_cache.py"), *args], cwd=ROOT,
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_prefix_cache.py"), *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((out / "report.json").read_text())

@@ -43,7 +43,7 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 def _run_script(script: str, args: list[str]) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT, capture_output=True,
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=180, check=False)
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc

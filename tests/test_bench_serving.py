@@ -426,7 +426,7 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 def _run_script(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_serving.py"), *args], cwd=ROOT,
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_serving.py"), *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout, check=False)
     assert proc.returncode == 0, f"bench_serving.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
@@ -478,7 +478,7 @@ def test_an_interrupted_run_reports_the_points_it_finished(fake, tiny_model, tmp
     """SIGTERM during the second load point: the first point is in the report, the system says why it
     stopped, and the exit status is 128 + SIGTERM."""
     out = tmp_path / "interrupted"
-    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "bench_serving.py"), "--base-url", fake.base_url,
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "bench_serving.py"), "--base-url", fake.base_url,
                              "--model", str(tiny_model), "--num-prompts", "4", "--request-rates", "inf,0.05",
                              "--output-range", "2,4", "--warmup-requests", "0", "--out", str(out), "--tag", "i"],
                             cwd=ROOT, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)

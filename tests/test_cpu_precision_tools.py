@@ -78,7 +78,7 @@ def test_llamacpp_runs_the_requests_greedily():
 
 
 def _run(script: str, *args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT, capture_output=True,
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=300, check=False)
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc

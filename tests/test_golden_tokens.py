@@ -13,7 +13,7 @@ pytestmark = pytest.mark.model
 def test_committed_golden_tokens_match_this_checkout():
     golden = GoldenTokens.load()
     assert golden.matches, (f"{DEFAULT_MODEL_GREEDY} was made for another GGUF or transformers version; "
-                            "run scripts/golden_tokens.py (the greedy test regenerates it too)")
+                            "run scripts/update_golden_tokens.py (the greedy test regenerates it too)")
     assert len(golden.tokens) == 16 and all(golden.tokens.values())
 
 

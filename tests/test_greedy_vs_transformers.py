@@ -39,7 +39,7 @@ PROMPTS = [
 
 def default_workload(tokenizer) -> tuple[list[list[int]], list[int]]:
     """The prompts' token ids and each request's max_tokens (different lengths: requests leave mid-run);
-    ``scripts/golden_tokens.py`` generates the reference for exactly these."""
+    ``scripts/update_golden_tokens.py`` generates the reference for exactly these."""
     return [tokenizer.encode(p) for p in PROMPTS], [8 + (i * 5) % 25 for i in range(len(PROMPTS))]
 
 

@@ -139,7 +139,7 @@ def test_overlap_keeps_device_busy(make_llm):
 def test_overlap_hides_most_host_work_at_2ms_steps(make_llm):
     """At 2 ms steps the host's work per step (planning, applying, output: 1.5-2.3 ms at 256 rows on this VM,
     depending on how fast the VM runs that hour) is about a step long, so whether the device stays >= 99 %
-    busy measures the machine, not the pipeline; that figure lives in ``benchmarks/sweep_overlap.py``'s report.
+    busy measures the machine, not the pipeline; that figure lives in ``scripts/sweep_overlap.py``'s report.
     Here: overlap must take most of the host's work off the device's critical path (sync idles ~half)."""
     over, sync, attempts = best_of(
         make_llm, 2.0, lambda o, s: o["device_busy_fraction"] >= s["device_busy_fraction"] + 0.25)

@@ -66,7 +66,7 @@ def test_the_docs_show_the_commands_this_test_covers():
     assert readme[:2] == ["bash scripts/demo.sh", "bash scripts/test.sh"]
     assert any(c.startswith("python -m asyncbatch.bench ") for c in readme)
     assert any("asyncbatch serve --device sim" in c for c in readme)
-    assert len(_programs()) >= 15  # every script under benchmarks/ that the performance page names
+    assert len(_programs()) >= 15  # every script under scripts/ that the performance page names
 
 
 @pytest.mark.parametrize("script", ["scripts/demo.sh", "scripts/test.sh", "scripts/gpu_check.sh"])

@@ -3,7 +3,7 @@
 A serving client against any OpenAI-compatible server (asyncbatch serve, vLLM, transformers serve),
 the workloads, the metrics and the reports, as vLLM keeps them in ``vllm/benchmarks``. The peer
 adapters (transformers, llama.cpp), the offline multi-system harness, plots, studies and before/after
-tools live outside the package, in the repository's ``benchmarks/``, and build on these modules.
+tools live outside the package, in the repository's ``scripts/``, and build on these modules.
 
 One concept per module:
 

@@ -6,7 +6,7 @@ caps requests in flight), and reports throughput, goodput under the ``--slo-*`` 
 and end-to-end latency (mean, P50, P90, P99), and device busy from asyncbatch's /metrics as
 ``<tag>.json`` and ``<tag>.md`` under ``--out``. Start the server first, e.g.
 ``asyncbatch serve --device sim``. To start asyncbatch serve and transformers serve one after the
-other and compare them (with plots): ``benchmarks/bench_serving.py``.
+other and compare them (with plots): ``scripts/bench_serving.py``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """What the benchmark numbers mean, and the statistics every report takes: latency distributions,
-spreads over repeats. (An offline run's numbers: ``benchmarks/harness/run_metrics.py``.)
+spreads over repeats. (An offline run's numbers: ``scripts/harness/run_metrics.py``.)
 
 Definitions (vLLM's ``benchmark_serving`` conventions):
 - TTFT: submission to the first output token reaching the caller.

@@ -2,7 +2,7 @@
 
 One place for the machine's description (CPU, cores, library versions, GPU) and for writing a
 results JSON (validated against its schema first, non-finite numbers refused or written as null), so
-the serving benchmark and the scripts under ``benchmarks/`` describe a machine the same way.
+the serving benchmark and the scripts under ``scripts/`` describe a machine the same way.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The serving results JSON's schema (a JSON Schema document) and a dependency-free validator.
 
-``SERVING_SCHEMA``: ``python -m asyncbatch.bench`` and ``benchmarks/bench_serving.py``; the offline
-harness's ``RESULTS_SCHEMA`` (``benchmarks/harness/results_schema.py``) reuses ``DISTRIBUTION``,
+``SERVING_SCHEMA``: ``python -m asyncbatch.bench`` and ``scripts/bench_serving.py``; the offline
+harness's ``RESULTS_SCHEMA`` (``scripts/harness/results_schema.py``) reuses ``DISTRIBUTION``,
 ``document_schema`` and the validator.
 
 The validator implements the subset of JSON Schema the schemas use: ``type``

@@ -1,8 +1,8 @@
 """The serving benchmark's body: requests, the servers under test one after the other, report files.
 
 ``python -m asyncbatch.bench`` runs it against a server that is already running (``--base-url``);
-``benchmarks/bench_serving.py`` passes ``servers`` that start asyncbatch serve and its peers itself
-(``benchmarks/harness/serving_peers.py``) and a ``plot``.
+``scripts/bench_serving.py`` passes ``servers`` that start asyncbatch serve and its peers itself
+(``scripts/harness/serving_peers.py``) and a ``plot``.
 
 Writes into ``--out``: ``<tag>.json`` (validated against ``schema.SERVING_SCHEMA``), ``<tag>.md`` (the
 side-by-side tables), the plot's PNG when one is given, and each started server's log under ``logs/``.
@@ -172,7 +172,7 @@ def notes_for(args: argparse.Namespace, systems: list[dict], prompt_format: str)
                    "match": "matched to asyncbatch's capacity in tokens",
                    "auto": "sized by transformers itself from free memory"}[args.transformers_kv_cache]
         notes.append(f"transformers serve's KV cache: {setting}; on CPU its steps slow down with the cache's size "
-                     "(see benchmarks/harness/serving_servers.py), so 'match' measures that, not the server")
+                     "(see scripts/harness/serving_servers.py), so 'match' measures that, not the server")
     if args.ignore_eos and TRANSFORMERS.name in dialects:
         notes.append("transformers serve rejects vLLM's ignore_eos (HTTP 422 'Unexpected fields'); it got a "
                      "generation_config request field with eos_token_id -1 instead (its continuous batching "
@@ -215,7 +215,7 @@ def run(args: argparse.Namespace, servers: Servers | None = None, plot: Plot | N
         raise UsageError(str(exc)) from exc
     points = load_points(rates, parse_concurrency(args.max_concurrency))
     if not args.base_url and servers is None:
-        raise UsageError("--base-url is required (benchmarks/bench_serving.py starts servers itself)")
+        raise UsageError("--base-url is required (scripts/bench_serving.py starts servers itself)")
     names = [] if args.base_url else servers.names
     dialects = [DIALECTS[args.base_url_dialect]] if args.base_url else servers.dialects
     prompt_format = choose_prompt_format(args.prompt_format, dialects, args.endpoint)

@@ -4,7 +4,7 @@ The planner step is what the planner thread does between two launches in the
 decode phase: ``Scheduler.schedule``, ``StepMetadataWriter.write`` into a host
 staging buffer, ``release_drained``, and ``Scheduler.apply`` of the step's
 sampled tokens. No device is involved, so this is the CPU cost overlap mode
-must hide behind each device step. ``benchmarks/bench_planner.py`` measures the
+must hide behind each device step. ``scripts/bench_planner.py`` measures the
 same path against an older commit, side by side.
 """
 

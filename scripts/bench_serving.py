@@ -12,11 +12,11 @@ asyncbatch / peer ratios, as ``<tag>.json``, ``<tag>.md`` and ``<tag>_latency_vs
 ``--out``.
 
 Examples:
-    python benchmarks/bench_serving.py --workload uniform --prompt-range 16,128 --output-range 16,64 \\
+    python scripts/bench_serving.py --workload uniform --prompt-range 16,128 --output-range 16,64 \\
         --num-prompts 32 --request-rates 0.5,1,2 --out results/serving
-    python benchmarks/bench_serving.py --systems asyncbatch --device sim --num-prompts 1024 \\
+    python scripts/bench_serving.py --systems asyncbatch --device sim --num-prompts 1024 \\
         --request-rates inf --workload uniform --output-range 256,512 --out results/serving-sim --tag sim
-    python benchmarks/bench_serving.py --base-url http://127.0.0.1:8000 --base-url-dialect vllm \\
+    python scripts/bench_serving.py --base-url http://127.0.0.1:8000 --base-url-dialect vllm \\
         --request-rates 4 --out /tmp/serving
 """
 

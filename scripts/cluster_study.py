@@ -1,6 +1,6 @@
 """Cluster traffic study on ``sim`` replicas: routers side by side on one multi-tenant bursty load.
 
-    .venv/bin/python benchmarks/cluster_study.py --out profiles/cluster-sim
+    .venv/bin/python scripts/cluster_study.py --out profiles/cluster-sim
 
 For each router (cache-aware, Ray Serve's power of two choices, Ray's PrefixCacheAffinityRouter) it deploys
 ``--replicas`` sim engines on one local Ray, replays the same requests (``--tenants`` tenants, each with its own

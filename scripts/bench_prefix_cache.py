@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Prefix caching on vs off, side by side in one run: the default model on CPU, and the planner on ``sim``.
 
-    python benchmarks/bench_prefix_cache.py                       # both parts, into profiles/prefix-cache-<machine>
-    python benchmarks/bench_prefix_cache.py --skip-model          # the sim part only (a minute)
-    python benchmarks/bench_prefix_cache.py --workload multiturn --turns 4 --results-dir /tmp/pc
+    python scripts/bench_prefix_cache.py                       # both parts, into profiles/prefix-cache-<machine>
+    python scripts/bench_prefix_cache.py --skip-model          # the sim part only (a minute)
+    python scripts/bench_prefix_cache.py --workload multiturn --turns 4 --results-dir /tmp/pc
 
 Model part: ``--num-requests`` requests of one ``--system-len``-token system
 prompt plus a ``--question-len``-token question each (``shared_prefix``; or
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.results_dir) if args.results_dir else ROOT / "profiles" / f"prefix-cache-{machine_slug()}"
     started = time.time()
     doc: dict = {"created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-                 "command": "python " + shlex.join(["benchmarks/bench_prefix_cache.py", *(argv or sys.argv[1:])]),
+                 "command": "python " + shlex.join(["scripts/bench_prefix_cache.py", *(argv or sys.argv[1:])]),
                  "git_commit": git_commit(mark_dirty=True), "machine": f"{cpu_name()}, {os.cpu_count()} cores",
                  "python": platform.python_version(), "workload_name": args.workload, "args": vars(args)}
     loads = {"start": os.getloadavg()}

@@ -21,7 +21,7 @@ without the profiler are measured separately and reported beside it.
 Writes ``report.md`` and ``report.json`` (and ``--trace`` Chrome traces) into ``--out``.
 
 Example:
-    python benchmarks/profile_cpu_step.py --rows 32,128 --out profiles/cpu-decode-amd-epyc-2core/before
+    python scripts/profile_cpu_step.py --rows 32,128 --out profiles/cpu-decode-amd-epyc-2core/before
 """
 
 from __future__ import annotations

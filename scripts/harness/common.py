@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout: benchmarks/harness/common.py
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: scripts/harness/common.py
 COMMON = Path(__file__).resolve()
 
 

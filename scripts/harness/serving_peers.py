@@ -122,7 +122,7 @@ def add_server_arguments(target: argparse._ArgumentGroup) -> None:
     target.add_argument("--transformers-args", default="", help="extra arguments for transformers serve")
     target.add_argument("--transformers-kv-cache", default="workload", choices=("workload", "match", "auto"),
                         help="transformers' KV cache: sized for the workload, asyncbatch's capacity, or its own "
-                             "choice from free memory (see benchmarks/harness/serving_servers.py)")
+                             "choice from free memory (see scripts/harness/serving_servers.py)")
     target.add_argument("--torch-threads", type=int, default=None,
                         help="torch intra-op threads of every server (OMP_NUM_THREADS; asyncbatch also gets "
                              "--num-threads); default: each server's own choice (all cores)")

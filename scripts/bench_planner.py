@@ -1,7 +1,7 @@
 """Planner critical path per step in steady decode: this tree against an older commit, side by side.
 
-    python benchmarks/bench_planner.py                    # this tree only
-    python benchmarks/bench_planner.py --ref 8a388b8      # and the per-request planner of 8a388b8
+    python scripts/bench_planner.py                    # this tree only
+    python scripts/bench_planner.py --ref 8a388b8      # and the per-request planner of 8a388b8
 
 The critical path is what the planner thread does between two launches:
 ``Scheduler.schedule``, ``StepMetadataWriter.write`` into a host staging

@@ -15,7 +15,7 @@ alternating; the load average is recorded around every run. Writes ``precision.j
 ``precision.png`` into ``--out``.
 
 Example:
-    python benchmarks/bench_cpu_precision.py --out profiles/cpu-decode-amd-epyc-2core
+    python scripts/bench_cpu_precision.py --out profiles/cpu-decode-amd-epyc-2core
 """
 
 from __future__ import annotations

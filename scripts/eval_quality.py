@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """Quality per weight precision: teacher-forced top-1 agreement with float32, and perplexity, side by side.
 
-Every precision reads the same shipped text (``benchmarks/harness/data/quality_text.txt``,
+Every precision reads the same shipped text (``scripts/harness/data/quality_text.txt``,
 ~2,400 tokens of prose written for the project) through the engine's own model code
 over the paged KV cache (``harness.quality``); the float32 model is the reference.
 
 Example:
-    python benchmarks/eval_quality.py --out profiles/cpu-decode-amd-epyc-2core
+    python scripts/eval_quality.py --out profiles/cpu-decode-amd-epyc-2core
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ Part 2 (real CPU execution): a tiny model whose forward takes about as long as
 planning, both modes side by side.
 Every sim figure is labelled simulated. Writes a JSON next to the printed table.
 
-    python benchmarks/sweep_overlap.py --out profiles/sweep-overlap
+    python scripts/sweep_overlap.py --out profiles/sweep-overlap
 """
 
 from __future__ import annotations

@@ -9,10 +9,10 @@ over ``--repeats`` as a terminal table, ``<tag>.json``, ``<tag>_table.md`` and P
 plots under ``--results-dir``.
 
 Examples:
-    python benchmarks/bench_throughput.py --workload uniform --num-requests 32 \\
+    python scripts/bench_throughput.py --workload uniform --num-requests 32 \\
         --prompt-range 16,128 --output-range 8,128 --results-dir profiles/bench-cpu
-    python benchmarks/bench_throughput.py --workload nanovllm --num-requests 32 --results-dir /tmp/nano
-    python benchmarks/bench_throughput.py --workload random --input-len 512 --output-len 128 \\
+    python scripts/bench_throughput.py --workload nanovllm --num-requests 32 --results-dir /tmp/nano
+    python scripts/bench_throughput.py --workload random --input-len 512 --output-len 128 \\
         --range-ratio 0.5 --systems overlap,generate_batch --results-dir /tmp/rand
 """
 

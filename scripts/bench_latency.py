@@ -10,7 +10,7 @@ TTFT, TPOT, ITL and end-to-end latency (mean, P50, P90, P99), throughput per
 rate, and plots throughput versus rate and latency CDFs.
 
 Example:
-    python benchmarks/bench_latency.py --workload uniform --num-requests 32 \\
+    python scripts/bench_latency.py --workload uniform --num-requests 32 \\
         --request-rates 0.5,1,2,inf --burstiness 1.0 --results-dir /tmp/lat
 """
 

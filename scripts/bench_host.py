@@ -23,11 +23,11 @@ the tree this script lives in). No timing is asserted; goals are printed as met 
 
 Full report, before vs after::
 
-    python benchmarks/bench_host.py --ref <commit> --out profiles/host-vs-device-<machine>
+    python scripts/bench_host.py --ref <commit> --out profiles/host-vs-device-<machine>
 
 Smoke run (well under a minute on two cores)::
 
-    python benchmarks/bench_host.py --quick --skip-cpu --out /tmp/bench-host
+    python scripts/bench_host.py --quick --skip-cpu --out /tmp/bench-host
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from typing import Any
 from harness.common import COMMON, git, log, ref_worktree, run_in_tree
 
 ROOT = Path(__file__).resolve().parents[1]
-# Run as ``python benchmarks/bench_host.py``, sys.path[0] is benchmarks/, and the editable install would
+# Run as ``python scripts/bench_host.py``, sys.path[0] is scripts/, and the editable install would
 # import whichever checkout it points at; the script measures the tree it lives in, so that tree comes first.
 if (ROOT / "asyncbatch").is_dir() and str(ROOT) not in sys.path[:1]:
     sys.path.insert(0, str(ROOT))

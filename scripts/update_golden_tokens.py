@@ -1,7 +1,7 @@
 """Regenerate the committed greedy reference tokens of the default model (tests/golden/).
 
-    python scripts/golden_tokens.py           # regenerate if the key (GGUF hash, transformers version) changed
-    python scripts/golden_tokens.py --force   # regenerate anyway
+    python scripts/update_golden_tokens.py           # regenerate if the key (GGUF hash, transformers version) changed
+    python scripts/update_golden_tokens.py --force   # regenerate anyway
 
 transformers ``generate`` (float32, one prompt at a time) over the default-model
 workload of ``tests/test_greedy_vs_transformers.py``. The test regenerates the

@@ -1,4 +1,4 @@
-"""What the scripts in ``benchmarks/`` share, on top of the package's ``asyncbatch.bench``.
+"""What the scripts in ``scripts/`` share, on top of the package's ``asyncbatch.bench``.
 
 - ``common``: the one helper module every script uses (log line, free port, the before/after runner);
 - the offline multi-system harness: ``system_base`` (interface, settings), ``system_asyncbatch``,
