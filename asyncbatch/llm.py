@@ -107,16 +107,6 @@ class LLM:
         return self._client.core
 
     # -- submission -----------------------------------------------------------
-    def _prepare(self, prompt: Prompt, params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
-        request = self.processor.process(prompt, params)
-        return request.prompt_token_ids, request.params
-
-    def _submit(self, items: list[tuple[Prompt, list[int], SamplingParams]], request_id: str | None = None,
-                streaming: bool = False) -> list[RequestHandle]:
-        """``submit`` of (prompt, ids, params) items taken as they are (tests forge requests past the door)."""
-        requests = [ProcessedRequest(p if isinstance(p, str) else None, ids, sp) for p, ids, sp in items]
-        return self.submit(requests, [request_id] * len(items), streaming=streaming)
-
     def submit(self, requests: Sequence[ProcessedRequest], request_ids: Sequence[str | None] | None = None, *,
                streaming: bool = False, make_sink: Callable[[], DeltaSink] | None = None) -> list[RequestHandle]:
         """Register a handle per request, then send them to the core in one message.

@@ -136,8 +136,7 @@ def test_seeded_soak(make_llm, overlap):
                 stream.close()
                 streams_broken += 1
                 continue
-            ids, p = llm._prepare(prompt, params)
-            handles.append(llm._submit([(prompt, ids, p)], request_id=f"soak-{i}")[0])
+            handles.append(llm.submit([llm.processor.process(prompt, params)], [f"soak-{i}"])[0])
         outs = [h.wait(timeout=600) for h in handles]
     finally:
         done.set()
@@ -183,7 +182,7 @@ def test_interpreter_exit_with_requests_in_flight(tmp_path):
         " output_len_max=10000))\n"
         "stream = llm.stream([300] * 8, SamplingParams(max_tokens=5000))\n"
         "next(stream)\n"
-        "handles = [llm._submit([([400], [400], SamplingParams(max_tokens=5000))]) for _ in range(8)]\n"
+        "handles = [llm.submit([llm.processor.process([400], SamplingParams(max_tokens=5000))]) for _ in range(8)]\n"
         "import multiprocessing\n"
         "print('core pids', *[p.pid for p in multiprocessing.active_children() if p.name == 'asyncbatch-core'],"
         " flush=True)\n"

@@ -14,6 +14,8 @@ its memory through the numpy array it views, and starts on a 64-byte boundary
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -22,8 +24,7 @@ _ALIGN = 64
 
 def host_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed, contiguous CPU tensor of ``shape`` and ``dtype``, backed by ``calloc``'d memory."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     raw = torch.from_numpy(np.zeros(nbytes + _ALIGN, dtype=np.uint8))
     offset = -raw.data_ptr() % _ALIGN
     return raw[offset:offset + nbytes].view(dtype).view(shape)
