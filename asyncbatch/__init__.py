@@ -3,9 +3,10 @@
 from asyncbatch.config import EngineConfig, SimConfig
 from asyncbatch.errors import EngineDeadError, RequestFailedError
 from asyncbatch.llm import LLM
-from asyncbatch.outputs import RequestMetrics, RequestOutput, StreamDelta
+from asyncbatch.outputs import Logprobs, RequestMetrics, RequestOutput, StreamDelta
 from asyncbatch.sampling_params import SamplingParams
+from asyncbatch.structured_outputs import StructuredOutputsParams
 
-__all__ = ["LLM", "EngineConfig", "EngineDeadError", "RequestFailedError", "RequestMetrics", "RequestOutput",
-           "SamplingParams", "SimConfig", "StreamDelta"]
+__all__ = ["LLM", "EngineConfig", "EngineDeadError", "Logprobs", "RequestFailedError", "RequestMetrics",
+           "RequestOutput", "SamplingParams", "SimConfig", "StreamDelta", "StructuredOutputsParams"]
 __version__ = "0.1.0"

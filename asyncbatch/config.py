@@ -60,6 +60,7 @@ class SimConfig:
 
 DEVICES = ("auto", "cpu", "cuda", "sim")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+GRAMMAR_BACKENDS = ("xgrammar", "llguidance")  # structured outputs; "auto" takes the first one installed
 # Weight precisions of the cpu device (``asyncbatch.model.quantization``); None keeps the dtype's weights.
 QUANTIZATIONS = ("int8", "int4", "w8a8")
 
@@ -111,6 +112,12 @@ class EngineConfig:
     num_threads: int | None = None
     debug_check_integrity: bool = False
     enable_prefix_caching: bool = True
+    # Structured outputs: the grammar library ("auto": the measured default, docs/structured-output.md).
+    structured_outputs_backend: str = "auto"
+    # True: a step's grammar masks are filled while its forward runs, and only its sampling waits for them.
+    # False: the naive way, for the side-by-side benchmark: a step with grammar rows is launched only once
+    # every earlier step was applied and its masks were filled (the device idles meanwhile).
+    grammar_mask_overlap: bool = True
     # In-process mode only (engine_process=False): the caller's thread switch interval while the engine
     # runs. The device thread waits for the GIL up to this long after each step, and CPython's 5 ms
     # default is longer than a decode step. Process-wide; None leaves it alone. The core process leaves
@@ -158,6 +165,11 @@ class EngineConfig:
             raise ValueError(f"switch_interval_s must be in [1e-6, 0.1] or None, got {self.switch_interval_s}")
         if self.skip_tokenizer_init and (self.tokenizer is not None or self.chat_template is not None):
             raise ValueError("skip_tokenizer_init=True loads no tokenizer: tokenizer and chat_template must be None")
+        if self.structured_outputs_backend not in GRAMMAR_BACKENDS + ("auto",):
+            raise ValueError(f"structured_outputs_backend must be one of {('auto', *GRAMMAR_BACKENDS)}, got "
+                             f"{self.structured_outputs_backend!r}")
+        if not isinstance(self.grammar_mask_overlap, bool):
+            raise TypeError(f"grammar_mask_overlap must be a bool, got {type(self.grammar_mask_overlap).__name__}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be a bool, got {type(self.enable_prefix_caching).__name__}")
         if not isinstance(self.sim, SimConfig):

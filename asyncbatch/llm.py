@@ -46,7 +46,7 @@ from asyncbatch.frontend.output_processor import OutputProcessor
 from asyncbatch.frontend.request_handle import DeltaSink, RequestHandle
 from asyncbatch.frontend.stop_strings import StopStringMatcher
 from asyncbatch.model.loader import resolve_dtype
-from asyncbatch.outputs import RequestMetrics, RequestOutput, StreamDelta
+from asyncbatch.outputs import Logprobs, RequestMetrics, RequestOutput, StreamDelta
 from asyncbatch.profiling.marks import RangeCounter, count_ranges, enable_nvtx, mark
 from asyncbatch.profiling.timeline import Timeline
 from asyncbatch.sampling_params import MAX_SEED, SamplingParams
@@ -95,7 +95,8 @@ class LLM:
         processor.send = self._client.send
         self._usable_tokens = self._client.ready.num_usable_blocks * self.config.block_size
         self.processor = InputProcessor(self.tokenizer, self._spec.vocab_size, self.max_model_len,
-                                        self._usable_tokens)
+                                        self._usable_tokens, self._spec.eos_token_id,
+                                        self.config.structured_outputs_backend)
         self._preemptions = 0
         self._prefix_cache: dict = {"hit_rate": 0.0, "cached_blocks": 0}
 
@@ -143,7 +144,9 @@ class LLM:
                     seq, rid, request.prompt, ids,
                     self._detokenizer(ids, params),
                     StopStringMatcher(params.stop_strings, params.include_stop_str_in_output),
-                    RequestMetrics(arrival_time=now), simulated=self.simulated, streaming=streaming)
+                    RequestMetrics(arrival_time=now), simulated=self.simulated, streaming=streaming,
+                    logprobs=None if params.logprobs is None else Logprobs(),
+                    prompt_logprobs=None if params.prompt_logprobs is None else Logprobs())
                 if make_sink is not None:
                     handle.deltas = make_sink()
                 self._handles[seq] = handle

@@ -28,6 +28,47 @@ class RequestMetrics:
 
 
 @dataclass(slots=True)
+class Logprobs:
+    """Log-probabilities of a run of tokens, columnar: entry ``i`` is about ``token_ids[i]``.
+
+    ``logprobs[i]`` is the token's log-probability under the model's raw
+    distribution at its position, ``ranks[i]`` its rank there (1 = most likely),
+    ``top_token_ids[i]`` / ``top_logprobs[i]`` the ``k`` most likely tokens,
+    most likely first (``k`` is what the request asked for; 0 gives empty lists).
+    """
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
+    top_token_ids: list[list[int]] = field(default_factory=list)
+    top_logprobs: list[list[float]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def extend(self, other: Logprobs) -> None:
+        self.token_ids += other.token_ids
+        self.logprobs += other.logprobs
+        self.ranks += other.ranks
+        self.top_token_ids += other.top_token_ids
+        self.top_logprobs += other.top_logprobs
+
+    def slice(self, start: int, stop: int | None = None) -> Logprobs:
+        s = slice(start, stop)
+        return Logprobs(self.token_ids[s], self.logprobs[s], self.ranks[s], self.top_token_ids[s],
+                        self.top_logprobs[s])
+
+    def as_dicts(self) -> list[dict[int, float]]:
+        """vLLM's per-position form: ``{token_id: logprob}`` holding the chosen token and the top ``k``."""
+        out = []
+        for token, lp, ids, lps in zip(self.token_ids, self.logprobs, self.top_token_ids, self.top_logprobs):
+            entry = dict(zip(ids, lps))
+            entry[token] = lp
+            out.append(entry)
+        return out
+
+
+@dataclass(slots=True)
 class RequestOutput:
     """The finished request (vLLM's ``RequestOutput`` flattened to one completion)."""
 
@@ -41,6 +82,10 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     simulated: bool = False
     error: str | None = None
+    # Asked for with SamplingParams.logprobs / prompt_logprobs; prompt_logprobs covers prompt tokens 1..P-1
+    # (the first token has no context to be scored in).
+    logprobs: Logprobs | None = None
+    prompt_logprobs: Logprobs | None = None
 
     @property
     def finished(self) -> bool:
@@ -58,3 +103,4 @@ class StreamDelta:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     output: RequestOutput | None = None
+    logprobs: Logprobs | None = None  # of this delta's token_ids, when the request asked for logprobs

@@ -11,8 +11,14 @@ import math
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 
+from asyncbatch.structured_outputs import StructuredOutputsParams
+
 # Largest seed the on-device counter hash accepts (it mixes seeds as int64).
 MAX_SEED = 2**63 - 1
+# Most alternatives per position ``logprobs`` / ``prompt_logprobs`` may ask for (vLLM's default bound).
+MAX_LOGPROBS = 20
+# ``logit_bias`` values are clamped to this range by OpenAI; here a value outside it is refused.
+MAX_LOGIT_BIAS = 100.0
 
 
 def _check_int(name: str, value: object) -> int:
@@ -38,6 +44,16 @@ class SamplingParams:
     ``seed`` makes the request's tokens reproducible regardless of what else is
     in the batch; without it the engine derives one from its own seed and the
     request id.
+
+    ``logprobs`` (0-20): return each sampled token's log-probability and the
+    ``logprobs`` most likely alternatives at each position; ``prompt_logprobs``
+    likewise for the prompt's tokens (from the second on). Both are computed from
+    the model's raw distribution, before penalties, ``logit_bias``, grammar masks,
+    temperature and top-k/top-p/min-p (vLLM's default ``raw_logprobs``).
+    ``logit_bias`` adds a value in [-100, 100] to a token id's logit before
+    sampling; ``min_tokens`` masks EOS and ``stop_token_ids`` until that many
+    tokens were generated. ``structured_outputs`` constrains the output to a JSON
+    schema, any JSON object, a regex, a choice or a grammar.
     """
 
     max_tokens: int = 16
@@ -54,6 +70,11 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    structured_outputs: StructuredOutputsParams | None = None
     _stop: tuple[str, ...] = field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -94,6 +115,43 @@ class SamplingParams:
             self.stop_token_ids = [_check_int("stop_token_ids[]", t) for t in self.stop_token_ids]
             if any(t < 0 for t in self.stop_token_ids):
                 raise ValueError("SamplingParams.stop_token_ids must be >= 0")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                value = _check_int(name, value)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise ValueError(f"SamplingParams.{name} must be in [0, {MAX_LOGPROBS}], got {value}")
+                setattr(self, name, value)
+        self.logit_bias = self._normalize_logit_bias(self.logit_bias)
+        self.min_tokens = _check_int("min_tokens", self.min_tokens)
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"SamplingParams.min_tokens must be in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise TypeError("SamplingParams.structured_outputs must be StructuredOutputsParams, got "
+                            f"{type(self.structured_outputs).__name__}")
+
+    @staticmethod
+    def _normalize_logit_bias(bias: object) -> dict[int, float] | None:
+        """Token id -> bias; OpenAI's string keys ("50256") are accepted. Ids are checked against the
+        vocabulary at submission (``InputProcessor``), which knows it."""
+        if bias is None:
+            return None
+        if not isinstance(bias, dict):
+            raise TypeError("SamplingParams.logit_bias must be a dict of token id -> bias")
+        out: dict[int, float] = {}
+        for key, value in bias.items():
+            try:
+                token = int(key) if isinstance(key, str) else _check_int("logit_bias key", key)
+            except ValueError:
+                raise ValueError(f"SamplingParams.logit_bias keys must be token ids, got {key!r}") from None
+            if token < 0:
+                raise ValueError(f"SamplingParams.logit_bias keys must be token ids >= 0, got {token}")
+            value = _check_float(f"logit_bias[{token}]", value)
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise ValueError(f"SamplingParams.logit_bias[{token}] must be in [-100, 100], got {value}")
+            out[token] = value
+        return out or None
 
     @staticmethod
     def _normalize_stop(stop: object) -> tuple[str, ...]:
@@ -114,6 +172,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def token_ids_named(self) -> list[int]:
+        """Every token id the parameters name (stop ids, bias keys): checked against the vocabulary."""
+        return list(self.stop_token_ids or ()) + list(self.logit_bias or ())
 
     @property
     def uses_penalties(self) -> bool:

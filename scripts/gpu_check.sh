@@ -4,7 +4,8 @@
 #
 #   1. environment   (nvidia-smi, versions)                                   -> $OUT/env.txt
 #   2. CUDA tests    (Triton kernels, graphs vs eager, overlap vs sync,
-#                     no host sync on the launch path)            <= 165 s    -> $OUT/tests.log
+#                     no host sync on the launch path, grammar
+#                     masks enqueued by masks_ready)               <= 165 s    -> $OUT/tests.log
 #   3. attention     (Triton decode/prefill vs torch, tile and
 #                     warp variants, SmolLM2 shape, bf16)         <=  45 s    -> $OUT/attention.log, attention_bench.json
 #   4. benchmark     (SmolLM2-135M bf16, 256 requests: overlap/sync x
@@ -35,7 +36,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export TRITON_INTERPRET=0  # compiled kernels, also where tests/conftest.py would choose the interpreter
 TESTS=(tests/test_triton_attention.py tests/test_cuda_path.py tests/test_cuda_graphs.py
-       tests/test_decode_graph.py)
+       tests/test_decode_graph.py tests/test_grammar_plumbing.py)
 ATTENTION_ARGS=()
 BENCH_ARGS=()
 if [[ -n "${GPU_CHECK_SMOKE:-}" ]]; then

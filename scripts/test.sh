@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up, then run the whole test suite (slow tests included; GPU tests skip without CUDA). The cluster extra
-# (Ray Serve) is installed so tests/test_cluster_ray.py runs; EXTRAS=dev,serve skips it.
+# (Ray Serve) is installed so tests/test_cluster_ray.py runs, and the structured extra (xgrammar) so the
+# structured-output tests do; EXTRAS=dev,serve skips both.
 #
 # Without arguments: two pytest-xdist workers for everything but the tests marked `exclusive` (they measure
 # how busy the device was, which a neighbour test on the same cores would change), then those alone.
@@ -11,7 +12,7 @@
 # process, as `pytest -q ARGS` (e.g. `bash scripts/test.sh tests/test_sampler.py -k seed`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-EXTRAS=${EXTRAS:-dev,serve,cluster} bash scripts/setup_env.sh
+EXTRAS=${EXTRAS:-dev,serve,cluster,structured} bash scripts/setup_env.sh
 PY="${VENV:-.venv}/bin/python"
 # Compiled graphs (inductor's C++ for compile_decode, Triton's kernels) kept in one place for every worker,
 # subprocess and later run on this machine, so each is compiled once.

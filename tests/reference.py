@@ -13,6 +13,8 @@ candidates are within bfloat16's rounding of each other, and nowhere else.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -187,3 +189,22 @@ def sampled_pair_gap(model, prompt: list[int], outputs: list[int], params, pair:
     threshold = float(kept[-1])
     outside = [max(0.0, threshold - float(logits[0, t])) for t in pair]
     return abs(float(score[pair[0]] - score[pair[1]])) + sum(outside)
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """transformers' forward on one intra-op thread: on a shared 2-core machine two spinning threads are
+    several times slower than one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def logits_at(model, token_ids: list[int]) -> torch.Tensor:
+    """transformers' float32 logits at every position of ``token_ids`` (one sequence): ``[len, V]`` float64;
+    row ``p`` scores the token at ``p + 1``."""
+    with torch.no_grad(), one_thread():
+        return model(torch.tensor([token_ids])).logits[0].double()

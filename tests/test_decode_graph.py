@@ -113,7 +113,8 @@ def test_decode_graph_step_matches_eager_path(tiny_model, temps, top_k, variant)
             chosen = SamplingVariant.for_step(meta)
             assert chosen is (variant if any(temps[:n]) else SamplingVariant.GREEDY)
             with torch.inference_mode():
-                want, want_finite, _ = eager._compute(meta, eager._copy_in(meta))
+                eager_out = eager._compute(meta, eager._copy_in(meta))
+                want, want_finite = eager_out.token_ids, eager_out.finite
                 bucket = runner.bucket_for(n)
                 runner.capture(staging.index, bucket, chosen, lazy=True)  # on first use: resets the set to padding
                 runner.prepare(staging.index, step.host_arrays(staging), n, bucket)

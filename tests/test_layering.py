@@ -2,7 +2,7 @@
 
 Layers, lowest first (a module may import its own layer and those below):
 
-    0  public data      errors, config, sampling_params, outputs; cuda_graphs
+    0  public data      errors, config, sampling_params, structured_outputs, outputs; cuda_graphs
     1  profiling        timeline, marks, gap report, traces, plots, host info
     2  model, sampling  the network over the paged cache; on-device sampling
     3  engine data      requests, KV blocks, scheduler, staging buffers, step metadata, messages;
@@ -26,7 +26,7 @@ PACKAGES = ("asyncbatch", "cuda_graphs")
 
 LAYERS = {  # longest matching prefix wins
     "asyncbatch": 7, "asyncbatch.errors": 0, "asyncbatch.config": 0, "asyncbatch.sampling_params": 0,
-    "asyncbatch.outputs": 0, "cuda_graphs": 0,
+    "asyncbatch.outputs": 0, "asyncbatch.structured_outputs": 0, "cuda_graphs": 0,
     "asyncbatch.profiling": 1,
     "asyncbatch.model": 2, "asyncbatch.sampling": 2,
     "asyncbatch.engine": 3, "asyncbatch.engine.step_contract": 3,

@@ -184,6 +184,27 @@ def test_attribution_follows_the_documented_priority():
     assert cuda["queue_empty"] == 0.0 and sum(cuda.values()) == pytest.approx(10.0)
 
 
+def test_a_wait_for_grammar_masks_inside_a_step_is_idle_time_of_its_own():
+    """A step whose forward ended before its masks were filled waited inside itself: not busy, and not a gap
+    between steps either; busy + idle still equals the span, and every view (report, summary, trace) agrees."""
+    first = record(0, device_start=1, device_end=5)
+    second = record(1, device_start=6, device_end=13, mask_wait_start=9, mask_wait_ms=3.0, mask_fill_ms=2.5)
+    second.grammar_rows = 5
+    report = attribute_gaps([first, second])
+    assert report.causes_ms["grammar_mask"] == pytest.approx(3.0)
+    assert report.busy_ms == pytest.approx(8.0) and report.idle_ms == pytest.approx(4.0)
+    assert report.busy_ms + report.idle_ms == pytest.approx(report.span_ms)
+    assert sum(report.causes_ms.values()) == pytest.approx(report.idle_ms)
+    summary = summarize([first, second])
+    assert summary["device_busy_fraction"] == pytest.approx(8.0 / 12.0)
+    assert summary["mask_fill_us_per_row"] == pytest.approx(500.0)
+    run = types.SimpleNamespace(records=[first, second], report=report)
+    from asyncbatch.profiling.trace_export import _idle
+
+    waits = [e for e in _idle(run, 1, 0.0) if e["name"] == "grammar_mask"]
+    assert len(waits) == 1 and waits[0]["dur"] == pytest.approx(3000.0)
+
+
 def test_overlap_planner_waiting_is_not_result_time():
     # Step 1 was launched before step 0 ended: the gap is launch latency, not the planner's wait for step 0.
     before = record(0, plan_start=1, fence_start=1, fence_end=1, launch_end=2, device_start=2, device_end=10,

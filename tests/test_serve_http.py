@@ -62,7 +62,10 @@ BAD_REQUESTS = [
     ("beyond the context", {"json": {**GOOD, "max_tokens": 300}}, 400, None),
     ("token id out of vocabulary", {"json": {**GOOD, "prompt": [1, 10**9]}}, 400, None),
     ("empty prompt", {"json": {**GOOD, "prompt": ""}}, 400, None),
-    ("logprobs refused", {"json": {**GOOD, "logprobs": 2}}, 400, "logprobs"),
+    ("logprobs out of range", {"json": {**GOOD, "logprobs": 21}}, 400, "logprobs"),
+    ("logit_bias out of range", {"json": {**GOOD, "logit_bias": {"5": 101}}}, 400, "logit_bias"),
+    ("logit_bias unknown token", {"json": {**GOOD, "logit_bias": {"100000": 1}}}, 400, "logit_bias"),
+    ("bad regex", {"json": {**GOOD, "guided_regex": "(unclosed"}}, 400, "guided_regex"),
     ("n out of range", {"json": {**GOOD, "n": 0}}, 400, "n"),
     ("body too large", {"json": {**GOOD, "prompt": [1] * 3000}}, 413, None),
 ]
@@ -82,7 +85,12 @@ def test_bad_chat_requests(served) -> None:
     with client(server) as http:
         assert_error(http.post("/v1/chat/completions", json={**chat, "messages": []}), 422, "messages")
         assert_error(http.post("/v1/chat/completions", json={**chat, "tools": [{"type": "function"}]}), 400, "tools")
-        assert_error(http.post("/v1/chat/completions", json={**chat, "logprobs": True}), 400, "logprobs")
+        assert_error(http.post("/v1/chat/completions", json={**chat, "top_logprobs": 2}), 400, "top_logprobs")
+        assert_error(http.post("/v1/chat/completions", json={**chat, "logprobs": True, "top_logprobs": 21}), 400,
+                     "top_logprobs")
+        assert_error(http.post("/v1/chat/completions", json={**chat, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}}), 400,
+            "response_format")
         assert_error(http.post("/v1/chat/completions", json={**chat, "max_completion_tokens": 10_000}), 400)
         ok = http.post("/v1/chat/completions", json=chat)
         assert ok.status_code == 200 and ok.json()["model"] == "test-model"  # an alias answers with the first name

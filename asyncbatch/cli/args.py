@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from asyncbatch.config import DEVICES, DTYPES, QUANTIZATIONS
+from asyncbatch.config import DEVICES, DTYPES, GRAMMAR_BACKENDS, QUANTIZATIONS
 from asyncbatch.sampling_params import SamplingParams
 
 
@@ -24,6 +24,8 @@ def add_engine_args(parser: argparse.ArgumentParser, run_options: bool = True) -
     parser.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse the KV blocks of shared prompt prefixes (default: on)")
+    parser.add_argument("--structured-outputs-backend", default="auto", choices=["auto", *GRAMMAR_BACKENDS],
+                        help="grammar library for structured outputs (pip install .[structured]); auto: xgrammar")
     if run_options:
         parser.add_argument("--no-overlap", action="store_true", help="synchronous mode (the ablation)")
         parser.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the run to this path")
@@ -35,7 +37,8 @@ def engine_kwargs(args: argparse.Namespace, overlap: bool) -> dict:
             "compile_decode": args.compile_decode, "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed, "overlap": overlap,
             "tokenizer": args.tokenizer, "chat_template": args.chat_template,
-            "enable_prefix_caching": args.enable_prefix_caching}
+            "enable_prefix_caching": args.enable_prefix_caching,
+            "structured_outputs_backend": args.structured_outputs_backend}
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

@@ -42,7 +42,7 @@ class FrontendModel:
     empty timeline (the ingress runs no steps; the replicas' timelines hold them). No weights."""
 
     def __init__(self, tokenizer, spec, usable_tokens: int) -> None:
-        self.processor = InputProcessor(tokenizer, spec.vocab_size, spec.max_model_len, usable_tokens)
+        self.processor = InputProcessor(tokenizer, spec.vocab_size, spec.max_model_len, usable_tokens, spec.eos_token_id)
         self.model_path: Path = spec.path
         self.timeline = Timeline()
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -198,4 +199,14 @@ def build_core(config: EngineConfig, spec: ModelSpec, send: Callable[[object], N
     blocks = BlockManager(num_blocks, config.block_size, config.max_num_seqs, spec.max_blocks_per_seq,
                           prefix_caching=config.enable_prefix_caching)
     scheduler = Scheduler(blocks, config.max_num_batched_tokens, eos_token_id=spec.eos_token_id)
-    return EngineCore(config, executor, scheduler, spec.max_blocks_per_seq, send)
+    return EngineCore(config, executor, scheduler, spec.max_blocks_per_seq, send, vocab_size=spec.vocab_size,
+                      make_grammar_compiler=None if config.skip_tokenizer_init else partial(
+                          grammar_compiler, config, spec))
+
+
+def grammar_compiler(config: EngineConfig, spec: ModelSpec):
+    """The structured-output compiler of this model's tokenizer (built in the core on the first grammar)."""
+    from asyncbatch.sampling.grammar import GrammarCompiler
+
+    return GrammarCompiler(_tokenizer_for(config, spec.path), spec.vocab_size, spec.eos_token_id,
+                           backend=config.structured_outputs_backend)

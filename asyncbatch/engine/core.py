@@ -36,6 +36,8 @@ from asyncbatch.config import EngineConfig
 from asyncbatch.engine.control import Call
 from asyncbatch.engine.core_control import ControlHandler
 from asyncbatch.engine.host_staging import StagingPair
+from asyncbatch.engine.live_requests import GrammarCompiled, LiveRequests
+from asyncbatch.engine.logprob_columns import prompt_columns, sampled_columns
 from asyncbatch.engine.messages import (
     AbortRequests,
     AddRequests,
@@ -47,12 +49,15 @@ from asyncbatch.engine.messages import (
     StepOutputs,
     ended_only,
 )
-from asyncbatch.engine.request import Request
-from asyncbatch.engine.scheduler import RequestRefused, Scheduler, StepPlan
+from asyncbatch.engine.scheduler import Scheduler, StepPlan
+from asyncbatch.engine.step_contract import GrammarMask
+from asyncbatch.engine.step_extras import StepExtrasWriter
 from asyncbatch.engine.step_metadata import StepMeta, StepMetadataWriter
+from asyncbatch.engine.structured_state import GrammarState
 from asyncbatch.executors.base import Executor, StepHandle
 from asyncbatch.profiling.marks import mark, step_begin, step_end
 from asyncbatch.profiling.timeline import StepRecord, stage
+from asyncbatch.sampling.token_bitmask import bitmask_words
 
 
 @dataclass(slots=True)
@@ -74,16 +79,21 @@ class EngineCore:
     """
 
     def __init__(self, config: EngineConfig, executor: Executor, scheduler: Scheduler, max_blocks_per_seq: int,
-                 send: Callable[[object], None]) -> None:
+                 send: Callable[[object], None], vocab_size: int = 0,
+                 make_grammar_compiler: Callable[[], object] | None = None) -> None:
         self.config = config
         self.executor = executor
         self.scheduler = scheduler
-        self.writer = StepMetadataWriter(scheduler.rows, scheduler.blocks)
+        extras = StepExtrasWriter(scheduler.rows, scheduler.eos_token_id, bitmask_words(vocab_size)) \
+            if vocab_size else None
+        self.writer = StepMetadataWriter(scheduler.rows, scheduler.blocks, extras)
+        self.grammar = GrammarState(make_grammar_compiler) if make_grammar_compiler is not None else None
+        self._unfilled: list[GrammarMask] = []  # launched masks not yet filled (released if the planner dies)
         self.staging = StagingPair(config.max_num_batched_tokens, config.max_num_seqs, max_blocks_per_seq,
                                    pinned=getattr(executor, "is_cuda", False))
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._send = send
-        self._requests: dict[int, Request] = {}  # live requests by seq
+        self._live = LiveRequests(scheduler, self.grammar, send, self.inbox)
         self._acked = 0  # synchronous mode: the newest step the frontend has processed
         self.last_launched_step = 0  # the newest launched step's id (``LastLaunchedStep``)
         self._idle = False  # the planner blocked for lack of work since the last launched step
@@ -106,7 +116,7 @@ class EngineCore:
     @property
     def num_live_requests(self) -> int:
         """Requests added and not ended yet (``NumLiveRequests``)."""
-        return len(self._requests)
+        return len(self._live)
 
     # -- the loops -------------------------------------------------------------
     def _run(self) -> None:
@@ -118,22 +128,37 @@ class EngineCore:
         except BaseException as exc:  # noqa: BLE001 - every caller must hear about it
             self._send(CoreFailed(repr(exc), traceback.format_exc()))
         finally:
+            for mask in self._unfilled:  # a device thread may wait on one: let it finish its step
+                mask.set_ready(time.perf_counter())
+            if self.grammar is not None:
+                self.grammar.close()
             if self._gc_callback in gc.callbacks:
                 gc.callbacks.remove(self._gc_callback)
             self.executor.close()
 
     def overlap_loop(self) -> None:
-        """Launch N+1, then finish N: the device always has the next step queued behind the current one."""
+        """Launch N+1, then finish N: the device always has the next step queued behind the current one.
+
+        Step N+1's grammar masks are filled right after N is applied (``_finish_step``), while N+1's forward
+        runs; with ``grammar_mask_overlap=False`` (the naive way) N is finished before N+1 is launched
+        whenever a grammar request is live.
+        """
         last: InFlight | None = None
         while self._serve_inbox(block=last is None and not self.scheduler.has_work()):
-            current = self._launch_next()
-            if last is not None:
+            if last is not None and self._masks_before_launch():
                 self._finish_step(last)
+                last = None
+            current = self._launch_next(in_flight=last is not None)
+            if last is not None:
+                self._finish_step(last, fill=current)
             elif current is None:
                 self._check_not_stalled()
             last = current
         if last is not None:
             self._finish_step(last)
+
+    def _masks_before_launch(self) -> bool:
+        return not self.config.grammar_mask_overlap and self.grammar is not None and self.grammar.active
 
     def sync_loop(self) -> None:
         """Plan, launch, wait, apply, and wait for the frontend before planning again."""
@@ -147,7 +172,10 @@ class EngineCore:
                 return
 
     # -- one step ----------------------------------------------------------------
-    def _launch_next(self) -> InFlight | None:
+    def _launch_next(self, in_flight: bool = False) -> InFlight | None:
+        """Plan, stage and launch the next step (None: nothing to run). ``in_flight``: an earlier step is not
+        applied yet, so this step's grammar masks are filled by ``_finish_step`` of that step, while this one
+        runs; otherwise they are filled before the launch."""
         record = StepRecord(self.scheduler.next_step_id)
         gc_before = self._gc_pause
         with stage(record, "plan_start", "schedule_end", "schedule"):
@@ -162,8 +190,16 @@ class EngineCore:
         with stage(record, None, "plan_end", "prepare_metadata"):
             meta = self.writer.write(plan, staging)
             self.scheduler.release_drained(plan)
+        mask = meta.extras.grammar if meta.extras is not None else None
+        if mask is not None:
+            if in_flight:
+                self._unfilled.append(mask)
+            else:
+                self._fill(mask, record)
         with stage(record, None, "launch_end", "launch"):
             handle = self.executor.launch(meta)
+            if mask is not None and not in_flight:
+                self.executor.masks_ready(handle)
         record.num_tokens, record.num_decode = plan.num_tokens, plan.num_decode
         record.num_prefill, record.num_sampled = plan.num_prefill, meta.num_sampled
         record.gc_ms = (self._gc_pause - gc_before) * 1e3
@@ -178,26 +214,48 @@ class EngineCore:
             self.scheduler.check_integrity()
         return InFlight(plan, meta, handle, record, nvtx)
 
-    def _finish_step(self, step: InFlight) -> None:
-        """Wait for ``step``'s tokens, apply them, and send the frontend its outputs."""
+    def _fill(self, mask: GrammarMask, record: StepRecord) -> None:
+        """Fill a step's grammar masks: every earlier step is applied."""
+        with mark("grammar_mask_fill", record.step_id):
+            self.grammar.fill(mask)
+        record.mask_fill_ms = mask.fill_ms
+        record.grammar_rows = len(mask.index)
+
+    def _fill_launched(self, step: InFlight) -> None:
+        """Fill the masks of ``step``, launched while the step before it was in flight, and let its sampling
+        run."""
+        mask = step.meta.extras.grammar
+        self._fill(mask, step.record)
+        self._unfilled.remove(mask)
+        self.executor.masks_ready(step.handle)
+
+    def _finish_step(self, step: InFlight, fill: InFlight | None = None) -> None:
+        """Wait for ``step``'s tokens, apply them (grammar matchers too), fill ``fill``'s grammar masks if it
+        has any, and send the frontend the step's outputs."""
         record = step.record
         with stage(record, "wait_start", "wait_end", "wait_step"):
             result = self.executor.wait(step.handle)
         record.device_start, record.device_end = result.device_start, result.device_end
         record.h2d_ms, record.forward_ms = result.h2d_ms, result.forward_ms
         record.sample_ms, record.d2h_ms = result.sample_ms, result.d2h_ms
+        record.mask_wait_ms, record.mask_wait_start = result.mask_wait_ms, result.mask_wait_start
         with stage(record, None, "apply_end", "apply"):
             applied = self.scheduler.apply(step.plan, result.token_ids, result.finite)
-            errored = applied.errored
-            for seq in applied.seqs[applied.finish != Finish.NONE].tolist() + errored:
-                del self._requests[seq]
+            ended = np.asarray(applied.errored, dtype=np.int64)
+            ended_codes = np.full(len(ended), Finish.ERROR, dtype=np.int8)
+            applied, ended, ended_codes = self._live.advance_grammars(applied, ended, ended_codes)
+            for seq in applied.seqs[applied.finish != Finish.NONE].tolist() + ended.tolist():
+                self._live.forget(seq)
+        if fill is not None and fill.meta.extras is not None and fill.meta.extras.grammar in self._unfilled:
+            self._fill_launched(fill)
         step_end(step.nvtx)
         if self.config.debug_check_integrity:
             self.scheduler.check_integrity()
+        extras = step.meta.extras
         self._send(StepOutputs(
-            step.plan.step_id, applied.seqs, applied.token_ids, applied.finish,
-            np.asarray(errored, dtype=np.int64), np.full(len(errored), Finish.ERROR, dtype=np.int8),
-            step.plan.first_scheduled_seqs(), record))
+            step.plan.step_id, applied.seqs, applied.token_ids, applied.finish, ended, ended_codes,
+            step.plan.first_scheduled_seqs(), record, sampled_columns(extras, result.logprobs, applied.kept),
+            prompt_columns(extras, result.prompt_logprobs)))
 
     def _check_not_stalled(self) -> None:
         if self.scheduler.has_work():  # nothing runs, so nothing will free blocks or bring tokens back
@@ -233,24 +291,16 @@ class EngineCore:
     def _handle(self, message: object) -> bool:
         with mark("inbox"):
             if isinstance(message, AddRequests):
-                refused = []
-                for new in message.requests:
-                    request = Request(str(new.seq), new.seq, new.prompt_token_ids, new.params, new.seed, new.arrival_time)
-                    try:
-                        self.scheduler.add(request)
-                    except RequestRefused:  # that request alone ends; the engine goes on
-                        refused.append(new.seq)
-                        continue
-                    self._requests[new.seq] = request
-                if refused:
-                    self._send(ended_only(refused, Finish.REFUSED))
+                self._live.admit(message.requests)
+            elif isinstance(message, GrammarCompiled):
+                self._live.compiled(message)
             elif isinstance(message, AbortRequests):
-                ended = [seq for seq in message.seqs if self._end(seq, Finish.ABORT)]
+                ended = [seq for seq in message.seqs if self._live.end(seq, Finish.ABORT)]
                 if ended:
                     self._send(ended_only(ended, Finish.ABORT))
             elif isinstance(message, FinishRequests):
                 for seq, code in zip(message.seqs, message.codes):
-                    self._end(seq, code)
+                    self._live.end(seq, code)
             elif isinstance(message, StepAck):
                 self._acked = max(self._acked, message.step_id)
             elif isinstance(message, Call):
@@ -259,13 +309,6 @@ class EngineCore:
                 return False
             else:
                 raise TypeError(f"unexpected message for the engine core: {message!r}")
-        return True
-
-    def _end(self, seq: int, code: Finish) -> bool:
-        request = self._requests.pop(seq, None)
-        if request is None:
-            return False
-        self.scheduler.finish(request, Finish(code).reason)
         return True
 
     def _gc_callback(self, phase: str, info: dict) -> None:

@@ -38,6 +38,7 @@ class Finish(enum.IntEnum):
     ERROR = 5  # non-finite logits, or the frontend failed to process the request
     STOP_STRING = 6  # found by the frontend; the core only frees the request
     REFUSED = 7  # the scheduler could never place it (a request built past the input processor)
+    GRAMMAR = 8  # its grammar failed to compile in the core, or rejected a sampled token (no token kept)
 
     @property
     def reason(self) -> str:
@@ -46,9 +47,12 @@ class Finish(enum.IntEnum):
 
 
 _REASONS = {Finish.NONE: "", Finish.EOS: "stop", Finish.STOP_TOKEN: "stop", Finish.LENGTH: "length",
-            Finish.ABORT: "abort", Finish.ERROR: "error", Finish.STOP_STRING: "stop", Finish.REFUSED: "error"}
+            Finish.ABORT: "abort", Finish.ERROR: "error", Finish.STOP_STRING: "stop", Finish.REFUSED: "error",
+            Finish.GRAMMAR: "error"}
 
 NON_FINITE_MESSAGE = "the model produced NaN or infinite logits for this request"
+GRAMMAR_MESSAGE = ("structured output failed in the engine core: the grammar did not compile there, or rejected "
+                   "a sampled token (a bug: the token mask should have prevented it)")
 REFUSED_MESSAGE = ("the engine core refused this request: its prompt + max_tokens exceed what one request can "
                    "hold (max_model_len, or the whole KV cache); the input processor refuses such requests "
                    "at submission")
@@ -102,6 +106,21 @@ class CoreReady:
 
 
 @dataclass(slots=True)
+class LogprobColumns:
+    """Logprobs of some of a step's output rows (``rows``: positions in ``StepOutputs.seqs``), or of prompt
+    positions (``rows``: the request of each entry). ``top_*`` are ``[L, max k]``; entry ``i`` uses its first
+    ``k[i]`` columns."""
+
+    rows: np.ndarray  # [L] int64
+    k: np.ndarray  # [L] int64
+    chosen: np.ndarray  # [L] float32
+    ranks: np.ndarray  # [L] int64
+    top_ids: np.ndarray  # [L, K] int64
+    top_logprobs: np.ndarray  # [L, K] float32
+    token_ids: np.ndarray | None = None  # [L] the scored tokens (prompt positions only)
+
+
+@dataclass(slots=True)
 class StepOutputs:
     """One applied step. Rows are the sampled rows whose token was kept, in plan order."""
 
@@ -113,6 +132,8 @@ class StepOutputs:
     ended_codes: np.ndarray  # [E] int8 Finish
     first_scheduled: np.ndarray  # [F] int64: requests whose first chunk ran in this step
     record: StepRecord | None = None  # the step's timeline (None for a step-less message, e.g. an abort)
+    logprobs: LogprobColumns | None = None  # of the rows whose request asked for logprobs
+    prompt_logprobs: LogprobColumns | None = None  # prompt positions scored in this step, by request
 
 
 @dataclass(slots=True)
@@ -138,3 +159,4 @@ class AppliedStep:
     token_ids: np.ndarray
     finish: np.ndarray
     errored: list[int] = field(default_factory=list)  # seqs ended by non-finite logits (no token)
+    kept: np.ndarray | None = None  # [K] sample index of each row above (None: every sampled row, in order)

@@ -88,6 +88,8 @@ class PrefixSharer:
         if cache is None:
             return NO_HIT
         chain_keys(self._prefill_tokens(request), self.blocks.block_size, request.block_keys, request.block_contents)
+        if _scores_prompt(request):  # its blocks are still registered once computed
+            return NO_HIT
         cached = cache.match(request.block_keys, request.block_contents, (prefill_len - 1) // self.blocks.block_size)
         if not cached:
             return NO_HIT
@@ -160,3 +162,9 @@ class PrefixSharer:
         """Forget every cached block no running request lists and zero the counters; True if the cache is now
         empty (False: blocks that running requests list stay cached)."""
         return self.blocks.reset_prefix_cache()
+
+
+def _scores_prompt(request: Request) -> bool:
+    """A request that still has prompt logprobs to compute must compute its whole prompt (vLLM does the same):
+    a cached prefix has no logits."""
+    return request.params.prompt_logprobs is not None and request.prompt_logprobs_next < len(request.prompt_token_ids)

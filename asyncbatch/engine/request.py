@@ -51,6 +51,9 @@ class Request:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_preemptions: int = 0
+    # Prompt logprobs: the next prompt position whose token is still to be scored (position 0 never is).
+    # Planned positions are never scored again, so a recompute after preemption adds none.
+    prompt_logprobs_next: int = 1
     # Chain keys and token tuples of the full blocks of the tokens known so far (``prefix_cache.chain_keys``):
     # computed at the first admission with prefix caching on, extended when outputs fill more blocks.
     block_keys: list[int] = field(default_factory=list)

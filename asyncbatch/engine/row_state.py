@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from asyncbatch.engine.request import Request
+from asyncbatch.sampling_params import SamplingParams
 
 NO_SEQ = -1  # ``RowState.seq`` of a row no request holds
 
@@ -57,6 +58,13 @@ class RowState:
         self.frequency = np.zeros(s, dtype=np.float32)  # [S]
         self.repetition = np.ones(s, dtype=np.float32)  # [S]
         self.uses_penalty = np.zeros(s, dtype=bool)  # [S]
+        # Sampler extras (``step_extras``): which rows need more than the plain sampler, and what.
+        self.logprobs_k = np.full(s, -1, dtype=np.int64)  # [S] alternatives asked for; -1 = no logprobs
+        self.min_tokens = np.zeros(s, dtype=np.int64)  # [S]
+        self.has_bias = np.zeros(s, dtype=bool)  # [S] logit_bias, or min_tokens > 0
+        self.has_grammar = np.zeros(s, dtype=bool)  # [S] structured_outputs
+        self.needs_extras = np.zeros(s, dtype=bool)  # [S] any of the three above
+        self.params: list[SamplingParams | None] = [None] * s  # read for the few rows with a bias
         # Output ids by output index, kept for the recompute after a preemption. np.zeros maps pages
         # lazily, so memory grows with the outputs actually written, not with S * max_outputs.
         self.history = np.zeros((s, max_outputs), dtype=np.int32)  # [S, max_outputs]
@@ -88,6 +96,12 @@ class RowState:
         self.frequency[row] = p.frequency_penalty
         self.repetition[row] = p.repetition_penalty
         self.uses_penalty[row] = p.uses_penalties
+        self.logprobs_k[row] = -1 if p.logprobs is None else p.logprobs
+        self.min_tokens[row] = p.min_tokens
+        self.has_bias[row] = bool(p.logit_bias) or p.min_tokens > 0
+        self.has_grammar[row] = p.structured_outputs is not None
+        self.needs_extras[row] = self.has_bias[row] or self.has_grammar[row] or p.logprobs is not None
+        self.params[row] = p
 
     def append_outputs(self, rows: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
         """Append one output to each of ``rows`` (distinct); returns their new output counts ``[R]``."""

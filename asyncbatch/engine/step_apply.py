@@ -127,7 +127,7 @@ class StepApplier:
                     codes[i] = code
         if keep is None:
             return AppliedStep(seqs, tokens, codes, errored)
-        return AppliedStep(seqs[keep], tokens[keep], codes[keep], errored)
+        return AppliedStep(seqs[keep], tokens[keep], codes[keep], errored, keep.nonzero()[0])
 
     def _apply_off_row(self, request: Request, token: int, good: bool, errored: list[int]) -> Finish | None:
         """A token for a request that left its row after the plan; returns its code, or None if dropped."""

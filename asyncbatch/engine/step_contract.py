@@ -150,6 +150,77 @@ class CachedContext:
 
 
 @dataclass(slots=True)
+class SparseBias:
+    """Additions to sampled rows' logits, one entry each ([N] each): ``logit_bias`` and the -inf of
+    ``min_tokens`` (EOS and stop ids of rows that have not reached their minimum)."""
+
+    index: np.ndarray  # [N] int64 sample index (row of the step's logits)
+    token_ids: np.ndarray  # [N] int64
+    values: np.ndarray  # [N] float32 (may be -inf)
+
+
+@dataclass(slots=True)
+class LogprobRows:
+    """Sampled rows that asked for logprobs: their sample index and how many alternatives ([L] each)."""
+
+    index: np.ndarray  # [L] int64 sample index
+    k: np.ndarray  # [L] int64 in [0, 20]
+    max_k: int
+
+
+@dataclass(slots=True)
+class PromptLogprobRows:
+    """Prompt positions scored in this step: the logits at step token ``token_index`` score ``target_ids``."""
+
+    token_index: np.ndarray  # [P] int64 index into the step's tokens
+    target_ids: np.ndarray  # [P] int64 the prompt token that follows
+    seqs: np.ndarray  # [Q] int64 the requests, in order
+    counts: np.ndarray  # [Q] int64 how many of the P entries each owns (consecutive)
+    k: np.ndarray  # [Q] int64 alternatives each asked for
+    max_k: int
+
+
+class GrammarMask:
+    """Token bitmasks of this step's grammar rows, filled by the host after the step was launched.
+
+    The planner fills ``bitmask`` once every earlier step's tokens were applied (the grammar state
+    after token N is needed to sample N+1), then calls ``set_ready``; the device runs the step's
+    forward meanwhile and only its sampling waits (``wait_ready``). Rows without a grammar never wait.
+    """
+
+    __slots__ = ("_ready", "bitmask", "fill_ms", "index", "ready_time", "seqs")
+
+    def __init__(self, index: np.ndarray, seqs: np.ndarray, bitmask: np.ndarray) -> None:
+        self.index = index  # [G] int64 sample index
+        self.seqs = seqs  # [G] int64 the requests
+        self.bitmask = bitmask  # [G, ceil(V / 32)] int32, bit set = allowed; every row is written by the fill
+        self._ready = threading.Event()
+        self.ready_time = 0.0  # perf_counter when the mask became ready
+        self.fill_ms = 0.0  # host time spent filling it
+
+    def set_ready(self, now: float) -> None:
+        self.ready_time = now
+        self._ready.set()
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        return self._ready.wait(timeout)
+
+
+@dataclass(slots=True)
+class SamplerExtras:
+    """Per-step sampler work beyond the plain sampler: present only when some row asked for it."""
+
+    bias: SparseBias | None = None
+    logprobs: LogprobRows | None = None
+    prompt_logprobs: PromptLogprobRows | None = None
+    grammar: GrammarMask | None = None
+
+
+@dataclass(slots=True)
 class StepMeta:
     """Host-side header of a written staging buffer: sizes and per-step flags."""
 
@@ -166,3 +237,4 @@ class StepMeta:
     any_penalty: bool
     first_chunk_rows: list[int]  # token rows whose request (re)starts its prefill in this step
     cached_context: CachedContext | None = None  # penalised first chunks after a prefix-cache hit
+    extras: SamplerExtras | None = None  # logit bias, min_tokens, logprobs, grammar masks

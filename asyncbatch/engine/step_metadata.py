@@ -27,6 +27,7 @@ import numpy as np
 from asyncbatch.engine.block_manager import BlockManager
 from asyncbatch.engine.row_state import RowState
 from asyncbatch.engine.step_contract import CachedContext, PrefillRowMeta, StagingBuffer, StepMeta
+from asyncbatch.engine.step_extras import StepExtrasWriter
 from asyncbatch.engine.step_plan import StepPlan
 
 __all__ = ["CachedContext", "PrefillRowMeta", "StepMeta", "StepMetadataWriter"]  # the data: step_contract
@@ -47,8 +48,9 @@ class _DecodeFlags:
 class StepMetadataWriter:
     """Fills staging buffers from plans of one scheduler; every plan must be written, in order."""
 
-    def __init__(self, rows: RowState, blocks: BlockManager) -> None:
+    def __init__(self, rows: RowState, blocks: BlockManager, extras: StepExtrasWriter | None = None) -> None:
         self.rows = rows
+        self.extras = extras
         self.blocks = blocks
         self.block_size = blocks.block_size
         self._arange = np.arange(max(blocks.max_num_seqs, 1), dtype=np.int64)
@@ -117,8 +119,8 @@ class StepMetadataWriter:
             t += n
 
         r = nd + len(sample_rows)
+        ss = np.asarray(sample_rows, dtype=np.int64)  # [P]
         if sample_rows:
-            ss = np.asarray(sample_rows, dtype=np.int64)  # [P]
             staging.logits_indices[nd:r] = logits_idx
             staging.sample_token_rows[nd:r] = ss
             staging.sample_step[nd:r] = sample_steps
@@ -142,6 +144,8 @@ class StepMetadataWriter:
             any_penalty=any_penalty,
             first_chunk_rows=first_chunks,
             cached_context=_cached_context(cached_context) if cached_context else None,
+            extras=None if self.extras is None else self.extras.build(
+                plan, np.concatenate([plan.decode_rows, ss]) if len(ss) else plan.decode_rows, staging.sample_step[:r]),
         )
 
     def _write_decode(self, plan: StepPlan, staging: StagingBuffer) -> int:

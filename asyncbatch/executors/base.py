@@ -11,7 +11,9 @@ Contract per step:
   * decode rows take their input id from the device token buffer at their
     token row; every sampled row writes its token there;
   * the handle's result carries device start/end clock readings
-    (``time.perf_counter`` seconds) for the timeline.
+    (``time.perf_counter`` seconds) for the timeline;
+  * a step with a ``GrammarMask`` may run its forward before the mask is
+    filled, never its sampling (``masks_ready`` is called once it is).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from asyncbatch.engine.step_contract import StepMeta
+from asyncbatch.sampling.logprobs import TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -36,6 +39,12 @@ class StepResult:
     forward_ms: float = 0.0
     sample_ms: float = 0.0
     d2h_ms: float = 0.0
+    # The device sat idle inside the step, its forward done, waiting for the host's grammar mask
+    # (``GrammarMask``): not busy time. ``mask_wait_start`` is on the timeline's clock.
+    mask_wait_ms: float = 0.0
+    mask_wait_start: float = 0.0
+    logprobs: TokenLogprobs | None = None  # numpy, one entry per ``SamplerExtras.logprobs`` row
+    prompt_logprobs: TokenLogprobs | None = None  # numpy, one entry per ``PromptLogprobRows`` position
 
 
 class StepHandle:
@@ -76,6 +85,10 @@ class Executor(ABC):
 
     @abstractmethod
     def wait(self, handle: StepHandle) -> StepResult: ...
+
+    def masks_ready(self, handle: StepHandle) -> None:
+        """The step's ``GrammarMask`` is filled: its sampling may run. Threaded backends wait on the mask's
+        own event, so only an executor that launches from the planner thread (``cuda``) needs this."""
 
     def close(self) -> None:
         """Release device resources and stop any device thread."""

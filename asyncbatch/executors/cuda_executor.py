@@ -12,13 +12,21 @@ wait on the launch path is the planner's staging fence, which fires on the
 
 Which path a step takes (``_graph_plan``): a captured graph when graphs are
 on, the step is decode-only (``num_decode == num_tokens``), uses no penalties
-and fits the largest bucket; otherwise the eager path (prefill, mixed steps,
-penalties, oversized batches), whose inputs are copied into fresh device
+and no sampler extras (bias, logprobs, grammar) and fits the largest bucket;
+otherwise the eager path (prefill, mixed steps, penalties, extras, oversized
+batches), whose inputs are copied into fresh device
 tensors and which runs the same model with the Triton prefill kernel.
 
 The step's model, KV cache, token buffer and eager path are a ``TorchStep``
 (shared with the ``cpu`` backend), called from the planner thread: no device
 thread exists on this backend.
+
+A step with grammar rows enqueues only its forward at launch; the planner
+fills the mask while it runs and ``masks_ready`` enqueues the mask's copy (from
+a pinned buffer), the sampling and the D2H copy behind it on the same streams:
+
+    planner     [launch N+1: forward only][wait N][apply N, fill mask N+1][masks_ready: sample N+1, D2H]
+    compute       [ step N ][ forward N+1 ...............................][sample N+1]
 
 Stream-order invariants:
   * the H2D copy into static set ``s`` waits for ``_set_free[s]``, the D2H event
@@ -49,7 +57,7 @@ import torch
 from asyncbatch.engine.step_contract import StepMeta, blocks_for_tokens
 from asyncbatch.executors.base import Executor, StepHandle, StepResult
 from asyncbatch.executors.decode_graph import DecodeGraphStep, SamplingVariant
-from asyncbatch.executors.torch_executor import DeviceStep, TorchStep
+from asyncbatch.executors.torch_executor import DeviceStep, StepOutcome, TorchStep
 from asyncbatch.model.llama import CausalLM
 from asyncbatch.model.paged_attention import triton_kernels
 from asyncbatch.profiling.marks import mark
@@ -114,6 +122,10 @@ class CudaExecutor(Executor):
         self._out_host = [self._pinned(max_num_seqs) for _ in range(2)]
         self._finite_host = [self._pinned(max_num_seqs, dtype=torch.bool) for _ in range(2)]
         self._in_flight: dict[int, tuple] = {}  # eager steps' tensors, alive until their D2H event fired
+        # Grammar steps whose forward is enqueued and whose sampling waits for ``masks_ready``.
+        self._deferred: dict[int, tuple] = {}
+        words = -(-model.config.vocab_size // 32)
+        self._mask_host = [self._pinned(max_num_seqs, words, dtype=torch.int32) for _ in range(2)]
         self._set_free: list[torch.cuda.Event | None] = [None] * STAGING_BUFFERS
         self.graphs: GraphRunner | None = None
         self.graphs_off_reason = "disabled (enable_cuda_graphs=False)"
@@ -154,7 +166,7 @@ class CudaExecutor(Executor):
     # -- launch ---------------------------------------------------------------------
     def _graph_plan(self, meta: StepMeta) -> GraphPlan | None:
         nd = meta.num_decode
-        if self.graphs is None or nd == 0 or nd != meta.num_tokens or meta.any_penalty:
+        if self.graphs is None or nd == 0 or nd != meta.num_tokens or meta.any_penalty or meta.extras is not None:
             return None
         bucket = self.graphs.bucket_for(nd)
         if bucket is None:
@@ -196,44 +208,74 @@ class CudaExecutor(Executor):
         with torch.cuda.stream(self.compute_stream), torch.inference_mode():
             self.compute_stream.wait_event(ev.h2d_end)
             ev.start.record()
+            if plan is None and meta.extras is not None and meta.extras.grammar is not None:
+                # Only the forward now; sampling is enqueued by ``masks_ready`` once the host filled the mask.
+                logits = self._torch_step.forward(meta, step, self.forward_hook)
+                ev.sample.record()
+                self._deferred[meta.step_id] = (meta, step, logits, ev, time.perf_counter())
+                handle._waiter = None
+                return handle
             if plan is None:
-                tokens, finite, _ = self._torch_step.compute(meta, step, self.forward_hook, ev.sample)
+                out = self._torch_step.compute(meta, step, self.forward_hook, ev.sample)
             else:
                 with mark("graph", meta.step_id, f" bucket={plan.bucket} {plan.variant.value}"):
                     outputs = self.graphs.replay(plan.set_index, plan.bucket, plan.variant)
-                tokens, finite = outputs["token_ids"][:plan.rows], outputs["finite"][:plan.rows]
+                out = StepOutcome(outputs["token_ids"][:plan.rows], outputs["finite"][:plan.rows], 0.0)
                 ev.sample.record()  # sampling is inside the graph: its time counts as forward
             ev.end.record()
+        self._copy_out(meta, handle, ev, out, step, plan)
+        return handle
+
+    def masks_ready(self, handle: StepHandle) -> None:
+        """Enqueue a grammar step's mask upload, sampling and D2H copy behind its forward."""
+        meta, step, logits, ev, t_forward = self._deferred.pop(handle.step_id)
+        grammar = meta.extras.grammar
+        pinned = self._mask_host[meta.step_id % 2][:grammar.bitmask.shape[0], :grammar.bitmask.shape[1]]
+        pinned.numpy()[:] = grammar.bitmask  # the pinned buffer of step N is reused by step N+2, after wait(N)
+        with torch.cuda.stream(self.compute_stream), torch.inference_mode():
+            grammar.bitmask = pinned.numpy()  # what TorchStep uploads: pinned, so the copy is asynchronous
+            out = self._torch_step.sample(meta, step, logits, t_forward, wait_for_mask=False)
+            ev.end.record()
+        self._copy_out(meta, handle, ev, out, step, None)
+
+    def _copy_out(self, meta: StepMeta, handle: StepHandle, ev: _StepEvents, out: StepOutcome,
+                  step: DeviceStep | None, plan: GraphPlan | None) -> None:
         r = meta.num_sampled
-        out, fin = self._out_host[meta.step_id % 2], self._finite_host[meta.step_id % 2]
+        host_out, fin = self._out_host[meta.step_id % 2], self._finite_host[meta.step_id % 2]
         with torch.cuda.stream(self.d2h_stream), mark("d2h", meta.step_id):
             self.d2h_stream.wait_event(ev.end)
-            out[:r].copy_(tokens, non_blocking=True)
-            fin[:r].copy_(finite, non_blocking=True)
+            host_out[:r].copy_(out.token_ids, non_blocking=True)
+            fin[:r].copy_(out.finite, non_blocking=True)
             ev.d2h.record()
         if plan is None:
-            self._in_flight[meta.step_id] = (step, tokens, finite)
+            self._in_flight[meta.step_id] = (step, out)
         else:
             self._set_free[plan.set_index] = ev.d2h
         handle._waiter = (ev, r)
-        return handle
 
     def wait(self, handle: StepHandle) -> StepResult:
+        if handle._waiter is None:
+            raise RuntimeError(f"step {handle.step_id} has a grammar mask that was never marked ready "
+                               "(Executor.masks_ready)")
         ev, r = handle._waiter
         ev.d2h.synchronize()
-        self._in_flight.pop(handle.step_id, None)
+        _, outcome = self._in_flight.pop(handle.step_id, (None, None))
         out = self._out_host[handle.step_id % 2][:r].numpy().copy()
         fin = self._finite_host[handle.step_id % 2][:r].numpy().copy()
         ref, base = self._ref_event, self._ref_host
         start_ms, end_ms = ref.elapsed_time(ev.start), ref.elapsed_time(ev.end)
         if end_ms > REANCHOR_MS:  # this step's end becomes the reference: it has completed
             self._ref_event, self._ref_host = ev.end, base + end_ms / 1e3
+        logprobs = prompt = None
+        if outcome is not None:  # computed before ``end``, so complete now
+            logprobs = None if outcome.logprobs is None else outcome.logprobs.to_host()
+            prompt = None if outcome.prompt_logprobs is None else outcome.prompt_logprobs.to_host()
         return StepResult(handle.step_id, out, fin,
                           device_start=base + start_ms / 1e3, device_end=base + end_ms / 1e3,
                           h2d_ms=ev.h2d_start.elapsed_time(ev.h2d_end),
                           forward_ms=ev.start.elapsed_time(ev.sample),
                           sample_ms=ev.sample.elapsed_time(ev.end),
-                          d2h_ms=ev.end.elapsed_time(ev.d2h))
+                          d2h_ms=ev.end.elapsed_time(ev.d2h), logprobs=logprobs, prompt_logprobs=prompt)
 
     def describe(self) -> dict:
         info = {**super().describe(), **self._torch_step.memory_info()}

@@ -10,7 +10,12 @@ device timeline, as a real GPU's queue would.
 Pseudo-token of a sampled row = hash(request seed, output index, input token),
 where the input token of a decode row is read from the device token buffer: a
 wrong feedback path changes every later token. A request emits its
-end-of-sequence token at its drawn output length.
+end-of-sequence token at its drawn output length (not before ``min_tokens``).
+
+A step with grammar rows models the real device's order: the forward ends at
+its modelled time, then sampling waits for the host's ``GrammarMask`` (the wait
+is recorded, and idle), and each grammar row takes an allowed token picked by
+its hash. Logprob rows get pseudo values (the chosen token at logprob 0).
 """
 
 from __future__ import annotations
@@ -24,10 +29,12 @@ from asyncbatch.engine.step_contract import StepMeta
 from asyncbatch.executors.base import StepHandle, StepResult
 from asyncbatch.executors.device_thread import DeviceThread, ThreadedExecutor
 from asyncbatch.profiling.marks import mark
+from asyncbatch.sampling.logprobs import TokenLogprobs
 
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_CANDIDATES = 4  # hashed tries per grammar row before a scan of its mask
 
 
 def mix64(x: np.ndarray) -> np.ndarray:
@@ -83,26 +90,103 @@ class SimExecutor(ThreadedExecutor):
 
         start = max(handle.launch_time, self._device_free_at)
         end = start + self.sim.step_seconds(t, meta.context_tokens)
-        self._device_free_at = end
         if self.forward_hook is not None:
             self.forward_hook(meta)
         input_ids[:nd] = self.token_buffer[decode_rows]
         fed = input_ids[logits_idx]
-        span = self.vocab_size - self.first_token_id
         h = mix64(seeds.astype(np.uint64) * np.uint64(1_000_003) ^ mix64(steps.astype(np.uint64))
                   ^ (fed.astype(np.uint64) << np.uint64(20)))
+        extras = meta.extras
+        banned_eos = self._eos_banned(extras, r)
+        tokens = self._pseudo_tokens(h, steps, seeds, banned_eos)
+        self._sleep_until(end, meta.step_id, " sim")
+        forward_ms, wait_ms, wait_start = (end - start) * 1e3, 0.0, 0.0
+        if extras is not None and extras.grammar is not None:
+            # The forward is done at ``end``; sampling waits for the host's mask like a real device would.
+            wait_start = end
+            grammar = extras.grammar
+            with mark("grammar_mask_wait", meta.step_id):
+                grammar.wait_ready()
+            end = max(end, grammar.ready_time)
+            wait_ms = (end - wait_start) * 1e3
+            tokens[grammar.index] = self._allowed_pick(grammar.bitmask, h[grammar.index])
+        self._device_free_at = end
+        self.token_buffer[sample_rows] = tokens
+        result = StepResult(meta.step_id, tokens, np.ones(r, dtype=bool), device_start=start, device_end=end,
+                            h2d_ms=h2d_ms, forward_ms=forward_ms, mask_wait_ms=wait_ms, mask_wait_start=wait_start)
+        if extras is not None:
+            result.logprobs, result.prompt_logprobs = self._pseudo_logprobs(extras, tokens)
+        return result
+
+    @staticmethod
+    def _sleep_until(t: float, step_id: int, label: str) -> None:
+        delay = t - time.perf_counter()
+        if delay > 0:
+            with mark("forward", step_id, label):
+                time.sleep(delay)
+
+    def _pseudo_tokens(self, h: np.ndarray, steps: np.ndarray, seeds: np.ndarray, banned_eos: np.ndarray | None
+                       ) -> np.ndarray:
+        """Hash tokens in ``[first_token_id, V)``, never EOS except at the drawn length (unless banned)."""
+        span = self.vocab_size - self.first_token_id
         tokens = self.first_token_id + (h % np.uint64(span)).astype(np.int64)
         if self.eos_token_id is not None:
             tokens = np.where(tokens == self.eos_token_id, tokens + 1 if self.eos_token_id + 1 < self.vocab_size
                               else self.first_token_id, tokens)
-            tokens = np.where(steps + 1 >= self.output_length(seeds), self.eos_token_id, tokens)
-        self.token_buffer[sample_rows] = tokens
-        delay = end - time.perf_counter()
-        if delay > 0:
-            with mark("forward", meta.step_id, " sim"):
-                time.sleep(delay)
-        return StepResult(meta.step_id, tokens, np.ones(r, dtype=bool), device_start=start, device_end=end,
-                          h2d_ms=h2d_ms, forward_ms=(end - start) * 1e3)
+            ends = steps + 1 >= self.output_length(seeds)
+            if banned_eos is not None:
+                ends &= ~banned_eos
+            tokens = np.where(ends, self.eos_token_id, tokens)
+        return tokens
+
+    def _eos_banned(self, extras, r: int) -> np.ndarray | None:
+        """``[R]`` rows whose EOS a -inf bias bans (``min_tokens``); the sim honours no other bias."""
+        if extras is None or extras.bias is None or self.eos_token_id is None:
+            return None
+        bias = extras.bias
+        hit = (bias.token_ids == self.eos_token_id) & np.isneginf(bias.values)
+        banned = np.zeros(r, dtype=bool)
+        banned[bias.index[hit]] = True
+        return banned
+
+    def _allowed_pick(self, bitmask: np.ndarray, h: np.ndarray) -> np.ndarray:
+        """Per grammar row ``[G]``, an allowed token chosen by the row's hash (0 for a row with nothing
+        allowed). Cheap on purpose, as it runs on the host (on a real device it is part of the sampling
+        kernel): a few hashed candidates per row; rows where none is allowed (a small allowed set) take a
+        hash-chosen set bit of their first non-zero mask word."""
+        words = bitmask.view(np.uint32)  # [G, W]
+        g, width = words.shape
+        rows = np.arange(g)
+        picks = np.zeros(g, dtype=np.int64)
+        todo = np.ones(g, dtype=bool)
+        for k in range(_CANDIDATES):
+            tokens = (mix64(h + np.uint64(k)) % np.uint64(width * 32)).astype(np.int64)  # [G]
+            hit = todo & (((words[rows, tokens >> 5] >> (tokens & 31).astype(np.uint32)) & 1) == 1)
+            picks[hit] = tokens[hit]
+            todo &= ~hit
+        if todo.any():  # a small allowed set: a set bit, chosen by the hash, of the row's first non-zero word
+            rest = todo.nonzero()[0]
+            nonzero = words[rest] != 0  # [F, W]
+            column = nonzero.argmax(axis=1)  # [F]
+            word = words[rest, column].astype(np.uint64)
+            shift = (h[rest] >> np.uint64(32)) % np.uint64(32)
+            rotated = ((word | (word << np.uint64(32))) >> shift) & np.uint64(0xFFFFFFFF)
+            lowest = rotated & (~rotated + np.uint64(1))  # its lowest set bit alone
+            bit = (np.log2(np.maximum(lowest, 1).astype(np.float64)).astype(np.int64) + shift.astype(np.int64)) % 32
+            picks[rest] = np.where(word != 0, column * 32 + bit, 0)
+        return picks
+
+    def _pseudo_logprobs(self, extras, tokens: np.ndarray):
+        """Simulated logprobs: the sampled (or prompt) token has probability 1, the other top ids -inf."""
+        def columns(ids: np.ndarray, k: int) -> TokenLogprobs:
+            top = (ids[:, None] + np.arange(k)) % self.vocab_size
+            top_lp = np.where(np.arange(k) == 0, 0.0, -np.inf).astype(np.float32)[None, :].repeat(len(ids), 0)
+            return TokenLogprobs(np.zeros(len(ids), dtype=np.float32), np.ones(len(ids), dtype=np.int64), top, top_lp)
+
+        chosen = None if extras.logprobs is None else columns(tokens[extras.logprobs.index], extras.logprobs.max_k)
+        prompt = None if extras.prompt_logprobs is None else columns(extras.prompt_logprobs.target_ids,
+                                                                      extras.prompt_logprobs.max_k)
+        return chosen, prompt
 
     def describe(self) -> dict:
         return {"backend": "sim", "simulated": True, "sim": {

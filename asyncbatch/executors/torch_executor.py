@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from asyncbatch.engine.step_contract import StepMeta
+from asyncbatch.engine.step_contract import GrammarMask, StepMeta
 from asyncbatch.executors.base import StepHandle, StepResult
 from asyncbatch.executors.device_thread import DeviceThread, ThreadedExecutor
 from asyncbatch.model.compiled_decode import CompiledDecode, is_pure_decode
@@ -30,8 +30,11 @@ from asyncbatch.model.llama import CausalLM
 from asyncbatch.model.quantization import packed_bytes
 from asyncbatch.profiling.marks import mark
 from asyncbatch.profiling.memory import module_mib, tensor_mib
+from asyncbatch.sampling.logit_bias import apply_sparse_bias_
+from asyncbatch.sampling.logprobs import TokenLogprobs, token_logprobs
 from asyncbatch.sampling.penalties import PenaltyState
 from asyncbatch.sampling.sampler import SamplingTensors, sample
+from asyncbatch.sampling.token_bitmask import apply_bitmask_
 
 
 @dataclass(slots=True)
@@ -47,6 +50,16 @@ class PenaltyInputs:
 
 
 @dataclass(slots=True)
+class ExtrasInputs:
+    """``SamplerExtras`` on the device (``None`` where the step has no such rows)."""
+
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # [N] sample index, token ids, values
+    logprob_index: torch.Tensor | None  # [L] sample index
+    prompt_targets: torch.Tensor | None  # [P] token ids scored by the logits after the R sampled rows
+    grammar_index: torch.Tensor | None  # [G] sample index
+
+
+@dataclass(slots=True)
 class DeviceStep:
     """One step's inputs on the device, as ``TorchStep.copy_in`` made them."""
 
@@ -55,6 +68,20 @@ class DeviceStep:
     decode_rows: torch.Tensor  # [num_decode] int64, token-buffer rows the decode inputs come from
     sample_rows: torch.Tensor  # [R] int64, token-buffer rows the sampled tokens go to
     penalty: PenaltyInputs | None
+    extras: ExtrasInputs | None = None
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """What ``TorchStep.compute`` produced, on the device (``*_logprobs`` None unless asked for)."""
+
+    token_ids: torch.Tensor  # [R] int64
+    finite: torch.Tensor  # [R] bool
+    sample_start: float  # host clock when the forward was done (sampling began, or its mask wait)
+    mask_wait_ms: float = 0.0
+    mask_wait_start: float = 0.0  # host clock when the wait for the grammar mask began
+    logprobs: TokenLogprobs | None = None
+    prompt_logprobs: TokenLogprobs | None = None
 
 
 class TorchStep:
@@ -121,6 +148,9 @@ class TorchStep:
             temperature=up(s.sample_temperature[:r]), top_k=up(s.sample_top_k[:r]), top_p=up(s.sample_top_p[:r]),
             min_p=up(s.sample_min_p[:r]), seed=up(s.sample_seed[:r]), step=up(s.sample_step[:r]))
         logits_indices = up(s.logits_indices[:r])
+        extras = self._extras_in(meta)
+        if meta.extras is not None and meta.extras.prompt_logprobs is not None:  # their logits come after the R
+            logits_indices = torch.cat([logits_indices, up(meta.extras.prompt_logprobs.token_index)])
         sample_rows = up(s.sample_token_rows[:r])
         penalty = None
         if meta.any_penalty:
@@ -136,16 +166,34 @@ class TorchStep:
         batch = self._make_batch(meta, prefill_tables, input_ids=input_ids, positions=positions,
                                  slot_mapping=slot_mapping, num_decode=nd, decode_block_tables=decode_tables,
                                  decode_context_lens=decode_lens, prefill_rows=rows, logits_indices=logits_indices)
-        return DeviceStep(batch, sampling, decode_rows, sample_rows, penalty)
+        return DeviceStep(batch, sampling, decode_rows, sample_rows, penalty, extras)
+
+    def _extras_in(self, meta: StepMeta) -> ExtrasInputs | None:
+        extras = meta.extras
+        if extras is None:
+            return None
+        up = self.upload
+        bias = extras.bias
+        return ExtrasInputs(
+            bias=None if bias is None else (up(bias.index), up(bias.token_ids), up(bias.values)),
+            logprob_index=None if extras.logprobs is None else up(extras.logprobs.index),
+            prompt_targets=None if extras.prompt_logprobs is None else up(extras.prompt_logprobs.target_ids),
+            grammar_index=None if extras.grammar is None else up(extras.grammar.index))
 
     # -- the step ------------------------------------------------------------
     def compute(self, meta: StepMeta, step: DeviceStep, forward_hook: Callable[[StepMeta], None] | None = None,
-                sample_event: torch.cuda.Event | None = None) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """Forward, penalties and sampling; returns ``(token_ids [R], finite [R], host time sampling began)``.
+                sample_event: torch.cuda.Event | None = None) -> StepOutcome:
+        """Forward, then ``sample``. ``forward_hook`` runs before the forward (tests inject faults there);
+        ``sample_event`` is recorded on the current stream between the forward and the sampler."""
+        logits = self.forward(meta, step, forward_hook)
+        t_sample = time.perf_counter()
+        if sample_event is not None:
+            sample_event.record()
+        return self.sample(meta, step, logits, t_sample)
 
-        ``forward_hook`` runs before the forward (tests inject faults there); ``sample_event`` is
-        recorded on the current stream between the forward and the sampler.
-        """
+    def forward(self, meta: StepMeta, step: DeviceStep,
+                forward_hook: Callable[[StepMeta], None] | None = None) -> torch.Tensor:
+        """The model over the step's tokens: logits ``[R (+ P prompt positions), vocab]`` float32."""
         batch, nd = step.batch, meta.num_decode
         if nd:
             # The token sampled last step feeds this one without visiting the host.
@@ -155,24 +203,69 @@ class TorchStep:
             if forward_hook is not None:
                 forward_hook(meta)
             if compiled:
-                logits = self.decode_forward(batch)  # [R, vocab]
                 self.compiled_steps += 1
-            else:
-                logits = self.model(batch, self.kv_caches)
-        t_sample = time.perf_counter()
-        if sample_event is not None:
-            sample_event.record()
+                return self.decode_forward(batch)  # [R, vocab]
+            return self.model(batch, self.kv_caches)
+
+    def sample(self, meta: StepMeta, step: DeviceStep, logits: torch.Tensor, t_sample: float,
+               wait_for_mask: bool = True) -> StepOutcome:
+        """Penalties, bias, the grammar mask, sampling and logprobs over ``forward``'s logits.
+
+        With a ``GrammarMask`` and ``wait_for_mask``, blocks (this thread only) until the planner filled it;
+        the logprob rows' distributions are taken before, from the raw logits.
+        """
+        r, extras, xin = meta.num_sampled, meta.extras, step.extras
+        prompt = None
+        if extras is not None and extras.prompt_logprobs is not None:
+            prompt = token_logprobs(logits[r:], xin.prompt_targets, extras.prompt_logprobs.max_k)
+        logits = logits[:r]
+        raw_logprobs = None
+        if extras is not None and extras.logprobs is not None:
+            raw_logprobs = logits.index_select(0, xin.logprob_index)  # [L, V], before anything changes logits
+        mask_wait_start = mask_wait_ms = 0.0
         with mark("sample", meta.step_id):
             penalty = step.penalty
             if penalty is not None:
-                self._update_penalty_context(meta, batch, penalty)
+                self._update_penalty_context(meta, step.batch, penalty)
                 logits = self.penalties.apply(logits, step.sample_rows, penalty.presence, penalty.frequency,
                                               penalty.repetition)
+            if extras is not None and (extras.bias is not None or extras.grammar is not None):
+                if penalty is None:
+                    logits = logits.clone()  # the forward's output may be a reused buffer
+                if extras.bias is not None:
+                    apply_sparse_bias_(logits, *xin.bias)
+                if extras.grammar is not None:
+                    if wait_for_mask:
+                        mask_wait_start, mask_wait_ms = self._wait_for_mask(meta)
+                    self._apply_mask(logits, extras.grammar, xin.grammar_index)
             result = sample(logits, step.sampling, all_greedy=meta.all_greedy, any_top_k_top_p_min_p=meta.any_filter)
             if penalty is not None:
                 self.penalties.record(step.sample_rows, result.token_ids)
             self.token_buffer[step.sample_rows] = result.token_ids
-        return result.token_ids, result.finite, t_sample
+            chosen = None
+            if raw_logprobs is not None:
+                chosen = token_logprobs(raw_logprobs, result.token_ids.index_select(0, xin.logprob_index),
+                                        extras.logprobs.max_k)
+        return StepOutcome(result.token_ids, result.finite, t_sample, mask_wait_ms, mask_wait_start, chosen, prompt)
+
+    @staticmethod
+    def _wait_for_mask(meta: StepMeta) -> tuple[float, float]:
+        """Block until the step's grammar mask is filled; (when the wait began, milliseconds waited)."""
+        grammar = meta.extras.grammar
+        t0 = time.perf_counter()
+        if grammar.ready:
+            return t0, 0.0
+        with mark("grammar_mask_wait", meta.step_id):
+            grammar.wait_ready()
+        return t0, (time.perf_counter() - t0) * 1e3
+
+    def _apply_mask(self, logits: torch.Tensor, grammar: GrammarMask, index: torch.Tensor) -> None:
+        bitmask = torch.from_numpy(grammar.bitmask)  # [G, W] int32; filled and final once ready
+        if self.device.type != "cpu":
+            bitmask = bitmask.to(self.device, non_blocking=True)  # pinned by CudaExecutor.masks_ready
+        rows = logits.index_select(0, index)  # [G, V]
+        apply_bitmask_(rows, bitmask)
+        logits.index_copy_(0, index, rows)
 
     def _update_penalty_context(self, meta: StepMeta, batch: ForwardBatch, penalty: PenaltyInputs) -> None:
         if meta.first_chunk_rows:
@@ -221,7 +314,7 @@ class TorchExecutor(ThreadedExecutor):
     def _copy_in(self, meta: StepMeta) -> DeviceStep:
         return self._torch_step.copy_in(meta)
 
-    def _compute(self, meta: StepMeta, step: DeviceStep) -> tuple[torch.Tensor, torch.Tensor, float]:
+    def _compute(self, meta: StepMeta, step: DeviceStep) -> StepOutcome:
         return self._torch_step.compute(meta, step, self.forward_hook)
 
     def _run_threaded(self, meta: StepMeta, handle: StepHandle) -> StepResult:
@@ -232,14 +325,18 @@ class TorchExecutor(ThreadedExecutor):
         meta.staging.fence.signal()
         t1 = time.perf_counter()
         with torch.inference_mode():
-            tokens, finite, t_sample = self._compute(meta, step)
+            out = self._compute(meta, step)
         t2 = time.perf_counter()
         with mark("d2h", meta.step_id):
-            out_tokens, out_finite = tokens.numpy().copy(), finite.numpy().copy()
+            out_tokens, out_finite = out.token_ids.numpy().copy(), out.finite.numpy().copy()
+            logprobs = None if out.logprobs is None else out.logprobs.to_host()
+            prompt = None if out.prompt_logprobs is None else out.prompt_logprobs.to_host()
         t3 = time.perf_counter()
         return StepResult(meta.step_id, out_tokens, out_finite, device_start=t0, device_end=t2,
-                          h2d_ms=(t1 - t0) * 1e3, forward_ms=(t_sample - t1) * 1e3,
-                          sample_ms=(t2 - t_sample) * 1e3, d2h_ms=(t3 - t2) * 1e3)
+                          h2d_ms=(t1 - t0) * 1e3, forward_ms=(out.sample_start - t1) * 1e3,
+                          sample_ms=(t2 - out.sample_start) * 1e3 - out.mask_wait_ms, d2h_ms=(t3 - t2) * 1e3,
+                          mask_wait_ms=out.mask_wait_ms, mask_wait_start=out.mask_wait_start,
+                          logprobs=logprobs, prompt_logprobs=prompt)
 
     def describe(self) -> dict:
         return {**super().describe(), **self._torch_step.memory_info(), "dtype_choice": self.dtype_choice,

@@ -17,11 +17,17 @@ other requests are untouched (DESIGN invariant 6). Should the engine core still 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 from transformers import PreTrainedTokenizerBase
 
-from asyncbatch.frontend.prompt_validation import check_fits, check_needs_no_tokenizer, prompt_token_ids
+from asyncbatch.frontend.prompt_validation import (
+    check_fits,
+    check_needs_no_tokenizer,
+    check_token_ids,
+    prompt_token_ids,
+)
 from asyncbatch.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -45,11 +51,28 @@ class InputProcessor:
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, max_model_len: int,
-                 usable_tokens: int) -> None:
+                 usable_tokens: int, eos_token_id: int | None = None, grammar_backend: str = "auto") -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.usable_tokens = usable_tokens  # tokens the whole KV cache holds
+        self.eos_token_id = eos_token_id
+        self.grammar_backend = grammar_backend
+        self._grammar = None  # the GrammarCompiler that validates structured_outputs, built on first use
+        self._grammar_lock = threading.Lock()
+
+    def check_structured_outputs(self, params: SamplingParams) -> None:
+        """Compile the request's grammar (cached) so a bad schema, regex or grammar is a ``ValueError`` naming
+        the field at submission, never a failure inside the engine."""
+        if params.structured_outputs is None:
+            return
+        with self._grammar_lock:
+            if self._grammar is None:
+                from asyncbatch.sampling.grammar import GrammarCompiler
+
+                self._grammar = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_id,
+                                                backend=self.grammar_backend)
+        self._grammar.validate(params.structured_outputs)
 
     @property
     def usable_context(self) -> int:
@@ -82,6 +105,8 @@ class InputProcessor:
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         if self.tokenizer is None:
             check_needs_no_tokenizer(params)
+        check_token_ids(params, self.vocab_size)
+        self.check_structured_outputs(params)
         check_fits(len(prompt_ids), params, self.max_model_len, self.usable_tokens)
         return ProcessedRequest(prompt, prompt_ids, params)
 

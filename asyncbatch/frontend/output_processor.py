@@ -19,20 +19,24 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from asyncbatch.engine.messages import (
+    GRAMMAR_MESSAGE,
     NON_FINITE_MESSAGE,
     REFUSED_MESSAGE,
     Finish,
     FinishRequests,
+    LogprobColumns,
     StepAck,
     StepOutputs,
 )
 from asyncbatch.frontend.request_handle import RequestHandle
-from asyncbatch.outputs import StreamDelta
+from asyncbatch.outputs import Logprobs, StreamDelta
 from asyncbatch.profiling.marks import mark
 from asyncbatch.profiling.timeline import Timeline
 
-_ENDED_MESSAGES = {Finish.ERROR: NON_FINITE_MESSAGE, Finish.REFUSED: REFUSED_MESSAGE}
+_ENDED_MESSAGES = {Finish.ERROR: NON_FINITE_MESSAGE, Finish.REFUSED: REFUSED_MESSAGE, Finish.GRAMMAR: GRAMMAR_MESSAGE}
 _NONE, _STOP_TOKEN = int(Finish.NONE), int(Finish.STOP_TOKEN)
 
 
@@ -62,13 +66,17 @@ class OutputProcessor:
                     if handle is not None and handle.metrics.first_scheduled_time is None:
                         handle.metrics.first_scheduled_time = record.plan_end
             handles = self._handles
-            for seq, token, code in zip(out.seqs.tolist(), out.token_ids.tolist(), out.finish.tolist()):
+            if out.prompt_logprobs is not None:
+                self._prompt_logprobs(out.prompt_logprobs)
+            with_logprobs = _by_row(out.logprobs)
+            for i, (seq, token, code) in enumerate(zip(out.seqs.tolist(), out.token_ids.tolist(), out.finish.tolist())):
                 handle = handles.get(seq)
                 if handle is None or handle.done.is_set():
                     continue
                 try:
                     accepted += 1
-                    stopped = self._accept(handle, token, code, start, finishes)
+                    logprobs = with_logprobs(i, token) if with_logprobs is not None else None
+                    stopped = self._accept(handle, token, code, start, finishes, logprobs)
                 except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
                     self._fail(handle, exc, start)
                     ended.append(seq)
@@ -95,8 +103,10 @@ class OutputProcessor:
         if record is not None and self._ack_steps:
             self.send(StepAck(record.step_id))
 
-    def _accept(self, handle: RequestHandle, token: int, code: int, now: float, finishes: list) -> bool:
-        """Append one token (``code``: its ``Finish`` as a plain int); True if a stop string ended the request.
+    def _accept(self, handle: RequestHandle, token: int, code: int, now: float, finishes: list,
+                logprobs: Logprobs | None = None) -> bool:
+        """Append one token (``code``: its ``Finish`` as a plain int) and its logprobs if the request asked;
+        True if a stop string ended the request.
 
         The hot path of the frontend: one call per request per step, so it avoids enum construction and
         per-call allocations where nothing is to be matched.
@@ -104,6 +114,8 @@ class OutputProcessor:
         if handle.metrics.first_token_time is None:
             handle.metrics.first_token_time = now
         handle.token_ids.append(token)
+        if logprobs is not None and handle.logprobs is not None:
+            handle.logprobs.extend(logprobs)
         emitted = ""
         if code != _STOP_TOKEN and token not in self._hidden:
             emitted = handle.detokenizer.push(token)
@@ -111,21 +123,32 @@ class OutputProcessor:
                 feed = handle.stops.feed(emitted)
                 emitted = feed.emit
                 if feed.stopped:
-                    self._emit(handle, emitted, [token])
+                    self._emit(handle, emitted, [token], logprobs)
                     finishes.append((handle, ("stop", feed.matched, now)))
                     return True
         if code == _NONE:
-            self._emit(handle, emitted, [token])
+            self._emit(handle, emitted, [token], logprobs)
         else:
             finish = Finish(code)
             stop_reason = token if finish is Finish.STOP_TOKEN else None
-            self._flush(handle, emitted, [token], finishes, (finish.reason, stop_reason, now))
+            self._flush(handle, emitted, [token], finishes, (finish.reason, stop_reason, now), logprobs)
         return False
 
-    def _flush(self, handle: RequestHandle, emitted: str, token_ids: list[int], finishes: list, args: tuple) -> None:
+    def _prompt_logprobs(self, columns: LogprobColumns) -> None:
+        """Append each request's scored prompt positions (entries of one request are consecutive)."""
+        seqs = columns.rows
+        bounds = np.flatnonzero(np.diff(seqs)) + 1
+        for lo, hi in zip(np.concatenate([[0], bounds]).tolist(), np.concatenate([bounds, [len(seqs)]]).tolist()):
+            handle = self._handles.get(int(seqs[lo]))
+            if handle is None or handle.prompt_logprobs is None:
+                continue
+            handle.prompt_logprobs.extend(_logprobs(columns, lo, hi, columns.token_ids[lo:hi].tolist()))
+
+    def _flush(self, handle: RequestHandle, emitted: str, token_ids: list[int], finishes: list, args: tuple,
+               logprobs: Logprobs | None = None) -> None:
         """The request ends: emit what the detokenizer and the stop matcher still hold, then finish."""
         emitted += handle.stops.feed(handle.detokenizer.finish()).emit + handle.stops.flush()
-        self._emit(handle, emitted, token_ids)
+        self._emit(handle, emitted, token_ids, logprobs)
         finishes.append((handle, args))
 
     def _fail(self, handle: RequestHandle, exc: Exception, now: float) -> None:
@@ -135,8 +158,29 @@ class OutputProcessor:
         self._handles.pop(handle.seq, None)
 
     @staticmethod
-    def _emit(handle: RequestHandle, text: str, token_ids: list[int]) -> None:
+    def _emit(handle: RequestHandle, text: str, token_ids: list[int], logprobs: Logprobs | None = None) -> None:
         if text:
             handle.text_pieces.append(text)
         if handle.streaming and (text or token_ids):
-            handle.deltas.put(StreamDelta(handle.request_id, text, token_ids))
+            handle.deltas.put(StreamDelta(handle.request_id, text, token_ids, logprobs=logprobs))
+
+
+def _logprobs(columns: LogprobColumns, lo: int, hi: int, token_ids: list[int]) -> Logprobs:
+    """Entries ``lo:hi`` of ``columns`` as ``Logprobs`` (each entry's top list cut to what it asked for)."""
+    ks = columns.k[lo:hi].tolist()
+    top_ids, top_lps = columns.top_ids[lo:hi].tolist(), columns.top_logprobs[lo:hi].tolist()
+    return Logprobs(token_ids, columns.chosen[lo:hi].tolist(), columns.ranks[lo:hi].tolist(),
+                    [ids[:k] for ids, k in zip(top_ids, ks)], [lps[:k] for lps, k in zip(top_lps, ks)])
+
+
+def _by_row(columns: LogprobColumns | None) -> Callable[[int, int], Logprobs | None] | None:
+    """``(output row, its token) -> Logprobs`` of that one token, for the rows ``columns`` has."""
+    if columns is None:
+        return None
+    at = {row: i for i, row in enumerate(columns.rows.tolist())}
+
+    def lookup(row: int, token: int) -> Logprobs | None:
+        i = at.get(row)
+        return None if i is None else _logprobs(columns, i, i + 1, [token])
+
+    return lookup

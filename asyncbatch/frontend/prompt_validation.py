@@ -45,6 +45,17 @@ def check_needs_no_tokenizer(params: SamplingParams) -> None:
     if params.stop_strings:
         raise ValueError("SamplingParams.stop needs text, but the engine has no tokenizer "
                          "(skip_tokenizer_init=True); use stop_token_ids")
+    if params.structured_outputs is not None:
+        raise ValueError("SamplingParams.structured_outputs needs the tokenizer's vocabulary, but the engine has "
+                         "none (skip_tokenizer_init=True)")
+
+
+def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Token ids the parameters name (``stop_token_ids``, ``logit_bias`` keys) must be in the vocabulary."""
+    for name, ids in (("stop_token_ids", params.stop_token_ids or ()), ("logit_bias", params.logit_bias or ())):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"SamplingParams.{name} token ids must be in [0, {vocab_size - 1}], got {bad[:5]}")
 
 
 def check_fits(num_prompt_tokens: int, params: SamplingParams, max_model_len: int, usable_tokens: int) -> None:

@@ -15,7 +15,7 @@ from typing import Protocol
 from asyncbatch.errors import RequestFailedError
 from asyncbatch.frontend.detokenizer import IncrementalDetokenizer
 from asyncbatch.frontend.stop_strings import StopStringMatcher
-from asyncbatch.outputs import RequestMetrics, RequestOutput, StreamDelta
+from asyncbatch.outputs import Logprobs, RequestMetrics, RequestOutput, StreamDelta
 
 
 class DeltaSink(Protocol):
@@ -34,6 +34,8 @@ class RequestHandle:
     simulated: bool = False
     streaming: bool = False
     token_ids: list[int] = field(default_factory=list)
+    logprobs: Logprobs | None = None  # one entry per token_ids entry, when the request asked for logprobs
+    prompt_logprobs: Logprobs | None = None  # prompt tokens 1.., when it asked for prompt_logprobs
     text_pieces: list[str] = field(default_factory=list)  # emitted text, joined once at the end
     output: RequestOutput | None = None
     error: BaseException | None = None
@@ -56,7 +58,8 @@ class RequestHandle:
         ``stream`` raises ``RequestFailedError``."""
         self.metrics.finished_time = now
         self.output = RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.text,
-                                    list(self.token_ids), reason, stop_reason, self.metrics, self.simulated, error)
+                                    list(self.token_ids), reason, stop_reason, self.metrics, self.simulated, error,
+                                    self.logprobs, self.prompt_logprobs)
         if self.streaming:
             if reason == "error":
                 self.deltas.put(RequestFailedError(f"request {self.request_id} failed: {error}"))

@@ -10,6 +10,11 @@ goes to the first cause in priority order whose intervals cover it:
     output                       [out N]
     pieces             result apply  output wakeup planning launch
 
+One idle time lies inside a step rather than between two: a step with grammar
+rows whose forward finished before the host filled its masks waits there
+(``StepRecord.mask_wait_ms``); it counts as idle, cause ``grammar_mask``, and not
+as busy time.
+
 Priority: ``queue_empty``, ``staging_fence``, ``h2d`` (``cuda`` only), ``planning``
 (less its ``gc`` share), ``apply``, ``d2h``, ``output``, ``result``; what no interval
 covers is ``wakeup`` before step N+1's planning began, ``launch`` after. ``CAUSES``
@@ -43,6 +48,7 @@ CAUSES: dict[str, str] = {
     "result": "waiting for the step's result after device end",
     "wakeup": "wake-up/hand-off latency before planning",
     "launch": "launch latency (launched, not yet started)",
+    "grammar_mask": "inside a step: sampling waited for the host's grammar masks",
 }
 _ORDER = ("queue_empty", "staging_fence", "h2d", "planning", "apply", "d2h", "output")  # "gc" splits "planning"
 
@@ -82,7 +88,7 @@ class GapReport:
     steps: int
     span_ms: float  # first device start to last device end
     busy_ms: float
-    idle_ms: float  # sum of the gaps; equals sum(causes_ms.values())
+    idle_ms: float  # sum of the gaps and of the grammar-mask waits; equals sum(causes_ms.values())
     causes_ms: dict[str, float]
     queue_measured: bool  # False: no request lifetimes were given, "queue_empty" is 0 by construction
     gaps: list[GapAttribution] = field(default_factory=list)
@@ -204,9 +210,11 @@ def attribute_gaps(records: Sequence[StepRecord], lifetimes: Iterable[tuple[floa
         gaps.append(gap)
         for k, v in gap.causes_ms.items():
             causes[k] += v
-    busy = sum(r.device_end - r.device_start for r in done) * 1e3
+    mask_wait = sum(r.mask_wait_ms for r in done)
+    causes["grammar_mask"] += mask_wait
+    busy = sum(r.busy_s for r in done) * 1e3
     span = (max(r.device_end for r in done) - done[0].device_start) * 1e3
-    idle = sum(g.gap_ms for g in gaps)
+    idle = sum(g.gap_ms for g in gaps) + mask_wait
     return GapReport(len(done), span, busy, idle, causes, bool(spans), gaps)
 
 

@@ -44,6 +44,13 @@ class StepRecord:
     output_end: float = 0.0
     output_tokens: int = 0  # tokens accepted for callers (extra tokens after a finish excluded)
     gc_ms: float = 0.0  # Python GC pauses that overlapped the planner's work on this step
+    # Structured outputs: the device idled inside the step, its forward done, until the host filled the
+    # step's grammar masks (``mask_wait_*``; not busy time, the gap report's ``grammar_mask``);
+    # ``mask_fill_ms`` is the host's time filling them for ``grammar_rows`` rows.
+    mask_wait_ms: float = 0.0
+    mask_wait_start: float = 0.0
+    mask_fill_ms: float = 0.0
+    grammar_rows: int = 0
     # The engine's load when the step was planned (the server's gauges read them from the newest record).
     num_running: int = 0
     num_waiting: int = 0
@@ -52,6 +59,11 @@ class StepRecord:
     # The planner had nothing to do before this step (it blocked waiting for requests), so the device gap
     # before it is a lack of work, not host overhead: the cumulative busy counters leave that gap out.
     after_idle: bool = False
+
+    @property
+    def busy_s(self) -> float:
+        """Device busy time: start to end, less the wait for grammar masks inside the step."""
+        return self.device_end - self.device_start - self.mask_wait_ms * 1e-3
 
     @property
     def planner_ms(self) -> float:
@@ -107,12 +119,12 @@ class Timeline:
         with self._lock:
             self.records.append(record)
             if record.device_end > 0:
-                busy = record.device_end - record.device_start
+                busy = record.busy_s
                 self.busy_s_total += busy
                 if self._last_end > 0 and not record.after_idle:
                     self.span_s_total += max(record.device_end - self._last_end, busy)
                 else:
-                    self.span_s_total += busy
+                    self.span_s_total += record.device_end - record.device_start
                 self._last_end = record.device_end
             if len(self.records) > self.max_records:
                 drop = len(self.records) // 4
@@ -168,7 +180,7 @@ def summarize(records: list[StepRecord]) -> dict:
                 "idle_gap_ms_p99": 0.0, "planner_ms_per_step": 0.0, "span_s": 0.0}
     starts = np.array([r.device_start for r in records])
     ends = np.array([r.device_end for r in records])
-    busy = float((ends - starts).sum())
+    busy = float(sum(r.busy_s for r in records))
     span = float(ends[-1] - starts[0])
     gaps = np.maximum(starts[1:] - ends[:-1], 0.0) * 1e3 if len(records) > 1 else np.zeros(1)
     output_tokens = int(sum(r.output_tokens for r in records))
@@ -188,5 +200,14 @@ def summarize(records: list[StepRecord]) -> dict:
         "h2d_ms_per_step": float(np.mean([r.h2d_ms for r in records])),
         "sample_ms_per_step": float(np.mean([r.sample_ms for r in records])),
         "tokens_per_step": float(np.mean([r.num_tokens for r in records])),
+        "mask_wait_ms_per_step": float(np.mean([r.mask_wait_ms for r in records])),
+        "mask_fill_ms_per_step": float(np.mean([r.mask_fill_ms for r in records])),
+        "mask_fill_us_per_row": _fill_us_per_row(records),
         "output_tokens_per_s": output_tokens / span if span > 0 else 0.0,
     }
+
+
+def _fill_us_per_row(records: list[StepRecord]) -> float:
+    """Host microseconds per grammar row to fill masks (0 without grammar rows)."""
+    rows = sum(r.grammar_rows for r in records)
+    return sum(r.mask_fill_ms for r in records) * 1e3 / rows if rows else 0.0

@@ -22,7 +22,7 @@ from asyncbatch.profiling.timeline import StepRecord
 CAUSE_COLORS = {
     "queue_empty": "#bbbbbb", "staging_fence": "#d62728", "h2d": "#8c564b", "planning": "#1f77b4",
     "gc": "#e377c2", "apply": "#2ca02c", "d2h": "#bcbd22", "output": "#9467bd", "result": "#8dd3c7", "wakeup": "#ff7f0e",
-    "launch": "#17becf",
+    "launch": "#17becf", "grammar_mask": "#fdd835",
 }
 _PLANNER_STAGES = (("schedule", "plan_start", "schedule_end", "#1f77b4"),
                    ("wait_staging_fence", "fence_start", "fence_end", "#d62728"),
@@ -72,9 +72,13 @@ def _panel(ax, label: str, records: Sequence[StepRecord], report: GapReport, fir
             if (x := span(s, e)) is not None:
                 _bars(ax, "device", [x], CAUSE_COLORS[cause])
                 idle_ms[cause] += x[1]
+    waits = [x for r in window if r.mask_wait_ms > 0
+             and (x := span(r.mask_wait_start, r.mask_wait_start + r.mask_wait_ms * 1e-3))]
+    _bars(ax, "device", waits, CAUSE_COLORS["grammar_mask"])  # inside a step: not busy
+    idle_ms["grammar_mask"] += sum(x[1] for x in waits)
     outputs = [x for r in done if (x := span(r.output_start, r.output_end))]
     _bars(ax, "output", outputs, "#9467bd")
-    busy = sum(x[1] for x in steps)
+    busy = sum(x[1] for x in steps) - sum(x[1] for x in waits)
     total = (t1 - t0) * 1e3
     idle = total - busy
     ax.set_title(f"{label}: steps {window[0].step_id}-{window[-1].step_id}, device busy {100 * busy / total:.1f}%, "

@@ -135,6 +135,11 @@ def _idle(run: TraceRun, pid: int, o: float) -> list[dict]:
         for s, e, cause in gap.pieces:
             out.append(_slice(cause, s, e, pid, "idle", o, label=CAUSES[cause], after_step=gap.step_before,
                               gap_ms=round(gap.gap_ms, 6)))
+    for r in run.records:  # the waits for grammar masks inside steps
+        if r.mask_wait_ms > 0:
+            out.append(_slice("grammar_mask", r.mask_wait_start, r.mask_wait_start + r.mask_wait_ms * 1e-3, pid,
+                              "idle", o, label=CAUSES["grammar_mask"], step=r.step_id,
+                              gap_ms=round(r.mask_wait_ms, 6)))
     return out
 
 

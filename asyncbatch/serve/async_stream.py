@@ -21,7 +21,7 @@ import asyncio
 import threading
 from collections import deque
 
-from asyncbatch.outputs import StreamDelta
+from asyncbatch.outputs import Logprobs, StreamDelta
 
 
 class LoopWaker:
@@ -93,5 +93,11 @@ def merge_deltas(deltas: list[StreamDelta]) -> StreamDelta:
         return deltas[0]
     last = deltas[-1]
     token_ids = [t for d in deltas for t in d.token_ids]
+    logprobs = None
+    if any(d.logprobs is not None for d in deltas):
+        logprobs = Logprobs()
+        for d in deltas:
+            if d.logprobs is not None:
+                logprobs.extend(d.logprobs)
     return StreamDelta(last.request_id, "".join(d.text for d in deltas), token_ids, last.finish_reason,
-                       last.stop_reason, last.output)
+                       last.stop_reason, last.output, logprobs)

@@ -1,4 +1,11 @@
-"""``POST /v1/chat/completions``: messages under the chat template in, an assistant message out."""
+"""``POST /v1/chat/completions``: messages under the chat template in, an assistant message out.
+
+With ``tools`` (``tool_calls``) the tools go into the prompt, ``required`` / a named function constrain the
+output with a JSON schema, and each choice's text goes through a ``tool_parser`` parser: what it recognises
+becomes ``message.tool_calls`` (``delta.tool_calls`` when streaming) and ``finish_reason`` ``"tool_calls"``.
+``logprobs`` / ``top_logprobs`` add OpenAI's ``{"content": [...]}`` per choice, per chunk when streaming
+(``logprobs_format``).
+"""
 
 from __future__ import annotations
 
@@ -7,12 +14,24 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from asyncbatch.outputs import StreamDelta
+from asyncbatch.outputs import RequestOutput, StreamDelta
 from asyncbatch.serve.generation import Generation, SSEResponse
+from asyncbatch.serve.logprobs_format import chat_logprobs as format_logprobs
+from asyncbatch.serve.logprobs_format import token_texts, vllm_prompt_logprobs
 from asyncbatch.serve.openai_errors import OpenAIError
 from asyncbatch.serve.protocol import ChatCompletionRequest, ChatMessage
-from asyncbatch.serve.sampling import chat_max_tokens, check_supported, sampling_params
+from asyncbatch.serve.sampling import (
+    chat_logprobs,
+    chat_max_tokens,
+    check_supported,
+    compile_constraint,
+    naming_constraint_errors,
+    sampling_params,
+    structured_outputs,
+)
 from asyncbatch.serve.state import ServerState
+from asyncbatch.serve.tool_calls import ToolPlan, plan_tools, template_inputs, template_supports_tools
+from asyncbatch.serve.tool_parser import parse_whole
 
 _OBJECT = "chat.completion.chunk"
 
@@ -28,10 +47,15 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
-def chat_prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[int]:
+def chat_prompt_ids(state: ServerState, body: ChatCompletionRequest, plan: ToolPlan | None = None) -> list[int]:
+    """The conversation's token ids under the chat template, with the tools of ``plan`` (``tool_calls``)."""
+    processor = state.engine.processor
+    template = getattr(processor.tokenizer, "chat_template", None)
+    messages, tool_kwargs = template_inputs(template_messages(body.messages), plan,
+                                            template_supports_tools(template))
     try:
-        return state.engine.processor.chat_prompt_ids(template_messages(body.messages), body.add_generation_prompt,
-                                   **(body.chat_template_kwargs or {}))
+        return processor.chat_prompt_ids(messages, body.add_generation_prompt,
+                                         **{**tool_kwargs, **(body.chat_template_kwargs or {})})
     except ValueError:
         raise
     except Exception as exc:
@@ -39,11 +63,17 @@ def chat_prompt_ids(state: ServerState, body: ChatCompletionRequest) -> list[int
                           param="messages") from exc
 
 
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    return "tool_calls" if called and reason == "stop" else reason
+
+
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: ServerState) -> Response:
     model = state.check_model(body.model)
     check_supported(body)
     engine = state.engine
-    ids = await engine.prompt_ids(chat_prompt_ids(state, body))  # checked against the model's vocabulary
+    plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    structured, source = structured_outputs(body, plan.schema() if plan is not None else None)
+    ids = await engine.prompt_ids(chat_prompt_ids(state, body, plan))  # checked against the model's vocabulary
     max_tokens = chat_max_tokens(body)
     if max_tokens is None:  # OpenAI: as many as the context allows
         room = engine.processor.usable_context - len(ids)
@@ -51,20 +81,40 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
             raise OpenAIError(400, f"the messages take {len(ids)} tokens, which leaves no room in the "
                               f"context of {engine.max_model_len} tokens", param="messages")
         max_tokens = room
-    params = sampling_params(body, max_tokens)
+    top = chat_logprobs(body)
+    params = sampling_params(body, max_tokens, logprobs=top, prompt_logprobs=body.prompt_logprobs,
+                             structured=structured)
+    await compile_constraint(engine, params[0], source)
     state.admit(body.n)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
-    requests = engine.submit_ids([ids] * body.n, params, [f"{response_id}-{k}" for k in range(body.n)])
+    with naming_constraint_errors(source):
+        requests = engine.submit_ids([ids] * body.n, params, [f"{response_id}-{k}" for k in range(body.n)])
     return_ids = bool(body.return_token_ids)
+    texts = token_texts(engine.tokenizer)
     gen = Generation(state, response_id, model, requests, len(ids),
                      include_usage=bool(body.stream_options and body.stream_options.include_usage),
                      continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats))
     if body.stream:
         head = gen.chunk_head(_OBJECT)
+        parsers = [plan.parser() for _ in range(body.n)] if plan is not None else None
 
         def chunk(index: int, delta: StreamDelta) -> dict:
-            choice = {"index": index, "delta": {"content": delta.text} if delta.text else {}, "logprobs": None,
-                      "finish_reason": delta.finish_reason}
+            message: dict = {}
+            called = False
+            if parsers is not None:
+                parsed = parsers[index].feed(delta.text)
+                if delta.finish_reason is not None:
+                    parsed.add(parsers[index].finish())
+                if parsed.content:
+                    message["content"] = parsed.content
+                if parsed.calls:
+                    message["tool_calls"] = [part.as_chunk() for part in parsed.calls]
+                called = parsers[index].calls > 0
+            elif delta.text:
+                message["content"] = delta.text
+            logprobs = format_logprobs(delta.logprobs, texts, top) if top is not None and delta.token_ids else None
+            choice = {"index": index, "delta": message, "logprobs": logprobs,
+                      "finish_reason": _finish_reason(delta.finish_reason, called)}
             if delta.finish_reason is not None:
                 choice["stop_reason"] = delta.stop_reason
             if return_ids:
@@ -75,11 +125,27 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                                         "finish_reason": None}]} for k in range(body.n)]
         return SSEResponse(gen.sse(_OBJECT, first, chunk))
     outputs = await gen.collect(request)
-    choices = []
-    for k, output in enumerate(outputs):
-        choice = {"index": k, "message": {"role": "assistant", "content": output.text}, "logprobs": None,
-                  "finish_reason": output.finish_reason, "stop_reason": output.stop_reason}
-        if return_ids:
-            choice["token_ids"] = output.token_ids
-        choices.append(choice)
-    return JSONResponse({**gen.chunk_head("chat.completion"), "choices": choices, "usage": gen.usage()})
+    choices = [_choice(k, output, plan, top, texts, return_ids) for k, output in enumerate(outputs)]
+    response = {**gen.chunk_head("chat.completion"), "choices": choices, "usage": gen.usage()}
+    if body.prompt_logprobs is not None and outputs:
+        response["prompt_logprobs"] = vllm_prompt_logprobs(outputs[0].prompt_token_ids, outputs[0].prompt_logprobs,
+                                                           texts, body.prompt_logprobs)
+    return JSONResponse(response)
+
+
+def _choice(index: int, output: RequestOutput, plan: ToolPlan | None, top: int | None, texts,
+            return_ids: bool) -> dict:
+    message: dict = {"role": "assistant", "content": output.text}
+    finish_reason = output.finish_reason
+    if plan is not None:
+        content, calls = parse_whole(plan.parser(), output.text)
+        message["content"] = content
+        if calls:
+            message["tool_calls"] = calls
+        finish_reason = _finish_reason(finish_reason, bool(calls))
+    choice = {"index": index, "message": message,
+              "logprobs": format_logprobs(output.logprobs, texts, top) if top is not None else None,
+              "finish_reason": finish_reason, "stop_reason": output.stop_reason}
+    if return_ids:
+        choice["token_ids"] = output.token_ids
+    return choice

@@ -1,4 +1,9 @@
-"""``POST /v1/completions``: text (or token-id) prompts in, completions out, JSON or SSE."""
+"""``POST /v1/completions``: text (or token-id) prompts in, completions out, JSON or SSE.
+
+``logprobs: k`` adds OpenAI's legacy ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` per choice
+(per chunk when streaming, the offsets running on); with ``echo`` the prompt's tokens come first
+(``logprobs_format``). vLLM's ``prompt_logprobs`` adds ``choices[].prompt_logprobs``.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +14,17 @@ from starlette.responses import JSONResponse, Response
 
 from asyncbatch.outputs import StreamDelta
 from asyncbatch.serve.generation import Generation, SSEResponse
+from asyncbatch.serve.logprobs_format import CompletionLogprobs, token_texts, vllm_prompt_logprobs
 from asyncbatch.serve.openai_errors import OpenAIError
 from asyncbatch.serve.protocol import CompletionRequest
-from asyncbatch.serve.sampling import check_supported, sampling_params
+from asyncbatch.serve.sampling import (
+    check_supported,
+    compile_constraint,
+    completion_prompt_logprobs,
+    naming_constraint_errors,
+    sampling_params,
+    structured_outputs,
+)
 from asyncbatch.serve.state import ServerState
 
 _OBJECT = "text_completion"
@@ -33,24 +46,36 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
     check_supported(body)
     engine = state.engine
     prompts = split_prompts(body.prompt)
-    params = sampling_params(body, 16 if body.max_tokens is None else body.max_tokens)
+    structured, source = structured_outputs(body)
+    params = sampling_params(body, 16 if body.max_tokens is None else body.max_tokens, logprobs=body.logprobs,
+                             prompt_logprobs=completion_prompt_logprobs(body), structured=structured)
+    echo = [_prompt_text(p, engine.tokenizer) if body.echo else "" for p in prompts for _ in range(body.n)]
+    await compile_constraint(engine, params[0], source)
     state.admit(len(prompts) * body.n)
     prompt_ids = [await engine.prompt_ids(p) for p in prompts]
     response_id = f"cmpl-{uuid.uuid4().hex}"
     flat_ids = [ids for ids in prompt_ids for _ in range(body.n)]
-    requests = engine.submit_ids(flat_ids, params * len(prompts), [f"{response_id}-{k}" for k in range(len(flat_ids))],
-                                 [p for p in prompts for _ in range(body.n)])
+    with naming_constraint_errors(source):
+        requests = engine.submit_ids(flat_ids, params * len(prompts),
+                                     [f"{response_id}-{k}" for k in range(len(flat_ids))],
+                                     [p for p in prompts for _ in range(body.n)])
     return_ids = body.return_token_ids if body.return_token_ids is not None else engine.tokenizer is None
-    echo = [_prompt_text(p, engine.tokenizer) if body.echo else "" for p in prompts for _ in range(body.n)]
     gen = Generation(state, response_id, model, requests, sum(len(ids) for ids in prompt_ids),
                      include_usage=bool(body.stream_options and body.stream_options.include_usage),
                      continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats))
+    texts = token_texts(engine.tokenizer)
+    top = body.logprobs
     if body.stream:
         head = gen.chunk_head(_OBJECT)
+        sent = [len(text) for text in echo]  # text_offset of a chunk starts after the text already sent
 
         def chunk(index: int, delta: StreamDelta) -> dict:
-            choice = {"index": index, "text": delta.text, "logprobs": None, "finish_reason": delta.finish_reason,
-                      "stop_reason": delta.stop_reason}
+            logprobs = None
+            if top is not None and delta.token_ids:
+                logprobs = CompletionLogprobs(texts, top, sent[index]).build(delta.logprobs)
+            sent[index] += len(delta.text)
+            choice = {"index": index, "text": delta.text, "logprobs": logprobs,
+                      "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
             if return_ids:
                 choice["token_ids"] = delta.token_ids
             return {**head, "choices": [choice]}
@@ -61,8 +86,15 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
     outputs = await gen.collect(request)
     choices = []
     for k, output in enumerate(outputs):
-        choice = {"index": k, "text": echo[k] + output.text, "logprobs": None,
+        logprobs = None
+        if top is not None:
+            prompt = (output.prompt_token_ids, output.prompt_logprobs) if body.echo else None
+            logprobs = CompletionLogprobs(texts, top).build(output.logprobs, prompt)
+        choice = {"index": k, "text": echo[k] + output.text, "logprobs": logprobs,
                   "finish_reason": output.finish_reason, "stop_reason": output.stop_reason}
+        if body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(output.prompt_token_ids, output.prompt_logprobs, texts,
+                                                             body.prompt_logprobs)
         if return_ids:
             choice["token_ids"] = output.token_ids
             choice["prompt_token_ids"] = output.prompt_token_ids

@@ -3,10 +3,14 @@
 Unknown fields are refused (``extra="forbid"``: a misspelt ``max_token`` must
 not silently fall back to a default); wrong types and missing fields too. Both
 are 422 with the OpenAI error object (``openai_errors``). Values out of range
-are checked by ``SamplingParams`` and are 400. OpenAI fields the engine cannot
-honour (``logprobs``, ``logit_bias``, ``tools``, ``suffix``, ``best_of`` > n)
-are accepted by the schema and refused by ``sampling.check_supported`` with a
-400 that names them, instead of being ignored.
+are checked by ``sampling`` / ``SamplingParams`` / ``tool_calls`` and are 400
+naming the field. OpenAI fields the engine cannot honour (``suffix``,
+``best_of`` > n) are accepted by the schema and refused by
+``sampling.check_supported`` with a 400 that names them, instead of being
+ignored. Output constraints: ``response_format`` (OpenAI; vLLM takes it on
+completions too) or one of vLLM's ``guided_json`` / ``guided_regex`` /
+``guided_choice`` / ``guided_grammar`` / ``structured_outputs``
+(docs/serving-features.md).
 """
 
 from __future__ import annotations
@@ -51,6 +55,14 @@ class SamplingFields(_Body):
     min_tokens: int = 0
     # vLLM's: the choice also carries its token ids (and the prompt's); on by default without a tokenizer.
     return_token_ids: bool | None = None
+    prompt_logprobs: int | None = None
+    # Output constraints: OpenAI's response_format, or one of vLLM's guided_* / structured_outputs.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -83,9 +95,8 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None

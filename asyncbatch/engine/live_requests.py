@@ -1,0 +1,123 @@
+"""The engine core's live requests: admission (after a grammar compiles, if any), ends, grammar advances.
+
+Planner thread only, except ``GrammarState``'s compile worker, which talks back
+through the core's inbox:
+
+    frontend ── AddRequests ──► admit ─┬─ no grammar ─────────────────► Scheduler.add
+                                       └─ grammar ─► compile worker ─► inbox: GrammarCompiled ─► Scheduler.add
+    frontend ── Abort/Finish ─► end (a request still compiling ends there; its compile result is dropped)
+
+Every request added and not yet ended is in exactly one of ``requests`` (the
+scheduler knows it) and ``compiling`` (it does not yet).
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import numpy as np
+
+from asyncbatch.engine.messages import AppliedStep, Finish, NewRequest, ended_only
+from asyncbatch.engine.request import Request
+from asyncbatch.engine.scheduler import RequestRefused, Scheduler
+from asyncbatch.engine.structured_state import GrammarState
+
+
+@dataclass(slots=True)
+class GrammarCompiled:
+    """The compile worker finished a request's grammar (an inbox message of the core's own)."""
+
+    seq: int
+    future: Future
+
+
+class LiveRequests:
+    """Requests by seq between their ``AddRequests`` and their end; their grammar matchers."""
+
+    def __init__(self, scheduler: Scheduler, grammar: GrammarState | None, send: Callable[[object], None],
+                 inbox: queue.SimpleQueue) -> None:
+        self.scheduler = scheduler
+        self.grammar = grammar
+        self._send = send
+        self._inbox = inbox
+        self.requests: dict[int, Request] = {}
+        self.compiling: dict[int, NewRequest] = {}  # waiting for their grammar; not in the scheduler yet
+
+    def __len__(self) -> int:
+        return len(self.requests) + len(self.compiling)
+
+    def admit(self, requests: list[NewRequest]) -> None:
+        refused = []
+        for new in requests:
+            if new.params.structured_outputs is not None and self.grammar is not None:
+                self.compiling[new.seq] = new
+                future = self.grammar.compile_async(new.params.structured_outputs)
+                future.add_done_callback(lambda f, seq=new.seq: self._inbox.put(GrammarCompiled(seq, f)))
+            elif not self._add(new):
+                refused.append(new.seq)
+        if refused:
+            self._send(ended_only(refused, Finish.REFUSED))
+
+    def compiled(self, message: GrammarCompiled) -> None:
+        new = self.compiling.pop(message.seq, None)
+        if new is None:  # ended while compiling
+            return
+        try:
+            matcher = message.future.result()
+        except Exception:  # noqa: BLE001 - validated at submission; if the core disagrees, only this request ends
+            self._send(ended_only([new.seq], Finish.GRAMMAR))
+            return
+        if not self._add(new):
+            self._send(ended_only([new.seq], Finish.REFUSED))
+            return
+        self.grammar.add(new.seq, matcher)
+
+    def _add(self, new: NewRequest) -> bool:
+        """Queue ``new``; False if the scheduler refused it (that request alone ends; the engine goes on)."""
+        request = Request(str(new.seq), new.seq, new.prompt_token_ids, new.params, new.seed, new.arrival_time)
+        try:
+            self.scheduler.add(request)
+        except RequestRefused:
+            return False
+        self.requests[new.seq] = request
+        return True
+
+    def end(self, seq: int, code: Finish) -> bool:
+        """End ``seq`` (an abort, a stop string); False if it already ended."""
+        if self.compiling.pop(seq, None) is not None:
+            return True
+        request = self.requests.get(seq)
+        if request is None:
+            return False
+        self.forget(seq)
+        self.scheduler.finish(request, Finish(code).reason)
+        return True
+
+    def forget(self, seq: int) -> None:
+        """``seq`` ended (the scheduler has finished it): drop the references to it."""
+        self.requests.pop(seq, None)
+        if self.grammar is not None:
+            self.grammar.drop(seq)
+
+    def advance_grammars(self, applied: AppliedStep, ended: np.ndarray, ended_codes: np.ndarray
+                         ) -> tuple[AppliedStep, np.ndarray, np.ndarray]:
+        """Feed the kept tokens to their matchers; a token the grammar rejects ends its request
+        (``Finish.GRAMMAR``) and is not kept. Returns the step's kept rows and ended seqs/codes, updated."""
+        if self.grammar is None or not self.grammar.active:
+            return applied, ended, ended_codes
+        rejected = self.grammar.advance(applied.seqs, applied.token_ids)
+        if not rejected:
+            return applied, ended, ended_codes
+        for i in rejected:
+            if applied.finish[i] == Finish.NONE:
+                self.scheduler.finish(self.requests[int(applied.seqs[i])], Finish.GRAMMAR.reason)
+        keep = np.ones(len(applied.seqs), dtype=bool)
+        keep[rejected] = False
+        kept = keep.nonzero()[0] if applied.kept is None else applied.kept[keep]
+        bad = applied.seqs[rejected]
+        return (AppliedStep(applied.seqs[keep], applied.token_ids[keep], applied.finish[keep], applied.errored, kept),
+                np.concatenate([ended, bad]),
+                np.concatenate([ended_codes, np.full(len(bad), Finish.GRAMMAR, dtype=np.int8)]))

@@ -1,0 +1,110 @@
+"""The engine core's grammar state: one matcher per live request with ``structured_outputs``.
+
+Everything here runs on the planner thread, except compiling, which runs on a
+worker thread so a new schema never delays a launch. Where the host work meets
+the overlap loop (``EngineCore.overlap_loop``):
+
+    planner  [launch N+1 (forward only waits for nothing)][wait N][apply N: advance matchers][fill masks N+1]
+    device   [ step N ...............][ forward N+1 ...........................][sample N+1]
+                                                                       mask ready ^ (only grammar rows wait)
+
+* ``advance`` feeds every kept token to its request's matcher, in step order,
+  so a matcher is always in the state after the newest applied token;
+* ``fill`` writes a step's masks only once every earlier step was applied
+  (the planner calls it then), so the mask of step N+1 sees token N;
+* a row whose request ended since the plan (its late token is dropped) gets
+  an all-allowed mask: its token is never used.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from asyncbatch.engine.step_contract import GrammarMask
+from asyncbatch.structured_outputs import StructuredOutputsParams
+
+
+class GrammarState:
+    """Matchers by request seq; compiles through a lazily built ``GrammarCompiler``.
+
+    ``make_compiler`` builds the compiler (loads the tokenizer) on first use, so engines that never see a
+    grammar never pay for it.
+    """
+
+    def __init__(self, make_compiler: Callable[[], object]) -> None:
+        self._make_compiler = make_compiler
+        self._compiler = None
+        self._pool: ThreadPoolExecutor | None = None
+        self.matchers: dict[int, object] = {}
+        self._seqs = np.zeros(0, dtype=np.int64)  # sorted keys of ``matchers``, for vectorised lookups
+        self._dirty = False
+
+    @property
+    def active(self) -> bool:
+        return bool(self.matchers)
+
+    def compile_async(self, params: StructuredOutputsParams) -> Future:
+        """Compile ``params`` on the worker thread; the future's result is a fresh matcher (or the error)."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="asyncbatch-grammar")
+        return self._pool.submit(self._new_matcher, params)
+
+    def _new_matcher(self, params: StructuredOutputsParams) -> object:
+        if self._compiler is None:
+            self._compiler = self._make_compiler()
+        return self._compiler.matcher(params)
+
+    def add(self, seq: int, matcher: object) -> None:
+        self.matchers[seq] = matcher
+        self._dirty = True
+
+    def drop(self, seq: int) -> None:
+        if self.matchers.pop(seq, None) is not None:
+            self._dirty = True
+
+    def _sorted_seqs(self) -> np.ndarray:
+        if self._dirty:
+            self._seqs = np.fromiter(sorted(self.matchers), dtype=np.int64, count=len(self.matchers))
+            self._dirty = False
+        return self._seqs
+
+    def advance(self, seqs: np.ndarray, tokens: np.ndarray) -> list[int]:
+        """Feed each kept token (``[K]`` seqs and tokens, step order) to its request's matcher; returns the
+        positions whose token the grammar rejected (their requests must end)."""
+        keys = self._sorted_seqs()
+        if not len(keys) or not len(seqs):
+            return []
+        at = np.searchsorted(keys, seqs).clip(max=len(keys) - 1)
+        index = (keys[at] == seqs).nonzero()[0].tolist()
+        if not index:
+            return []
+        accepted = self._compiler.accept_tokens([self.matchers[int(seqs[i])] for i in index],
+                                                tokens[index].tolist())
+        return [i for i, ok in zip(index, accepted) if not ok]
+
+    def fill(self, mask: GrammarMask) -> None:
+        """Write every row of ``mask`` from its request's matcher (one batched library call), then mark it
+        ready."""
+        t0 = time.perf_counter()
+        bitmask = mask.bitmask
+        matchers, rows = [], []
+        for g, seq in enumerate(mask.seqs.tolist()):
+            matcher = self.matchers.get(seq)
+            if matcher is None:
+                bitmask[g] = -1  # the request ended since the plan: its token is dropped
+            else:
+                matchers.append(matcher)
+                rows.append(g)
+        if matchers:
+            self._compiler.fill_bitmasks(matchers, bitmask, rows)
+        now = time.perf_counter()
+        mask.fill_ms = (now - t0) * 1e3
+        mask.set_ready(now)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

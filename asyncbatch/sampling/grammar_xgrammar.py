@@ -1,0 +1,196 @@
+"""xgrammar behind ``asyncbatch.sampling.grammar`` (see ``grammar_libs`` for what both adapters share).
+
+xgrammar 0.2.9 needs four corrections to produce only what the constraint allows, all measured on
+``scripts/harness/structured_cases.py`` (profiles/grammar-backends-amd-epyc-2core):
+
+- it reads special tokens as text (``<s>`` as the three characters), so its vocabulary is rebuilt with
+  them empty, which it never allows;
+- its JSON strings take raw control characters (0x00-0x1f but ``\\n`` ``\\r``), which JSON forbids; compact
+  JSON has none anywhere else, so JSON rows are ANDed with a filter of every token holding one;
+- it accepts ED A0-BF, the UTF-8 of a surrogate (U+D800-DFFF), which is not valid UTF-8: after a token
+  ending in a lone 0xED, tokens starting with A0-BF are removed;
+- it compiles some JSON Schema keywords without enforcing them (``XGRAMMAR_UNENFORCED``): such a schema is
+  refused, as llguidance refuses them, rather than constrained wrongly.
+
+One difference is left: its regex ``.`` also matches a newline (Python's and Rust's do not).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+import numpy as np
+
+from asyncbatch.sampling.grammar_libs import (
+    JSON_OBJECT_SCHEMA,
+    LARK_SYNTAX,
+    Compiled,
+    Matcher,
+    pack_bits,
+    special_token_ids,
+)
+from asyncbatch.structured_outputs import StructuredOutputsParams
+
+MAX_SCHEMA_DEPTH = 64  # compile time grows ~cubically with nesting: 7 s at 256 (llguidance stops near 64)
+# Keywords xgrammar 0.2.9 accepts but does not enforce. allOf counts with 2+ entries (one entry, pydantic's
+# ``allOf: [{"$ref": ...}]``, is enforced), uniqueItems when true.
+XGRAMMAR_UNENFORCED = ("not", "if", "then", "else", "contains", "minContains", "maxContains",
+                       "dependentRequired", "dependentSchemas", "dependencies")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_SUBSCHEMAS = ("items", "additionalItems", "additionalProperties", "unevaluatedProperties", "unevaluatedItems",
+               "propertyNames", "not", "if", "then", "else", "contains")
+
+
+def scan_schema(schema: Any) -> tuple[list[str], int]:
+    """(the unenforced keywords used anywhere in ``schema``'s subschemas, not in its data: ``enum``,
+    ``const``, ``default``, property names; how deep its subschemas nest). Iterative: any depth."""
+    found: set[str] = set()
+    stack, deepest = [(schema, 1)], 0
+    while stack:
+        node, depth = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        deepest = max(deepest, depth)
+        found.update(k for k in XGRAMMAR_UNENFORCED if k in node)
+        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+            found.add("allOf")
+        if node.get("uniqueItems") is True:
+            found.add("uniqueItems")
+        children = [node[k] for k in _SUBSCHEMAS if isinstance(node.get(k), dict)]
+        for key in _SUBSCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                children.extend(node[key].values())
+        for key in _SUBSCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                children.extend(node[key])
+        stack.extend((child, depth + 1) for child in children)
+    return sorted(found), deepest
+
+
+class XGrammarMatcher(Matcher):
+    __slots__ = ("_after_ed", "_done", "_filter", "_lib")
+
+    def __init__(self, matcher: Any, compiled: Compiled, lib: XGrammarLib) -> None:
+        super().__init__(matcher, compiled, lib.eos, lib.vocab_size)
+        self._lib, self._filter = lib, compiled.token_filter
+        self._after_ed = False  # the text ends with a lone 0xED, the lead byte of a 3-byte UTF-8 sequence
+        self._done = False  # EOS accepted: xgrammar's matcher is terminated (tracked here: asked every step)
+
+    def _accept(self, token_id: int) -> bool:
+        if not self._m.accept_token(token_id):
+            return False
+        self.accepted(token_id)
+        return True
+
+    def accepted(self, token_id: int) -> None:
+        """The library took ``token_id`` (here or in ``XGrammarLib.accept_batch``): update what we track."""
+        self._start = None
+        self._after_ed = token_id in self._lib.ends_with_ed
+        self._done = token_id == self._lib.eos
+
+    def _fill(self, bitmask: np.ndarray, row: int) -> None:
+        self._m.fill_next_token_bitmask(bitmask, row)
+        if self._filter is not None:
+            np.bitwise_and(bitmask[row], self._filter, out=bitmask[row])
+        if self._after_ed:
+            np.bitwise_and(bitmask[row], self._lib.no_surrogate_tail, out=bitmask[row])
+
+    def is_terminated(self) -> bool:
+        return self._done
+
+
+class XGrammarLib:
+    name = "xgrammar"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos: int) -> None:
+        import xgrammar as xgr
+
+        self._xgr, self.eos, self.vocab_size = xgr, eos, vocab_size
+        detected = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=[eos])
+        # Special tokens (EOS too: a stop token, never text) as empty strings, which xgrammar never
+        # allows; ids past the tokenizer's own vocabulary are empty already.
+        special = special_token_ids(tokenizer) | {eos}
+        encoded = [""] * vocab_size
+        for token, idx in tokenizer.get_vocab().items():
+            if 0 <= idx < vocab_size and idx not in special:
+                encoded[idx] = token
+        self.info = xgr.TokenizerInfo(encoded, detected.vocab_type, vocab_size=vocab_size, stop_token_ids=[eos],
+                                      add_prefix_space=detected.add_prefix_space)
+        decoded = self.info.decoded_vocab
+        control = re.compile(rb"[\x00-\x1f]")
+        self._json_filter = pack_bits(np.array([control.search(t) is None for t in decoded], dtype=bool))
+        self.ends_with_ed = frozenset(i for i, t in enumerate(decoded) if t.endswith(b"\xed"))
+        self.no_surrogate_tail = pack_bits(np.array([not (t and 0xA0 <= t[0] <= 0xBF) for t in decoded],
+                                                    dtype=bool))
+        # grammar.GrammarCompiler keeps a bounded cache; xgrammar's own is unbounded by default.
+        self._compiler = xgr.GrammarCompiler(self.info, max_threads=min(8, os.cpu_count() or 1),
+                                             cache_enabled=False)
+        # One call fills many rows on xgrammar's threads: per-row calls cost ~100 us each in their Python
+        # wrapper at vocab 49k, the batch ~3-13 us a row (profiles/grammar-backends-amd-epyc-2core).
+        self._batch = xgr.BatchGrammarMatcher(max_threads="auto")
+
+    def accept_batch(self, matchers: list[XGrammarMatcher], tokens: list[int]) -> list[bool]:
+        """``[m.accept(t) for m, t in zip(matchers, tokens)]`` with the library's part in one call."""
+        ok = [0 <= t < self.vocab_size and not m.is_terminated() for m, t in zip(matchers, tokens)]
+        live = [i for i, good in enumerate(ok) if good]
+        accepted = self._xgr.BatchGrammarMatcher.batch_accept_token([matchers[i]._m for i in live],
+                                                                    [tokens[i] for i in live])
+        for i, good in zip(live, accepted):
+            ok[i] = bool(good)
+            if good:
+                matchers[i].accepted(tokens[i])
+        return ok
+
+    def fill_batch(self, matchers: list[XGrammarMatcher], bitmask: np.ndarray, rows: list[int]) -> None:
+        """``matchers[i].fill_bitmask(bitmask, rows[i])`` for every ``i``, the library's part in one call."""
+        live, live_rows = [], []
+        for matcher, row in zip(matchers, rows):
+            if not matcher.fill_without_library(bitmask, row):
+                live.append(matcher)
+                live_rows.append(row)
+        if not live:
+            return
+        self._batch.batch_fill_next_token_bitmask([m._m for m in live], bitmask, live_rows)
+        filtered = [row for m, row in zip(live, live_rows) if m._filter is not None]
+        if len(filtered) == len(bitmask):  # every row (the usual case): in place, no gather and scatter
+            bitmask &= self._json_filter
+        elif filtered:
+            bitmask[filtered] &= self._json_filter
+        after_ed = [row for m, row in zip(live, live_rows) if m._after_ed]
+        if after_ed:
+            bitmask[after_ed] &= self.no_surrogate_tail
+
+    def _grammar(self, params: StructuredOutputsParams) -> tuple[Any, np.ndarray | None]:
+        kind, c = params.kind, self._compiler
+        if kind in ("json", "json_object"):
+            schema = params.schema_text if kind == "json" else JSON_OBJECT_SCHEMA
+            unenforced, depth = scan_schema(json.loads(schema))
+            if unenforced:
+                raise ValueError(f"uses {', '.join(unenforced)}, which the xgrammar backend does not enforce")
+            if depth > MAX_SCHEMA_DEPTH:
+                raise ValueError(f"nests subschemas {depth} deep, more than {MAX_SCHEMA_DEPTH}")
+            return c.compile_json_schema(schema, any_whitespace=False), self._json_filter
+        if kind == "regex":
+            return c.compile_regex(params.regex), None
+        if kind == "choice":
+            alternatives = " | ".join(json.dumps(choice, ensure_ascii=False) for choice in params.choice)
+            return c.compile_grammar(f"root ::= {alternatives}"), None
+        text = params.grammar or ""
+        if not text.strip():
+            raise ValueError("the grammar is empty")
+        return (c.compile_lark(text) if LARK_SYNTAX.search(text) else c.compile_grammar(text)), None
+
+    def compile(self, params: StructuredOutputsParams) -> Compiled:
+        grammar, token_filter = self._grammar(params)
+        start = np.zeros((1, (self.vocab_size + 31) // 32), dtype=np.int32)
+        probe = Compiled(grammar, start[0], token_filter)
+        XGrammarMatcher(self._xgr.GrammarMatcher(grammar), probe, self)._fill(start, 0)
+        start.flags.writeable = False
+        return Compiled(grammar, start[0], token_filter)
+
+    def matcher(self, compiled: Compiled) -> XGrammarMatcher:
+        return XGrammarMatcher(self._xgr.GrammarMatcher(compiled.grammar), compiled, self)

@@ -1,0 +1,352 @@
+"""The structured-output grammar layer (``asyncbatch.sampling.grammar``) on both libraries.
+
+Mostly on the tiny byte-level tokenizer (259 ids in a 300-id model vocabulary: ids 0-2 are
+``<unk> <s> </s>``, EOS 2; 259-299 are padding), where a random walk through the allowed tokens is cheap;
+one test on the default model's tokenizer (49,152 ids). The cases are the catalogue's
+(``scripts/harness/structured_cases.py``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+from harness.structured_cases import BAD_CASES, CASES, CASES_BY_NAME, EXTRA_CASES, EXTRA_VIOLATIONS
+from tiny_models import EOS_ID, TINY_VOCAB, build_byte_tokenizer
+
+from asyncbatch.sampling import grammar
+from asyncbatch.sampling.grammar import (
+    BACKENDS,
+    DEFAULT_BACKEND,
+    GrammarCompiler,
+    allocate_bitmask,
+    apply_bitmask_,
+    bitmask_words,
+)
+from asyncbatch.structured_outputs import StructuredOutputsParams
+
+TOKENIZER_IDS = 259  # ids the byte-level tokenizer has; the rest of TINY_VOCAB is padding
+SPECIAL = (0, 1)  # <unk>, <s>: never allowed; EOS (2) only at the end
+PARAMS = [pytest.param(b, marks=pytest.mark.skipif(importlib.util.find_spec(b) is None,
+                                                  reason=f"{b} is not installed"), id=b) for b in BACKENDS]
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer():
+    return build_byte_tokenizer()
+
+
+_compilers: dict[str, GrammarCompiler] = {}
+
+
+@pytest.fixture(params=PARAMS)
+def compiler(request, byte_tokenizer) -> GrammarCompiler:
+    """One compiler per library for the module (its cache is part of what is tested)."""
+    if request.param not in _compilers:
+        _compilers[request.param] = GrammarCompiler(byte_tokenizer, TINY_VOCAB, EOS_ID, backend=request.param)
+    return _compilers[request.param]
+
+
+def allowed(bitmask: np.ndarray, row: int = 0, vocab: int = TINY_VOCAB) -> np.ndarray:
+    return np.flatnonzero(np.unpackbits(bitmask[row].view(np.uint8), bitorder="little")[:vocab])
+
+
+def walk(compiler, tokenizer, case, seed: int, steps: int = 200) -> tuple[list[int], bool]:
+    """A random walk through the allowed tokens; (the ids before EOS, whether it ended). Checks on every
+    step: no special or padding id is allowed, the chosen token is accepted, and whenever EOS is allowed
+    the text so far satisfies the case."""
+    rng = random.Random(seed)
+    matcher = compiler.matcher(case.params)
+    bitmask = allocate_bitmask(1, TINY_VOCAB)
+    ids: list[int] = []
+    for _ in range(steps):
+        matcher.fill_bitmask(bitmask, 0)
+        ok = allowed(bitmask)
+        assert len(ok), f"{case.name}: nothing allowed after {tokenizer.decode(ids)!r}"
+        assert not set(ok.tolist()) & {*SPECIAL, *range(TOKENIZER_IDS, TINY_VOCAB)}, case.name
+        if EOS_ID in ok:
+            case.check(tokenizer.decode(ids))
+        token = int(ok[rng.randrange(len(ok))])
+        assert matcher.accept(token), f"{case.name}: allowed token {token} refused"
+        if matcher.is_terminated():
+            assert token == EOS_ID
+            return ids, True
+        ids.append(token)
+    return ids, False
+
+
+def test_the_catalogue_has_what_the_tests_need():
+    kinds = [case.params.kind for case in CASES]
+    assert len(CASES) >= 24 and len({case.name for case in CASES}) == len(CASES)
+    assert kinds.count("json") >= 14 and kinds.count("regex") >= 5 and kinds.count("choice") >= 3
+    assert kinds.count("json_object") >= 1 and kinds.count("grammar") >= 2
+    assert {field for field, _ in BAD_CASES} == {"json", "regex", "choice", "grammar"}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
+def test_every_case_compiles_and_random_walks_end_in_valid_text(compiler, byte_tokenizer, case):
+    compiler.validate(case.params)
+    ended = 0
+    for seed in range(8):
+        ids, done = walk(compiler, byte_tokenizer, case, seed)
+        if done:
+            case.check(byte_tokenizer.decode(ids))
+            ended += 1
+            if ended == 2:
+                break
+    assert ended, f"{case.name}: no walk of 200 tokens reached EOS in 8 tries"
+
+
+@pytest.mark.parametrize("case", EXTRA_CASES, ids=[case.name for case in EXTRA_CASES])
+def test_extra_schema_features_are_enforced_or_refused(compiler, byte_tokenizer, case):
+    try:
+        compiler.validate(case.params)
+    except ValueError as exc:
+        assert str(exc).startswith("structured_outputs.json cannot be compiled")
+        return
+    for text in EXTRA_VIOLATIONS.get(case.name, ()):
+        matcher = compiler.matcher(case.params)
+        ids = byte_tokenizer.encode(text, add_special_tokens=False)
+        assert not (all(matcher.accept(t) for t in ids) and matcher.accept(EOS_ID)), f"{text!r} got through"
+    for seed in range(4):
+        ids, done = walk(compiler, byte_tokenizer, case, seed)
+        if done:
+            case.check(byte_tokenizer.decode(ids))
+
+
+@pytest.mark.parametrize("name", ["json_person", "regex_email", "choice_prefixes", "grammar_arithmetic"])
+def test_bitmask_agrees_with_accept_and_refusals_change_nothing(compiler, byte_tokenizer, name):
+    case, rng = CASES_BY_NAME[name], random.Random(1)
+    bitmask, again = allocate_bitmask(2, TINY_VOCAB), allocate_bitmask(2, TINY_VOCAB)
+    prefix: list[int] = []
+    for _ in range(8):
+        matcher = compiler.matcher(case.params)
+        assert all(matcher.accept(t) for t in prefix)
+        matcher.fill_bitmask(bitmask, 1)
+        bits = set(allowed(bitmask, 1).tolist())
+        for token in [*rng.sample(range(TINY_VOCAB), 40), *bits]:
+            if token in bits:
+                continue
+            assert not matcher.accept(token)  # refused: and the state is as it was
+        matcher.fill_bitmask(again, 1)
+        assert np.array_equal(bitmask[1], again[1])
+        for token in rng.sample(sorted(bits), min(len(bits), 12)):  # each allowed one is accepted
+            probe = compiler.matcher(case.params)
+            assert all(probe.accept(t) for t in prefix) and probe.accept(token)
+        if EOS_ID in bits and len(bits) == 1:
+            break
+        prefix.append(rng.choice(sorted(bits - {EOS_ID}) or [EOS_ID]))
+    assert bitmask[0].tolist() == [0] * bitmask_words(TINY_VOCAB)  # other rows untouched
+
+
+def test_after_eos_only_eos_and_nothing_is_accepted(compiler, byte_tokenizer):
+    matcher = compiler.matcher(CASES_BY_NAME["choice_yes_no"].params)
+    assert not matcher.accept(EOS_ID)  # not complete yet
+    for t in byte_tokenizer.encode("no", add_special_tokens=False):
+        assert matcher.accept(t)
+    bitmask = allocate_bitmask(1, TINY_VOCAB)
+    matcher.fill_bitmask(bitmask, 0)
+    assert allowed(bitmask).tolist() == [EOS_ID]  # complete and cannot go on: EOS alone
+    assert not matcher.is_terminated() and matcher.accept(EOS_ID) and matcher.is_terminated()
+    assert not matcher.accept(EOS_ID) and not matcher.accept(byte_tokenizer.encode("a")[0])
+    matcher.fill_bitmask(bitmask, 0)
+    assert allowed(bitmask).tolist() == [EOS_ID]
+    assert not matcher.accept(-1) and not matcher.accept(TINY_VOCAB) and not matcher.accept(10**12)
+
+
+def test_json_follows_the_schemas_property_order(compiler, byte_tokenizer):
+    ids, done = walk(compiler, byte_tokenizer, CASES_BY_NAME["json_person"], seed=0)
+    assert done and byte_tokenizer.decode(ids).startswith('{"name": "')
+
+
+def test_a_bad_bitmask_is_refused_not_written(compiler):
+    matcher = compiler.matcher(CASES_BY_NAME["regex_phone"].params)
+    with pytest.raises(TypeError):
+        matcher.fill_bitmask(np.zeros((1, bitmask_words(TINY_VOCAB)), dtype=np.int64), 0)
+    with pytest.raises(ValueError):
+        matcher.fill_bitmask(np.zeros((1, bitmask_words(TINY_VOCAB) - 1), dtype=np.int32), 0)
+    with pytest.raises(IndexError):
+        matcher.fill_bitmask(allocate_bitmask(2, TINY_VOCAB), 2)
+
+
+@pytest.mark.parametrize(("field", "kwargs"), BAD_CASES,
+                         ids=[f"{i}-{field}" for i, (field, _) in enumerate(BAD_CASES)])
+def test_bad_input_is_a_value_error_naming_the_field(compiler, field, kwargs):
+    for _ in range(2):  # the second from the cache
+        with pytest.raises(ValueError, match=rf"^structured_outputs\.{field}\b") as info:
+            compiler.validate(StructuredOutputsParams(**kwargs))
+        assert len(str(info.value)) < 500
+
+
+def test_the_reason_comes_from_the_library(compiler):
+    with pytest.raises(ValueError, match=r"wibble"):
+        compiler.validate(StructuredOutputsParams(json={"type": "wibble"}))
+    with pytest.raises(ValueError, match=r"^structured_outputs\.regex cannot be compiled \(\w+\): \S"):
+        compiler.validate(StructuredOutputsParams(regex="(abc"))
+
+
+def test_validate_from_four_threads_compiles_once(byte_tokenizer):
+    compiler = GrammarCompiler(byte_tokenizer, TINY_VOCAB, EOS_ID)
+    good = StructuredOutputsParams(json={"type": "object", "properties": {"t": {"type": "integer"}}})
+    bad = StructuredOutputsParams(regex="(unclosed")
+    barrier, errors, outcomes = threading.Barrier(4), [], []
+
+    def run() -> None:
+        try:
+            barrier.wait()
+            for _ in range(20):
+                compiler.validate(good)
+                compiler.matcher(good)
+                try:
+                    compiler.validate(bad)
+                except ValueError as exc:
+                    outcomes.append(str(exc).startswith("structured_outputs.regex"))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not errors and outcomes == [True] * 80 and compiler.cache_len() == 2
+
+
+def test_the_cache_is_bounded(byte_tokenizer):
+    compiler = GrammarCompiler(byte_tokenizer, TINY_VOCAB, EOS_ID, cache_entries=2)
+    for word in ("a", "b", "c"):
+        compiler.validate(StructuredOutputsParams(regex=word))
+    assert compiler.cache_len() == 2
+
+
+def test_backend_names_and_a_missing_library(byte_tokenizer, monkeypatch):
+    with pytest.raises(ValueError, match="grammar backend must be"):
+        GrammarCompiler(byte_tokenizer, TINY_VOCAB, EOS_ID, backend="outlines")
+    if importlib.util.find_spec(DEFAULT_BACKEND) is not None:
+        assert GrammarCompiler(byte_tokenizer, TINY_VOCAB, EOS_ID).backend_name == DEFAULT_BACKEND
+    with pytest.raises(ValueError, match="EOS"):
+        GrammarCompiler(byte_tokenizer, TINY_VOCAB, TINY_VOCAB)
+    monkeypatch.setattr(grammar.importlib.util, "find_spec", lambda name: None)
+    for backend in ("auto", *BACKENDS):
+        with pytest.raises(ImportError, match=r"pip install asyncbatch\[structured\]"):
+            GrammarCompiler(byte_tokenizer, TINY_VOCAB, EOS_ID, backend=backend)
+
+
+def test_importing_asyncbatch_loads_no_grammar_library():
+    code = ("import sys, asyncbatch, asyncbatch.sampling.grammar; "
+            "assert not {'xgrammar', 'llguidance'} & set(sys.modules), sorted(sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+def _reference_apply(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    out = logits.clone()
+    for g in range(logits.shape[0]):
+        for t in range(logits.shape[1]):
+            if not (int(bitmask[g, t // 32]) >> (t % 32)) & 1:
+                out[g, t] = float("-inf")
+    return out
+
+
+@pytest.mark.parametrize("vocab", [1, 31, 32, 33, 100, 300])
+@pytest.mark.parametrize("extra_words", [0, 2])
+def test_apply_bitmask_matches_a_reference(vocab, extra_words):
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(3, vocab, generator=gen)
+    words = bitmask_words(vocab) + extra_words
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, words), generator=gen, dtype=torch.int64).to(torch.int32)
+    bitmask[1] = -1  # all allowed (bit 31 included)
+    bitmask[2] = 0  # nothing allowed
+    expected = _reference_apply(logits, bitmask)
+    apply_bitmask_(logits, bitmask)
+    assert torch.equal(logits, expected)
+    assert torch.isneginf(logits[2]).all() and not torch.isinf(logits[1]).any()
+
+
+def test_apply_bitmask_checks_shapes_and_masks_half_precision():
+    with pytest.raises(ValueError, match="words per row"):
+        apply_bitmask_(torch.zeros(1, 65), torch.zeros(1, 2, dtype=torch.int32))
+    with pytest.raises(TypeError):
+        apply_bitmask_(torch.zeros(1, 32), torch.zeros(1, 1, dtype=torch.int64))
+    logits = torch.zeros(1, 40, dtype=torch.bfloat16)
+    apply_bitmask_(logits, torch.tensor([[1 << 5, 1 << 7]], dtype=torch.int32))
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [5, 39]
+
+
+@pytest.fixture(scope="module")
+def default_tokenizer():
+    from asyncbatch.model.default_model import DefaultModelMissingError
+    from asyncbatch.model.loader import load_tokenizer, resolve_model_path
+
+    try:
+        return load_tokenizer(resolve_model_path(None))
+    except DefaultModelMissingError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.mark.parametrize("backend", PARAMS)
+def test_default_model_tokenizer_padded_vocab_and_special_tokens(default_tokenizer, backend):
+    """49,152 ids padded to 49,216: padding and special ids are never allowed, and the mask agrees with
+    accept for allowed and disallowed samples along a walk."""
+    vocab = 49152 + 64
+    eos = default_tokenizer.eos_token_id
+    special = {i for i in grammar_special_ids(default_tokenizer) if i != eos}
+    compiler = GrammarCompiler(default_tokenizer, vocab, eos, backend=backend)
+    rng = random.Random(0)
+    bitmask = allocate_bitmask(1, vocab)
+    for name in ("json_person", "regex_date", "choice_unicode", "grammar_fruit_list"):
+        case = CASES_BY_NAME[name]
+        matcher, ids = compiler.matcher(case.params), []
+        for _ in range(24):
+            matcher.fill_bitmask(bitmask, 0)
+            bits = allowed(bitmask, vocab=vocab)
+            assert len(bits) and bits[-1] < 49152 and not special & set(bits.tolist()), name
+            refused = [t for t in rng.sample(range(vocab), 64) if t not in set(bits.tolist())]
+            assert not any(matcher.accept(t) for t in refused)
+            token = int(bits[rng.randrange(len(bits))])
+            assert matcher.accept(token)
+            if matcher.is_terminated():
+                text = default_tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+                case.check(text)
+                break
+            ids.append(token)
+
+
+def grammar_special_ids(tokenizer) -> set[int]:
+    from asyncbatch.sampling.grammar_libs import special_token_ids
+
+    return special_token_ids(tokenizer)
+
+
+@pytest.mark.parametrize("backend", PARAMS)
+def test_batched_fill_and_accept_equal_one_row_at_a_time(default_tokenizer, backend):
+    """``fill_bitmasks`` and ``accept_tokens`` (xgrammar: one library call each) do exactly what per-row
+    ``fill_bitmask`` and ``accept`` do, for rows at the start state, mid-walk (JSON filter, UTF-8 repairs
+    included) and terminated, in any row order: two sets of matchers walk the same tokens, one each way."""
+    vocab = 49152
+    compiler = GrammarCompiler(default_tokenizer, vocab, default_tokenizer.eos_token_id, backend=backend)
+    cases = [c for c in CASES if c.params.kind in ("json", "json_object", "regex", "grammar")][:12]
+    one_by_one = [compiler.matcher(c.params) for c in cases]
+    batched = [compiler.matcher(c.params) for c in cases]
+    rng = random.Random(1)
+    single, together = allocate_bitmask(len(cases), vocab), allocate_bitmask(len(cases), vocab)
+    rows = list(range(len(cases)))[::-1]  # rows need not follow the matchers' order
+    for step in range(24):
+        for matcher, row in zip(one_by_one, rows):
+            matcher.fill_bitmask(single, row)
+        together[:] = 0
+        compiler.fill_bitmasks(batched, together, rows)
+        np.testing.assert_array_equal(together, single, err_msg=f"step {step}")
+        tokens = []
+        for row in rows:
+            ok = allowed(single, row, vocab)
+            # Now and then a disallowed token: both ways must refuse it and stay where they were.
+            tokens.append(int(ok[rng.randrange(len(ok))]) if len(ok) and rng.random() > 0.1 else rng.randrange(vocab))
+        expected = [m.accept(t) for m, t in zip(one_by_one, tokens)]
+        assert compiler.accept_tokens(batched, tokens) == expected
+        assert [m.is_terminated() for m in batched] == [m.is_terminated() for m in one_by_one]

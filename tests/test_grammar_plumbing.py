@@ -1,0 +1,120 @@
+"""The grammar-mask path through every backend, with a scripted grammar instead of a grammar library.
+
+``ScriptedCompiler`` stands in for ``asyncbatch.sampling.grammar.GrammarCompiler``: a request's "grammar"
+allows the tokens of its choice string one at a time (``allowed[i]`` at output ``i``), then only EOS.
+Every constrained output is therefore known in advance, whatever the random weights prefer, so the test
+checks the plumbing exactly: masks filled for the right step (token N seen before N+1 is sampled), the
+device waiting only for them (``cpu``: the device thread; ``cuda``: sampling enqueued by ``masks_ready``),
+late rows after a finish, plain rows untouched. It needs no grammar library, so it runs everywhere; on a
+GPU machine ``scripts/gpu_check.sh`` runs it with ``device="cuda"``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tiny_models import EOS_ID, save_tiny_model
+
+from asyncbatch import LLM, SamplingParams, StructuredOutputsParams
+from asyncbatch.sampling.token_bitmask import bitmask_words
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (run scripts/gpu_check.sh)")])]
+
+
+class ScriptedMatcher:
+    def __init__(self, script: list[int], vocab_size: int) -> None:
+        self.script, self.pos, self.vocab_size, self.done = script, 0, vocab_size, False
+
+    def accept(self, token_id: int) -> bool:
+        if self.pos < len(self.script):
+            if token_id != self.script[self.pos]:
+                return False
+            self.pos += 1
+            return True
+        if token_id == EOS_ID:
+            self.done = True
+            return True
+        return False
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        allowed = self.script[self.pos] if self.pos < len(self.script) else EOS_ID
+        bitmask[row] = 0
+        bitmask[row, allowed // 32] = np.int32(np.uint32(1 << (allowed % 32)).view(np.int32))
+
+    def is_terminated(self) -> bool:
+        return self.done
+
+
+class ScriptedCompiler:
+    """The choice's text as the tiny byte-level tokenizer encodes it, token by token, then EOS."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_id: int | None, backend: str = "auto") -> None:
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        assert bitmask_words(vocab_size) > EOS_ID // 32
+
+    def validate(self, params: StructuredOutputsParams) -> None:
+        if params.choice is None or len(params.choice) != 1:
+            raise ValueError("structured_outputs.choice: the scripted grammar takes one choice")
+
+    def fill_bitmasks(self, matchers: list[ScriptedMatcher], bitmask: np.ndarray, rows: list[int]) -> None:
+        for matcher, row in zip(matchers, rows):
+            matcher.fill_bitmask(bitmask, row)
+
+    def accept_tokens(self, matchers: list[ScriptedMatcher], tokens: list[int]) -> list[bool]:
+        return [matcher.accept(token) for matcher, token in zip(matchers, tokens)]
+
+    def matcher(self, params: StructuredOutputsParams) -> ScriptedMatcher:
+        return ScriptedMatcher(self.tokenizer.encode(params.choice[0], add_special_tokens=False), self.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("scripted") / "llama", "LlamaForCausalLM")
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    from asyncbatch.sampling import grammar
+
+    monkeypatch.setattr(grammar, "GrammarCompiler", ScriptedCompiler)
+
+
+def _requests() -> tuple[list[str], list[SamplingParams], list[str]]:
+    words = ["a", "json", "overlap", "the mask of step N+1 sees token N", "xy" * 20]
+    prompts, params, expected = [], [], []
+    for i in range(20):
+        word = words[i % len(words)]
+        prompts.append(f"prompt {i % 4}")
+        if i % 3 == 2:  # a plain row between the constrained ones
+            params.append(SamplingParams(max_tokens=12, temperature=1.0, seed=i, ignore_eos=True))
+            expected.append("")
+        else:
+            params.append(SamplingParams(max_tokens=64, temperature=1.0 if i % 2 else 0.0, seed=i, logprobs=2,
+                                         structured_outputs=StructuredOutputsParams(choice=[word])))
+            expected.append(word)
+    return prompts, params, expected
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scripted_grammar_is_followed_exactly_in_every_mode(tiny_model, scripted, device):
+    prompts, params, expected = _requests()
+    tokens = {}
+    for overlap in (True, False):
+        for mask_overlap in ((True, False) if overlap else (True,)):
+            with LLM(str(tiny_model), device=device, dtype="float32", max_num_seqs=8, engine_process=False,
+                     overlap=overlap, grammar_mask_overlap=mask_overlap, num_kv_blocks=24,
+                     debug_check_integrity=True) as llm:
+                outputs = llm.generate(prompts, params, use_tqdm=False)
+                stats = llm.stats()
+            for out, word in zip(outputs, expected):
+                if word:
+                    assert out.text == word, (device, overlap, out.text)
+                    assert out.finish_reason == "stop" and out.token_ids[-1] == EOS_ID
+                    assert len(out.logprobs) == len(out.token_ids)
+                else:
+                    assert len(out.token_ids) == 12
+            assert stats["mask_fill_us_per_row"] > 0
+            tokens[overlap, mask_overlap] = [o.token_ids for o in outputs]
+    assert tokens[True, True] == tokens[False, True] == tokens[True, False]
