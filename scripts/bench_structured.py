@@ -50,7 +50,8 @@ CONFIGS = ("none", "overlap", "naive")
 GOAL = 0.97
 
 
-def run_one(config: str, step_ms: float, running: int, max_tokens: int, grammar_share: float) -> dict:
+def run_one(config: str, step_ms: float, running: int, max_tokens: int, grammar_share: float,
+            engine_process: bool = True) -> dict:
     sim = SimConfig(step_fixed_ms=step_ms, per_token_us=0.0, per_context_token_ns=0.0,
                     output_len_distribution="fixed", output_len_max=10 * max_tokens)
     num_grammar = 0 if config == "none" else round(running * grammar_share)
@@ -58,7 +59,7 @@ def run_one(config: str, step_ms: float, running: int, max_tokens: int, grammar_
     params = [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, ignore_eos=True,
                              structured_outputs=constraint if i < num_grammar else None) for i in range(running)]
     with LLM(device="sim", max_num_seqs=running, max_num_batched_tokens=max(2048, 2 * running), sim=sim,
-             grammar_mask_overlap=config != "naive") as llm:
+             grammar_mask_overlap=config != "naive", engine_process=engine_process) as llm:
         llm.generate(["warm up the grammar compile cache"], SamplingParams(max_tokens=2, structured_outputs=constraint),
                      use_tqdm=False)
         llm.reset_stats()
@@ -119,14 +120,16 @@ def main() -> None:
     parser.add_argument("--running", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--grammar-share", type=float, default=0.5)
-    parser.add_argument("--quick", action="store_true", help="32 running, 24 tokens, one step time")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 32 running, 24 tokens, one step time, the engine core in-process")
     args = parser.parse_args()
     if args.quick:
         args.running, args.max_tokens, args.step_ms = 32, 24, [1.0]
     results = []
     for step_ms in args.step_ms:
         for config in CONFIGS:
-            result = run_one(config, step_ms, args.running, args.max_tokens, args.grammar_share)
+            result = run_one(config, step_ms, args.running, args.max_tokens, args.grammar_share,
+                             engine_process=not args.quick)
             print(json.dumps(result), flush=True)
             results.append(result)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -76,7 +76,9 @@ def wait_running(server: ServeProcess, n: int, within_s: float = 20) -> None:
 def test_sigterm_finishes_in_flight_requests_and_exits_0() -> None:
     server = ServeProcess("--sim-step-ms", "10", "--shutdown-timeout", "30")
     try:
-        results, threads = run_streams(server, 3, max_tokens=100)  # about 1 s of 10 ms steps
+        # About 3 s of 10 ms steps: long enough that none ends before the signal on a loaded machine (with
+        # 1 s, one did once, under a full parallel suite run).
+        results, threads = run_streams(server, 3, max_tokens=300)
         wait_running(server, 3)
         server.proc.send_signal(signal.SIGTERM)
         assert refuses_new_requests(server, within_s=10)
@@ -88,7 +90,7 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0() -> None:
         server.kill()
     assert len(results) == 3
     for ids, finishes, done in results:
-        assert len(ids) == 100 and finishes == ["length"] and done, (len(ids), finishes, done)
+        assert len(ids) == 300 and finishes == ["length"] and done, (len(ids), finishes, done)
     assert "draining 3 in-flight requests" in log
     assert log.count("finish=length") == 3  # one request log line each
 

@@ -12,7 +12,7 @@ and the parser that turns the output into ``tool_calls`` (``tool_parser``).
 
 The tools go to the chat template as ``tools=`` when the template refers to ``tools``; otherwise (the default
 model's template has no tool section) they are rendered into the system message in Hermes format
-(``TOOLS_PROMPT``, Qwen2.5's wording), and earlier turns are rewritten to the same format: an assistant's
+(``TOOLS_PROMPT``: the Hermes tags Qwen's templates use, in our own words), and earlier turns are rewritten to the same format: an assistant's
 ``tool_calls`` become ``<tool_call>`` blocks in its content, ``tool`` messages become a user turn of
 ``<tool_response>`` blocks. With a template that knows tools, ``arguments`` strings of earlier calls are
 given to it as objects (vLLM does the same; HF templates ``tojson`` them).
@@ -39,15 +39,15 @@ from asyncbatch.serve.tool_parser import (
 
 TOOLS_PROMPT = """# Tools
 
-You may call {how} to assist with the user query.
+You can call {how} when it helps to answer the user.
 
-You are provided with function signatures within <tools></tools> XML tags:
+Each function you can call is described by one JSON object between <tools> and </tools>:
 <tools>
 {tools}
 </tools>
 
-For each function call, return a json object with function name and arguments within <tool_call></tool_call> \
-XML tags:
+To call a function, write a JSON object with its name and its arguments between <tool_call> and \
+</tool_call>:
 <tool_call>
 {{"name": <function-name>, "arguments": <args-json-object>}}
 </tool_call>"""
