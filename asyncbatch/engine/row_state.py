@@ -24,6 +24,14 @@ NO_SEQ = -1  # ``RowState.seq`` of a row no request holds
 
 NO_ROWS = np.zeros(0, dtype=np.int64)  # an empty, read-only set of token rows
 NO_ROWS.flags.writeable = False
+_NO_BIAS = (NO_ROWS, np.zeros(0, dtype=np.float32))
+
+
+def _bias_arrays(bias: dict[int, float] | None) -> tuple[np.ndarray, np.ndarray]:
+    if not bias:
+        return _NO_BIAS
+    return (np.fromiter(bias, dtype=np.int64, count=len(bias)),
+            np.fromiter(bias.values(), dtype=np.float32, count=len(bias)))
 
 
 class RowState:
@@ -65,6 +73,8 @@ class RowState:
         self.has_grammar = np.zeros(s, dtype=bool)  # [S] structured_outputs
         self.needs_extras = np.zeros(s, dtype=bool)  # [S] any of the three above
         self.params: list[SamplingParams | None] = [None] * s  # read for the few rows with a bias
+        # Each biased row's logit_bias as ([B] int64 token ids, [B] float32 values), built once at admission.
+        self.bias: list[tuple[np.ndarray, np.ndarray]] = [_NO_BIAS] * s
         # Output ids by output index, kept for the recompute after a preemption. np.zeros maps pages
         # lazily, so memory grows with the outputs actually written, not with S * max_outputs.
         self.history = np.zeros((s, max_outputs), dtype=np.int32)  # [S, max_outputs]
@@ -102,6 +112,7 @@ class RowState:
         self.has_grammar[row] = p.structured_outputs is not None
         self.needs_extras[row] = self.has_bias[row] or self.has_grammar[row] or p.logprobs is not None
         self.params[row] = p
+        self.bias[row] = _bias_arrays(p.logit_bias)
 
     def append_outputs(self, rows: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
         """Append one output to each of ``rows`` (distinct); returns their new output counts ``[R]``."""

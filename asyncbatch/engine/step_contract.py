@@ -188,7 +188,7 @@ class GrammarMask:
     forward meanwhile and only its sampling waits (``wait_ready``). Rows without a grammar never wait.
     """
 
-    __slots__ = ("_ready", "bitmask", "fill_ms", "index", "ready_time", "seqs")
+    __slots__ = ("_ready", "bitmask", "index", "ready_time", "seqs")
 
     def __init__(self, index: np.ndarray, seqs: np.ndarray, bitmask: np.ndarray) -> None:
         self.index = index  # [G] int64 sample index
@@ -196,7 +196,6 @@ class GrammarMask:
         self.bitmask = bitmask  # [G, ceil(V / 32)] int32, bit set = allowed; every row is written by the fill
         self._ready = threading.Event()
         self.ready_time = 0.0  # perf_counter when the mask became ready
-        self.fill_ms = 0.0  # host time spent filling it
 
     def set_ready(self, now: float) -> None:
         self.ready_time = now

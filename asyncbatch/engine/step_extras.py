@@ -42,13 +42,6 @@ class _DecodeExtras:
     grammar_index: np.ndarray  # [G]
 
 
-def _bias_arrays(bias: dict[int, float] | None) -> tuple[np.ndarray, np.ndarray]:
-    if not bias:
-        return _NONE, np.zeros(0, dtype=np.float32)
-    return np.fromiter(bias, dtype=np.int64, count=len(bias)), np.fromiter(bias.values(), dtype=np.float32,
-                                                                           count=len(bias))
-
-
 class StepExtrasWriter:
     """Builds ``SamplerExtras`` for the steps of one scheduler (planner thread only)."""
 
@@ -114,7 +107,7 @@ class StepExtrasWriter:
         for i in index.tolist():
             row = int(sampled_rows[i])
             params = st.params[row]
-            tokens, values = _bias_arrays(params.logit_bias)
+            tokens, values = st.bias[row]
             if int(steps[i]) < params.min_tokens:
                 banned = list(params.stop_token_ids or ())
                 if self.eos_token_id is not None:

@@ -86,9 +86,9 @@ class GrammarState:
                                                 tokens[index].tolist())
         return [i for i, ok in zip(index, accepted) if not ok]
 
-    def fill(self, mask: GrammarMask) -> None:
+    def fill(self, mask: GrammarMask) -> float:
         """Write every row of ``mask`` from its request's matcher (one batched library call), then mark it
-        ready."""
+        ready; returns the milliseconds it took."""
         t0 = time.perf_counter()
         bitmask = mask.bitmask
         matchers, rows = [], []
@@ -102,8 +102,8 @@ class GrammarState:
         if matchers:
             self._compiler.fill_bitmasks(matchers, bitmask, rows)
         now = time.perf_counter()
-        mask.fill_ms = (now - t0) * 1e3
         mask.set_ready(now)
+        return (now - t0) * 1e3
 
     def close(self) -> None:
         if self._pool is not None:

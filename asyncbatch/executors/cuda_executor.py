@@ -61,6 +61,7 @@ from asyncbatch.executors.torch_executor import DeviceStep, StepOutcome, TorchSt
 from asyncbatch.model.llama import CausalLM
 from asyncbatch.model.paged_attention import triton_kernels
 from asyncbatch.profiling.marks import mark
+from asyncbatch.sampling.token_bitmask import bitmask_words
 from cuda_graphs import CudaGraphBackend, GraphRunner, normalize_batch_sizes
 
 logger = logging.getLogger(__name__)
@@ -124,7 +125,7 @@ class CudaExecutor(Executor):
         self._in_flight: dict[int, tuple] = {}  # eager steps' tensors, alive until their D2H event fired
         # Grammar steps whose forward is enqueued and whose sampling waits for ``masks_ready``.
         self._deferred: dict[int, tuple] = {}
-        words = -(-model.config.vocab_size // 32)
+        words = bitmask_words(model.config.vocab_size)
         self._mask_host = [self._pinned(max_num_seqs, words, dtype=torch.int32) for _ in range(2)]
         self._set_free: list[torch.cuda.Event | None] = [None] * STAGING_BUFFERS
         self.graphs: GraphRunner | None = None

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from asyncbatch.sampling.token_bitmask import bitmask_words
 from asyncbatch.structured_outputs import StructuredOutputsParams
 
 # llguidance's own test for Lark syntax (llguidance.gbnf_to_lark.is_lark_syntax).
@@ -53,7 +54,7 @@ def check_bitmask(bitmask: np.ndarray, row: int, words: int) -> None:
 
 def pack_bits(allowed: np.ndarray) -> np.ndarray:
     """A bool ``[V]`` array as one int32 bitmask row."""
-    words = (len(allowed) + 31) // 32
+    words = bitmask_words(len(allowed))
     packed = np.packbits(allowed, bitorder="little")
     return np.pad(packed, (0, words * 4 - len(packed))).view("<i4").astype(np.int32)
 
@@ -74,7 +75,7 @@ class Matcher:
 
     def __init__(self, matcher: Any, compiled: Compiled, eos: int, vocab_size: int) -> None:
         self._m, self._eos, self._vocab_size = matcher, eos, vocab_size
-        self._words = (vocab_size + 31) // 32
+        self._words = bitmask_words(vocab_size)
         self._start: np.ndarray | None = compiled.start  # until the first token
 
     def accept(self, token_id: int) -> bool:
@@ -168,7 +169,7 @@ class LLGuidanceLib:
         if matcher.is_error():
             raise ValueError(matcher.get_error())
         # The first mask also builds the lexer, which the copies share: here, not on the planner thread.
-        start = np.zeros(((self.vocab_size + 31) // 32,), dtype=np.int32)
+        start = np.zeros((bitmask_words(self.vocab_size),), dtype=np.int32)
         matcher.unsafe_compute_mask_ptr(start.ctypes.data, start.nbytes)
         start.flags.writeable = False
         return Compiled(matcher, start)  # every request's matcher is a copy of this one

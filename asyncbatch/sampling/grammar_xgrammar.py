@@ -32,6 +32,7 @@ from asyncbatch.sampling.grammar_libs import (
     pack_bits,
     special_token_ids,
 )
+from asyncbatch.sampling.token_bitmask import bitmask_words
 from asyncbatch.structured_outputs import StructuredOutputsParams
 
 MAX_SCHEMA_DEPTH = 64  # compile time grows ~cubically with nesting: 7 s at 256 (llguidance stops near 64)
@@ -186,7 +187,7 @@ class XGrammarLib:
 
     def compile(self, params: StructuredOutputsParams) -> Compiled:
         grammar, token_filter = self._grammar(params)
-        start = np.zeros((1, (self.vocab_size + 31) // 32), dtype=np.int32)
+        start = np.zeros((1, bitmask_words(self.vocab_size)), dtype=np.int32)
         probe = Compiled(grammar, start[0], token_filter)
         XGrammarMatcher(self._xgr.GrammarMatcher(grammar), probe, self)._fill(start, 0)
         start.flags.writeable = False
