@@ -43,6 +43,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from asyncbatch.engine.prefix_cache import ROOT_KEY, ROOT_SERIAL, CachedBlock, PrefixCache
+from asyncbatch.engine.request import Request
 from asyncbatch.engine.step_contract import DUMMY_BLOCK, blocks_for_tokens
 
 __all__ = ["DUMMY_BLOCK", "BlockManager", "IntegrityError", "blocks_for_tokens"]  # the constants: step_contract
@@ -95,6 +96,11 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         """Blocks ``allocate`` can hand out: free, plus cached blocks no row holds (evicted when taken)."""
         return self._num_free + (self.prefix.num_evictable if self.prefix is not None else 0)
+
+    @property
+    def num_unused_blocks(self) -> int:
+        """Blocks on the free stack: what ``allocate`` hands out before it evicts a cached block."""
+        return self._num_free
 
     def free_blocks(self) -> list[int]:
         """The free stack, next block to hand out last (for tests and debugging; evictable blocks excluded)."""
@@ -153,6 +159,26 @@ class BlockManager:
         self.decode_slot_base[row] = (new[-1] - (have + need - 1)) * self.block_size
         self.ref[new] = 1
 
+    def allocate_rows(self, rows: np.ndarray, counts: np.ndarray) -> None:
+        """Give each of ``rows`` (distinct, [A] int64) ``counts[i]`` more blocks ([A] int64), rows in order: the
+        blocks and table entries that ``allocate`` row by row would give, from one pop (an admission burst)."""
+        total = int(counts.sum())
+        if not total:
+            return
+        have = self.num_row_blocks[rows]  # [A]
+        grown = have + counts  # [A]
+        if int(grown.max()) > self.max_blocks_per_seq:
+            raise IntegrityError(f"a row needs {int(grown.max())} blocks, the table holds {self.max_blocks_per_seq}")
+        new = self._pop(total)  # [N] rows[0]'s blocks first
+        firsts = np.cumsum(counts) - counts  # [A] index in ``new`` of each row's first block
+        owner = np.repeat(rows, counts)  # [N]
+        columns = np.arange(total, dtype=np.int64) + np.repeat(have - firsts, counts)  # [N]
+        self.block_table[owner, columns] = new
+        self.num_row_blocks[rows] = grown
+        got = counts > 0  # [A]
+        self.decode_slot_base[rows[got]] = (new[(firsts + counts - 1)[got]] - (grown - 1)[got]) * self.block_size
+        self.ref[new] = 1
+
     def append_block(self, rows: np.ndarray) -> None:
         """Give each of ``rows`` (distinct, [G] int64) one more block, in order: the decode crossing path."""
         new = self._pop(len(rows))  # [G] rows[i] gets what the i-th pop would give
@@ -182,6 +208,32 @@ class BlockManager:
             if serial is None:
                 return
             chain.append(serial)
+
+    def register_rows(self, rows: np.ndarray, requests: Sequence[Request], num_full: np.ndarray) -> None:
+        """``register`` for each of ``rows`` ([Q] int64) with its request's chain keys and token tuples
+        (``Request.block_keys``/``block_contents``) up to ``num_full[i]`` blocks; rows whose chain is that long
+        already are skipped (a prefill chunk that filled no block)."""
+        chains, prefix = self.chains, self.prefix
+        have = np.fromiter((len(chains[row]) for row in rows.tolist()), dtype=np.int64, count=len(rows))  # [Q]
+        todo = (num_full > have).nonzero()[0]
+        if not len(todo):
+            return
+        if (num_full[todo] > self.num_row_blocks[rows[todo]]).any():
+            raise IntegrityError("a row registers more blocks than it lists")
+        widest = int(num_full[todo].max())
+        ids = self.block_table[rows[todo], :widest].tolist()  # one conversion instead of a scalar read per block
+        for i, block_ids in zip(todo.tolist(), ids):
+            row, request = int(rows[i]), requests[i]
+            chain, keys, contents = chains[row], request.block_keys, request.block_contents
+            parent_key = keys[len(chain) - 1] if chain else ROOT_KEY
+            parent_serial = chain[-1] if chain else ROOT_SERIAL
+            for j in range(len(chain), int(num_full[i])):
+                key = keys[j]
+                serial = prefix.register(block_ids[j], key, parent_key, contents[j], parent_serial)
+                if serial is None:  # a collision stops the chain
+                    break
+                chain.append(serial)
+                parent_key, parent_serial = key, serial
 
     def free(self, row: int) -> None:
         """Drop ``row``'s references to its blocks; a second call frees nothing."""

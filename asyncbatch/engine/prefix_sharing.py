@@ -87,7 +87,9 @@ class PrefixSharer:
         cache = self.blocks.prefix
         if cache is None:
             return NO_HIT
-        chain_keys(self._prefill_tokens(request), self.blocks.block_size, request.block_keys, request.block_contents)
+        tokens = self._prefill_tokens(request)
+        if len(request.block_keys) < len(tokens) // self.blocks.block_size:  # outputs to recompute: hash them too
+            chain_keys(tokens, self.blocks.block_size, request.block_keys, request.block_contents)
         if _scores_prompt(request):  # its blocks are still registered once computed
             return NO_HIT
         cached = cache.match(request.block_keys, request.block_contents, (prefill_len - 1) // self.blocks.block_size)
@@ -97,30 +99,39 @@ class PrefixSharer:
         reclaimed = len(cached) - int(np.count_nonzero(self.blocks.ref[blocks]))
         return PrefixHit(cached, blocks, len(cached) * self.blocks.block_size, reclaimed)
 
-    def take_blocks(self, row: int, hit: PrefixHit, prefill_len: int, num_new_tokens: int) -> None:
-        """Give ``row`` (just admitted) ``hit``'s blocks, then fresh ones for its first chunk; count the admission."""
-        cache = self.blocks.prefix
-        if cache is not None:  # shared first: allocating might otherwise evict a block of the hit
-            self.blocks.share(row, hit.cached, hit.blocks, hit.num_reclaimed)
-            cache.stats.prompt_tokens += prefill_len
-            cache.stats.cached_tokens += hit.num_tokens
-        self.blocks.allocate(row, hit.num_tokens + num_new_tokens)
+    def prepare(self, request: Request) -> None:
+        """Hash ``request``'s prompt blocks (``Scheduler.add``, on arrival): admission then only looks them up."""
+        if self.blocks.prefix is not None and not request.block_keys:
+            chain_keys(request.prompt_token_ids, self.blocks.block_size, request.block_keys, request.block_contents)
+
+    def share(self, row: int, hit: PrefixHit) -> None:
+        """List ``hit``'s blocks first in ``row`` (just admitted, no blocks yet); its fresh blocks come after them
+        (``BlockManager.allocate_rows``)."""
+        self.blocks.share(row, hit.cached, hit.blocks, hit.num_reclaimed)
+
+    def count_admissions(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """Admissions prefilling ``prompt_tokens`` tokens, ``cached_tokens`` of them reused (the hit rate)."""
+        stats = self.blocks.prefix.stats
+        stats.prompt_tokens += prompt_tokens
+        stats.cached_tokens += cached_tokens
 
     def note_prefill(self, request: Request) -> None:
         """``request``'s chunk in the plan being built may fill blocks: register them when the plan is final."""
         if self.blocks.prefix is not None:
             self._to_register.append(request)
 
+    def note_prefills(self, requests: list[Request]) -> None:
+        """``note_prefill`` for each of ``requests``."""
+        if self.blocks.prefix is not None:
+            self._to_register.extend(requests)
+
     def register_planned(self) -> None:
         """End of ``schedule``: the full blocks this plan's prefill chunks wrote become cached."""
         if not self._to_register:
             return
-        bs, blocks = self.blocks.block_size, self.blocks
-        for request in self._to_register:
-            row = request.token_row
-            num_full = int(self.rows.num_computed[row]) // bs
-            if num_full > len(blocks.chains[row]):
-                blocks.register(row, request.block_keys, request.block_contents, num_full)
+        requests = self._to_register
+        rows = np.fromiter((r.token_row for r in requests), dtype=np.int64, count=len(requests))  # [Q]
+        self.blocks.register_rows(rows, requests, self.rows.num_computed[rows] // self.blocks.block_size)
         self._to_register.clear()
 
     def register_known(self, request: Request, row: int) -> None:

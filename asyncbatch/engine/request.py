@@ -58,6 +58,8 @@ class Request:
     # computed at the first admission with prefix caching on, extended when outputs fill more blocks.
     block_keys: list[int] = field(default_factory=list)
     block_contents: list[tuple[int, ...]] = field(default_factory=list)
+    # Its parameters as ``RowState.admit_many`` writes them (``RowState.constants_of``), computed on arrival.
+    row_constants: tuple = ()
 
     @property
     def finished(self) -> bool:

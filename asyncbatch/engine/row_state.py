@@ -83,36 +83,59 @@ class RowState:
 
     def admit(self, row: int, request: Request, admit_key: int, prefill_len: int) -> None:
         """Fill ``row`` for ``request`` (new, or preempted and now recomputed)."""
+        self.admit_many(np.array([row], dtype=np.int64), [request], np.array([admit_key], dtype=np.int64),
+                        np.array([prefill_len], dtype=np.int64))
+
+    @staticmethod
+    def constants_of(request: Request) -> tuple[tuple, tuple]:
+        """What ``admit`` reads from ``request``'s parameters and seed, as (ints, floats) for ``admit_many``:
+        computed once on arrival (``Scheduler.add``), so an admission burst reads one attribute per request."""
         p = request.params
-        n = request.num_outputs
-        self.seq[row] = request.arrival_seq
-        self.admit_key[row] = admit_key
-        self.num_computed[row] = 0
-        self.prefill_len[row] = prefill_len
-        self.num_scheduled[row] = n
-        self.num_outputs[row] = n
-        if n:
-            self.history[row, :n] = request.output_token_ids
-        self.max_tokens[row] = p.max_tokens
-        self.ignore_eos[row] = p.ignore_eos
-        self.has_stop_ids[row] = bool(p.stop_token_ids)
-        self.decoding[row] = False
-        self.seed[row] = request.seed
-        self.top_k[row] = max(p.top_k, 0)
-        self.temperature[row] = p.temperature
-        self.top_p[row] = p.top_p
-        self.min_p[row] = p.min_p
-        self.presence[row] = p.presence_penalty
-        self.frequency[row] = p.frequency_penalty
-        self.repetition[row] = p.repetition_penalty
-        self.uses_penalty[row] = p.uses_penalties
-        self.logprobs_k[row] = -1 if p.logprobs is None else p.logprobs
-        self.min_tokens[row] = p.min_tokens
-        self.has_bias[row] = bool(p.logit_bias) or p.min_tokens > 0
-        self.has_grammar[row] = p.structured_outputs is not None
-        self.needs_extras[row] = self.has_bias[row] or self.has_grammar[row] or p.logprobs is not None
-        self.params[row] = p
-        self.bias[row] = _bias_arrays(p.logit_bias)
+        return ((request.arrival_seq, p.max_tokens, p.ignore_eos, bool(p.stop_token_ids), request.seed,
+                 max(p.top_k, 0), p.uses_penalties, -1 if p.logprobs is None else p.logprobs, p.min_tokens,
+                 bool(p.logit_bias) or p.min_tokens > 0, p.structured_outputs is not None),
+                (p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty))
+
+    def admit_many(self, rows: np.ndarray, requests: list[Request], admit_keys: np.ndarray,
+                   prefill_lens: np.ndarray) -> None:
+        """``admit`` for ``requests`` into ``rows`` ([A] int64, distinct) at once: the same values, from each
+        request's ``Request.row_constants`` (``constants_of``), scattered with one assignment per array."""
+        constants = [r.row_constants or self.constants_of(r) for r in requests]
+        i = np.array([c[0] for c in constants], dtype=np.int64)  # [A, 11]
+        f = np.array([c[1] for c in constants], dtype=np.float32)  # [A, 6]
+        outputs = np.fromiter((r.num_outputs for r in requests), dtype=np.int64, count=len(requests))  # [A]
+        self.seq[rows] = i[:, 0]
+        self.admit_key[rows] = admit_keys
+        self.num_computed[rows] = 0
+        self.prefill_len[rows] = prefill_lens
+        self.num_scheduled[rows] = outputs
+        self.num_outputs[rows] = outputs
+        self.max_tokens[rows] = i[:, 1]
+        self.ignore_eos[rows] = i[:, 2] != 0
+        self.has_stop_ids[rows] = i[:, 3] != 0
+        self.decoding[rows] = False
+        self.seed[rows] = i[:, 4]
+        self.top_k[rows] = i[:, 5]
+        self.uses_penalty[rows] = i[:, 6] != 0
+        self.logprobs_k[rows] = i[:, 7]
+        self.min_tokens[rows] = i[:, 8]
+        has_bias, has_grammar = i[:, 9] != 0, i[:, 10] != 0
+        self.has_bias[rows] = has_bias
+        self.has_grammar[rows] = has_grammar
+        self.needs_extras[rows] = has_bias | has_grammar | (i[:, 7] >= 0)
+        self.temperature[rows] = f[:, 0]
+        self.top_p[rows] = f[:, 1]
+        self.min_p[rows] = f[:, 2]
+        self.presence[rows] = f[:, 3]
+        self.frequency[rows] = f[:, 4]
+        self.repetition[rows] = f[:, 5]
+        params, bias = self.params, self.bias
+        for row, request in zip(rows.tolist(), requests):
+            p = request.params
+            params[row] = p
+            bias[row] = _bias_arrays(p.logit_bias) if p.logit_bias else _NO_BIAS
+            if request.num_outputs:  # a preempted request's outputs, to recompute
+                self.history[row, :request.num_outputs] = request.output_token_ids
 
     def append_outputs(self, rows: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
         """Append one output to each of ``rows`` (distinct); returns their new output counts ``[R]``."""
@@ -146,6 +169,12 @@ class DecodeSet:
         """``row`` completed its prefill; the caller has set ``RowState.decoding[row]``."""
         self._added.append((row, admit_key))
         self._dirty = True
+
+    def add_many(self, rows: np.ndarray, admit_keys: np.ndarray) -> None:
+        """``add`` for each of ``rows`` ([A] int64) with its admission key."""
+        if len(rows):
+            self._added.extend(zip(rows.tolist(), admit_keys.tolist()))
+            self._dirty = True
 
     def mark_removed(self) -> None:
         """A member left (the caller has cleared ``RowState.decoding`` for it)."""

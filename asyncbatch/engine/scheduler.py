@@ -8,7 +8,10 @@ step:
 3. waiting requests in FIFO order, while a token row, the budget and KV
    blocks allow. A preempted request waits until every token sampled for it
    by launched steps has reached the host (``num_pending == 0``); the queue
-   does not overtake it, so admission stays FIFO.
+   does not overtake it, so admission stays FIFO. Admissions are decided one
+   by one and applied to the arrays in one batch (``admission``), so a burst
+   of hundreds costs a few microseconds per request; what can be done on
+   arrival (prefix chain keys, the row constants) is done in ``add``.
 
 Planning is O(changes): a running request's counters live in ``RowState``
 arrays at its token row, the decode rows are a cached array (``DecodeSet``),
@@ -29,11 +32,13 @@ until the planner has written this step's metadata and calls
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import NamedTuple
 
 import numpy as np
 
+from asyncbatch.engine.admission import Admitter
 from asyncbatch.engine.block_manager import BlockManager, IntegrityError
 from asyncbatch.engine.messages import AppliedStep
 from asyncbatch.engine.preemption import Preemptor
@@ -91,11 +96,12 @@ class Scheduler:
         self._unreleased: list[Request] = []  # drained by the last plan, rows not yet released
         self._free_rows: list[int] = list(range(self.max_num_seqs - 1, -1, -1))
         self._step_id = 0
-        self._admissions = 0
         self.num_releases = 0  # token rows given back so far
         self.preemptor = Preemptor(self.rows, block_manager, self.waiting, self.running, self._owners, self._release)
         self.applier = StepApplier(self.rows, self._owners, self._off_row, self.finish, eos_token_id)
         self.prefix = PrefixSharer(block_manager, self.rows)
+        self.admitter = Admitter(self.rows, block_manager, self.prefix, self.decode, self.waiting, self.running,
+                                 self._prefilling, self._owners, self._free_rows)
 
     # -- queue ---------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -107,6 +113,8 @@ class Scheduler:
         if self.blocks.blocks_for(total) > self.blocks.num_usable_blocks:
             raise RequestRefused(f"prompt + max_tokens = {total} needs more than the KV cache's "
                                  f"{self.blocks.num_usable_blocks} blocks")
+        self.prefix.prepare(request)  # arrival-time work, so that admitting a burst only looks things up
+        request.row_constants = RowState.constants_of(request)
         self.waiting.append(request)
 
     @property
@@ -133,8 +141,13 @@ class Scheduler:
         budget = self.max_num_batched_tokens - len(decode.rows)
         prefill: list[ScheduledRow] = []
         budget = self._schedule_prefills(prefill, budget, preempted, drained)
-        budget = self._admit_waiting(prefill, budget, drained)
+        admitted_before, admit_s = self.admitter.num_admissions, self.admitter.seconds
+        budget = self.admitter.admit(prefill, budget, drained)
+        num_admitted = self.admitter.num_admissions - admitted_before
+        registered = time.perf_counter()
         self.prefix.register_planned()
+        if num_admitted:
+            admit_s = self.admitter.seconds - admit_s + time.perf_counter() - registered
         for request in drained:  # no later step includes them; their rows go once the metadata is written
             del self.running[request.arrival_seq]
             if self.rows.decoding[request.token_row]:
@@ -152,7 +165,7 @@ class Scheduler:
                                                                    np.int64)])
         return StepPlan(self._step_id, decode.rows, decode.seqs, decode.positions, decode.steps, decode.grew,
                         decode.version, prefill, self.max_num_batched_tokens - budget, sample_rows, sample_seqs,
-                        self.num_releases, preempted, drained)
+                        self.num_releases, preempted, drained, num_admitted, admit_s if num_admitted else 0.0)
 
     def _schedule_decode(self, preempted: list[Request], drained: list[Request]) -> _DecodePart:
         """One token for every request in the decode phase: array operations over the cached decode rows."""
@@ -203,43 +216,15 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _admit_waiting(self, prefill: list[ScheduledRow], budget: int, drained: list[Request]) -> int:
-        """Admit waiting requests in FIFO order while a row, the budget and blocks allow."""
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
-            if request.num_pending:
-                break
-            target = len(request.prompt_token_ids) + request.num_outputs
-            hit = self.prefix.hit(request, target)
-            n = min(target - hit.num_tokens, budget)
-            if not self.blocks.can_allocate(hit.blocks_needed(self.blocks, n)):
-                break
-            self.waiting.popleft()
-            row = self._admit(request, target)
-            self.prefix.take_blocks(row, hit, target, n)
-            prefill.append(self._advance_prefill(request, row, hit.num_tokens, n, drained, True, hit.num_tokens))
-            budget -= n
-        return budget
-
-    def _admit(self, request: Request, prefill_len: int) -> int:
-        row = self._free_rows.pop()
-        self._admissions += 1
-        self.rows.admit(row, request, self._admissions, prefill_len)
-        self._owners[row] = request
-        request.token_row = row
-        request.status = _RUNNING
-        self.running[request.arrival_seq] = request
-        self._prefilling.append(request)
-        return row
-
-    def _advance_prefill(self, request: Request, row: int, start: int, n: int, drained: list[Request],
-                         first: bool = False, num_cached: int = 0) -> ScheduledRow:
+    def _advance_prefill(self, request: Request, row: int, start: int, n: int,
+                         drained: list[Request]) -> ScheduledRow:
+        """The next chunk of a running request's prefill (admissions: ``Admitter``)."""
         st = self.rows
         end = start + n
         st.num_computed[row] = end
         self.prefix.note_prefill(request)
         if end < st.prefill_len[row]:
-            return ScheduledRow(request, row, start, n, False, 0, first, num_cached)
+            return ScheduledRow(request, row, start, n, False, 0)
         self._prefilling.remove(request)
         step = int(st.num_scheduled[row])
         st.num_scheduled[row] = step + 1
@@ -249,7 +234,7 @@ class Scheduler:
         else:
             st.decoding[row] = True
             self.decode.add(row, int(st.admit_key[row]))
-        return ScheduledRow(request, row, start, n, True, step, first, num_cached)
+        return ScheduledRow(request, row, start, n, True, step)
 
     # -- results -------------------------------------------------------------
     def apply(self, plan: StepPlan, token_ids: np.ndarray, finite: np.ndarray) -> AppliedStep:

@@ -19,12 +19,14 @@ by the context length.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
 from asyncbatch.engine.block_manager import BlockManager
+from asyncbatch.engine.prefill_metadata import NO_PREFILL, write_prefill
 from asyncbatch.engine.row_state import RowState
 from asyncbatch.engine.step_contract import CachedContext, PrefillRowMeta, StagingBuffer, StepMeta
 from asyncbatch.engine.step_extras import StepExtrasWriter
@@ -78,52 +80,21 @@ class StepMetadataWriter:
         else:
             self._written.pop(id(staging), None)
 
-        bs, table = self.block_size, self.blocks.block_table
-        prefill_meta: list[PrefillRowMeta] = []
-        first_chunks: list[int] = []
-        cached_context: list[tuple[int, list[int], int]] = []  # (token row, reused tokens, prompt length)
-        sample_rows: list[int] = []
-        sample_steps: list[int] = []
-        logits_idx: list[int] = []
-        t = nd
-        for row_index, row in enumerate(plan.prefill):
-            request, ts = row.request, row.token_row
-            n, start = row.num_tokens, row.start
-            end = start + n
-            prompt_len = len(request.prompt_token_ids)
-            tokens = request.prompt_token_ids[start:end] if end <= prompt_len else request.all_token_ids()[start:end]
-            pos = np.arange(start, end, dtype=np.int64)  # [n]
-            staging.input_ids[t:t + n] = tokens
-            staging.positions[t:t + n] = pos
-            staging.slot_mapping[t:t + n] = table[ts, pos // bs] * bs + pos % bs
-            staging.token_is_output[t:t + n] = pos >= prompt_len
-            staging.token_owner_row[t:t + n] = ts
-            nb = self.blocks.blocks_for(end)
-            staging.prefill_block_tables[row_index, :nb] = table[ts, :nb]
-            prefill_meta.append(PrefillRowMeta(t, n, end, ts, nb))
-            staging.prefill_row_spans[row_index] = (t, n, end)
-            if row.first:
-                staging.first_chunk_token_rows[len(first_chunks)] = ts
-                first_chunks.append(ts)
-            context_tokens += end
-            # Non-sampling chunks of a penalised request must still feed its penalty state.
-            penalised = bool(st.uses_penalty[ts])
-            any_penalty = any_penalty or penalised
-            if penalised and row.num_cached:
-                reused = request.prompt_token_ids[:start] if start <= prompt_len else request.all_token_ids()[:start]
-                cached_context.append((ts, reused, prompt_len))
-            if row.samples:
-                sample_rows.append(ts)
-                sample_steps.append(row.sample_step)
-                logits_idx.append(t + n - 1)
-            t += n
-
-        r = nd + len(sample_rows)
-        ss = np.asarray(sample_rows, dtype=np.int64)  # [P]
-        if sample_rows:
-            staging.logits_indices[nd:r] = logits_idx
+        prefill = NO_PREFILL
+        if plan.prefill:
+            prefill_start = time.perf_counter()
+            prefill = write_prefill(plan, staging, st, self.blocks)
+            if plan.num_admitted:  # the staging writes of an admission step count as admission cost
+                plan.admit_s += time.perf_counter() - prefill_start
+        t = nd + prefill.num_tokens
+        context_tokens += prefill.context_tokens
+        any_penalty = any_penalty or prefill.any_penalty
+        ss = prefill.sample_rows  # [P] token rows of the prefill rows that sample, plan order
+        r = nd + len(ss)
+        if len(ss):
+            staging.logits_indices[nd:r] = prefill.logits_indices
             staging.sample_token_rows[nd:r] = ss
-            staging.sample_step[nd:r] = sample_steps
+            staging.sample_step[nd:r] = prefill.sample_steps
             self._write_sampling_constants(staging, nd, r, ss)
             temps, top_k = st.temperature[ss], st.top_k[ss]
             random_rows = temps > 0
@@ -136,14 +107,14 @@ class StepMetadataWriter:
             num_tokens=t,
             num_decode=nd,
             decode_max_blocks=max_blocks_used,
-            prefill_rows=prefill_meta,
+            prefill_rows=prefill.meta,
             num_sampled=r,
             context_tokens=context_tokens,
             all_greedy=not any_random,
             any_filter=any_filter,
             any_penalty=any_penalty,
-            first_chunk_rows=first_chunks,
-            cached_context=_cached_context(cached_context) if cached_context else None,
+            first_chunk_rows=prefill.first_chunk_rows,
+            cached_context=prefill.cached_context,
             extras=None if self.extras is None else self.extras.build(
                 plan, np.concatenate([plan.decode_rows, ss]) if len(ss) else plan.decode_rows, staging.sample_step[:r]),
         )
@@ -204,9 +175,3 @@ class StepMetadataWriter:
                                        bool(st.uses_penalty[rows].any()))
         return self._flags
 
-
-def _cached_context(parts: list[tuple[int, list[int], int]]) -> CachedContext:
-    rows = np.concatenate([np.full(len(tokens), row, dtype=np.int64) for row, tokens, _ in parts])
-    ids = np.concatenate([np.asarray(tokens, dtype=np.int64) for _, tokens, _ in parts])
-    is_output = np.concatenate([np.arange(len(tokens)) >= prompt_len for _, tokens, prompt_len in parts])
-    return CachedContext(rows, ids, is_output)

@@ -49,6 +49,10 @@ class StepPlan:
     release_epoch: int  # Scheduler.num_releases when planned: unchanged means every row still has its request
     preempted: list[Request] = field(default_factory=list)
     drained: list[Request] = field(default_factory=list)
+    num_admitted: int = 0  # waiting requests admitted by this plan (their first chunks end ``prefill``)
+    # Planner seconds spent admitting them: the scheduler's admission and block registration, then the metadata
+    # writer's prefill rows (added when it writes the plan). ``admission_us_per_request`` in ``stats()``.
+    admit_s: float = 0.0
 
     @property
     def num_decode(self) -> int:

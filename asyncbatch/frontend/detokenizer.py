@@ -13,6 +13,12 @@ The Rust ``DecodeStream`` does this when the tokenizer has a Rust backend, else
 ``_OffsetWindow``. Two documented cases stay inexact: a broken sentencepiece
 byte-fallback run, and ``clean_up_tokenization_spaces``.
 
+A request whose text nobody reads before it ends (not streamed, no stop
+strings) gets a ``DeferredDetokenizer``: its ids are collected and decoded in
+one call when it finishes, which is the reference the incremental deltas are
+held to; an engine without a tokenizer gets a ``NullDetokenizer`` and the
+output processor never calls it.
+
 Specification: docs/detokenizer.md
 """
 
@@ -137,6 +143,15 @@ class IncrementalDetokenizer:
         if tail:
             self._pieces.append(tail)
         return tail
+
+    def decode_once(self, token_ids: list[int]) -> str:
+        """The text of ``token_ids`` for a fresh detokenizer, in one call: what pushing each and then
+        ``finish`` return together wherever ``decode`` extends what was emitted (the Rust backend decodes
+        them at once; the Python window pushes them)."""
+        if self._stream is not None:
+            return self._backend.decode(token_ids, skip_special_tokens=self._skip) if token_ids else ""
+        pieces = [self.push(token) for token in token_ids]
+        return "".join(pieces) + self.finish()
 
     def _held_text(self) -> str:
         """The text of the held ids, decoded after the last emitted id for
@@ -270,3 +285,30 @@ class NullDetokenizer:
 
     def finish(self) -> str:
         return ""
+
+
+class DeferredDetokenizer:
+    """Text once, at the end: for a request nobody reads text from until it finishes (not streamed, no stop
+    strings). ``ids`` collects the tokens to detokenize (the output processor appends to it directly on its
+    fast path); ``finish`` decodes them in one call (``IncrementalDetokenizer.decode_once``) instead of one
+    incremental step per token. Not thread-safe: one output thread owns it."""
+
+    __slots__ = ("_finished", "_inner", "ids", "text")
+
+    def __init__(self, inner: IncrementalDetokenizer) -> None:
+        self._inner = inner
+        self.ids: list[int] = []
+        self.text = ""
+        self._finished = False
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        return ""
+
+    def finish(self) -> str:
+        """The whole text (once; "" after)."""
+        if self._finished:
+            return ""
+        self._finished = True
+        self.text = self._inner.decode_once(self.ids)
+        return self.text

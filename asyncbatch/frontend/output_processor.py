@@ -9,7 +9,14 @@ the engine core's launch path:
               (R's blocks are freed at the core's next inbox pass; tokens R got meanwhile are dropped here)
 
 Tokens that arrive for a request after it finished (the step it was still in
-when its stop was seen) are dropped: never emitted, never counted. Callers wake
+when its stop was seen) are dropped: never emitted, never counted.
+
+Per row and step the work is what the request needs (``RequestHandle``): a
+``token_only`` request (not streamed, no stop strings, no logprobs) only gets
+its id appended until its last token, and its text is decoded once at the
+end; without a tokenizer (``skip_tokenizer_init``) no detokenizer is called.
+Detokenizing is timed apart (``StepRecord.detok_ms``) so the timeline shows
+what it costs. Callers wake
 only after the step's record is in the timeline, so ``stats()`` read after a
 request finished includes the step that finished it.
 """
@@ -59,7 +66,8 @@ class OutputProcessor:
         ended: list[int] = []
         ended_codes: list[Finish] = []
         accepted = 0
-        with mark("output", step_id), mark("detokenize", step_id):
+        detok_s = 0.0
+        with mark("output", step_id):
             if record is not None and len(out.first_scheduled):
                 for seq in out.first_scheduled.tolist():
                     handle = self._handles.get(seq)
@@ -68,23 +76,29 @@ class OutputProcessor:
             handles = self._handles
             if out.prompt_logprobs is not None:
                 self._prompt_logprobs(out.prompt_logprobs)
-            with_logprobs = _by_row(out.logprobs)
+            hidden = self._hidden
+            text_rows: list[tuple[int, RequestHandle, int, int]] = []  # rows with detokenizer work
+            other_rows: list[tuple[int, RequestHandle, int, int]] = []  # last tokens of requests without text
             for i, (seq, token, code) in enumerate(zip(out.seqs.tolist(), out.token_ids.tolist(), out.finish.tolist())):
                 handle = handles.get(seq)
                 if handle is None or handle.done.is_set():
                     continue
-                try:
-                    accepted += 1
-                    logprobs = with_logprobs(i, token) if with_logprobs is not None else None
-                    stopped = self._accept(handle, token, code, start, finishes, logprobs)
-                except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
-                    self._fail(handle, exc, start)
-                    ended.append(seq)
-                    ended_codes.append(Finish.ERROR)
+                accepted += 1
+                if code == _NONE and handle.token_only:  # the fast path: the id, and nothing else until the end
+                    if handle.metrics.first_token_time is None:
+                        handle.metrics.first_token_time = start
+                    handle.token_ids.append(token)
+                    if handle.text_ids is not None and token not in hidden:
+                        handle.text_ids.append(token)
                     continue
-                if stopped:
-                    ended.append(seq)
-                    ended_codes.append(Finish.STOP_STRING)
+                (text_rows if handle.has_text else other_rows).append((i, handle, token, code))
+            if other_rows:
+                self._accept_rows(other_rows, out, start, finishes, ended, ended_codes)
+            if text_rows:  # rows are independent, so the ones with text work run together, timed and marked
+                with mark("detokenize", step_id):
+                    detok_start = time.perf_counter()
+                    self._accept_rows(text_rows, out, start, finishes, ended, ended_codes)
+                    detok_s = time.perf_counter() - detok_start
             for seq, code in zip(out.ended_seqs.tolist(), out.ended_codes.tolist()):
                 handle = self._handles.get(seq)
                 if handle is not None and not handle.finished:
@@ -96,12 +110,31 @@ class OutputProcessor:
             record.output_start = start
             record.output_end = time.perf_counter()
             record.output_tokens = accepted
+            record.detok_ms = detok_s * 1e3
             self._timeline.add(record)
         for handle, args in finishes:
             handle.finish(*args)
             self._handles.pop(handle.seq, None)
         if record is not None and self._ack_steps:
             self.send(StepAck(record.step_id))
+
+    def _accept_rows(self, rows: list[tuple[int, RequestHandle, int, int]], out: StepOutputs, now: float,
+                     finishes: list, ended: list[int], ended_codes: list[Finish]) -> None:
+        """``_accept`` each of ``rows`` (output row index, handle, token, finish code); a request whose processing
+        raises fails alone, one that a stop string ends is reported in ``ended``."""
+        with_logprobs = _by_row(out.logprobs)
+        for i, handle, token, code in rows:
+            try:
+                logprobs = with_logprobs(i, token) if with_logprobs is not None else None
+                stopped = self._accept(handle, token, code, now, finishes, logprobs)
+            except Exception as exc:  # noqa: BLE001 - one request's failure must not stop the others
+                self._fail(handle, exc, now)
+                ended.append(handle.seq)
+                ended_codes.append(Finish.ERROR)
+                continue
+            if stopped:
+                ended.append(handle.seq)
+                ended_codes.append(Finish.STOP_STRING)
 
     def _accept(self, handle: RequestHandle, token: int, code: int, now: float, finishes: list,
                 logprobs: Logprobs | None = None) -> bool:
@@ -117,7 +150,7 @@ class OutputProcessor:
         if logprobs is not None and handle.logprobs is not None:
             handle.logprobs.extend(logprobs)
         emitted = ""
-        if code != _STOP_TOKEN and token not in self._hidden:
+        if code != _STOP_TOKEN and handle.has_text and token not in self._hidden:
             emitted = handle.detokenizer.push(token)
             if handle.stops.active:
                 feed = handle.stops.feed(emitted)
@@ -147,7 +180,8 @@ class OutputProcessor:
     def _flush(self, handle: RequestHandle, emitted: str, token_ids: list[int], finishes: list, args: tuple,
                logprobs: Logprobs | None = None) -> None:
         """The request ends: emit what the detokenizer and the stop matcher still hold, then finish."""
-        emitted += handle.stops.feed(handle.detokenizer.finish()).emit + handle.stops.flush()
+        if handle.has_text:
+            emitted += handle.stops.feed(handle.detokenizer.finish()).emit + handle.stops.flush()
         self._emit(handle, emitted, token_ids, logprobs)
         finishes.append((handle, args))
 

@@ -3,6 +3,13 @@
 Created at submission; filled only by the output thread (or, on a failure, by
 whoever propagates the error). Every caller blocked on a handle wakes up with
 either the output or an exception: never a hang.
+
+What the output thread does per token is decided once, here: a handle that is
+not streamed, has no stop strings and no logprobs is ``token_only``: each
+token is appended to ``token_ids`` (and, with a tokenizer, to ``text_ids``
+for one decode at the end, ``DeferredDetokenizer``) and nothing else runs for
+it until its last token. ``has_text`` is False without a tokenizer
+(``NullDetokenizer``): no detokenizer call at all.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from asyncbatch.errors import RequestFailedError
-from asyncbatch.frontend.detokenizer import IncrementalDetokenizer
+from asyncbatch.frontend.detokenizer import DeferredDetokenizer, IncrementalDetokenizer, NullDetokenizer
 from asyncbatch.frontend.stop_strings import StopStringMatcher
 from asyncbatch.outputs import Logprobs, RequestMetrics, RequestOutput, StreamDelta
 
@@ -28,7 +35,7 @@ class RequestHandle:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | DeferredDetokenizer | NullDetokenizer
     stops: StopStringMatcher
     metrics: RequestMetrics
     simulated: bool = False
@@ -43,6 +50,17 @@ class RequestHandle:
     # API, an ``serve.async_stream.AsyncDeltaStream`` for asyncio callers; anything with a thread-safe ``put``.
     deltas: DeltaSink = field(default_factory=queue.SimpleQueue)
     done: threading.Event = field(default_factory=threading.Event)
+    token_only: bool = field(init=False)  # nothing per token but the id (see the module doc)
+    has_text: bool = field(init=False)  # the engine has a tokenizer: outputs carry text
+    text_ids: list[int] | None = field(init=False)  # token_only with text: the ids to decode at the end
+
+    def __post_init__(self) -> None:
+        self.has_text = not isinstance(self.detokenizer, NullDetokenizer)
+        self.token_only = not self.streaming and not self.stops.active and self.logprobs is None
+        self.text_ids = None
+        if self.token_only and isinstance(self.detokenizer, IncrementalDetokenizer):
+            self.detokenizer = DeferredDetokenizer(self.detokenizer)
+            self.text_ids = self.detokenizer.ids
 
     @property
     def text(self) -> str:

@@ -20,6 +20,10 @@ Priority: ``queue_empty``, ``staging_fence``, ``h2d`` (``cuda`` only), ``plannin
 covers is ``wakeup`` before step N+1's planning began, ``launch`` after. ``CAUSES``
 names and labels them; reports, traces and tests read those names.
 
+Beside the causes the report carries ``admission_us_per_request``: the
+planner's time per admitted request in the steps that admitted any, the
+cost behind the "planning" gaps of an admission burst.
+
 Invariant: for every gap, the causes sum to the gap exactly (up to float
 rounding), because every piece gets exactly one cause and the remainder takes
 what nothing else claims.
@@ -34,7 +38,7 @@ import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from asyncbatch.profiling.timeline import StepRecord
+from asyncbatch.profiling.timeline import StepRecord, admission_us_per_request
 
 CAUSES: dict[str, str] = {
     "queue_empty": "queue empty",
@@ -92,6 +96,9 @@ class GapReport:
     causes_ms: dict[str, float]
     queue_measured: bool  # False: no request lifetimes were given, "queue_empty" is 0 by construction
     gaps: list[GapAttribution] = field(default_factory=list)
+    # Planner microseconds per request admitted in these steps (``StepRecord.admit_ms``): the host cost behind
+    # the "planning" gaps of an admission burst (0.0 when no step admitted a request).
+    admission_us_per_request: float = 0.0
 
     @property
     def busy_fraction(self) -> float:
@@ -110,7 +117,8 @@ class GapReport:
         out = {"steps": self.steps, "span_ms": self.span_ms, "busy_ms": self.busy_ms, "idle_ms": self.idle_ms,
                "device_busy_fraction": self.busy_fraction, "idle_ms_per_step": self.idle_ms_per_step,
                "causes_ms": dict(self.causes_ms), "cause_shares": self.shares(),
-               "cause_labels": dict(CAUSES), "queue_measured": self.queue_measured}
+               "cause_labels": dict(CAUSES), "queue_measured": self.queue_measured,
+               "admission_us_per_request": self.admission_us_per_request}
         if with_gaps:
             out["gaps"] = [{"after_step": g.step_before, "before_step": g.step_after, "gap_ms": g.gap_ms,
                             "causes_ms": g.causes_ms} for g in self.gaps]
@@ -215,7 +223,7 @@ def attribute_gaps(records: Sequence[StepRecord], lifetimes: Iterable[tuple[floa
     busy = sum(r.busy_s for r in done) * 1e3
     span = (max(r.device_end for r in done) - done[0].device_start) * 1e3
     idle = sum(g.gap_ms for g in gaps) + mask_wait
-    return GapReport(len(done), span, busy, idle, causes, bool(spans), gaps)
+    return GapReport(len(done), span, busy, idle, causes, bool(spans), gaps, admission_us_per_request(done))
 
 
 def _attribute_one(a: float, b: float, order: list[tuple[str, _Intervals]], next_plan_start: float

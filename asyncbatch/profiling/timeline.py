@@ -42,7 +42,10 @@ class StepRecord:
     apply_end: float = 0.0  # planner applied the tokens (appends, EOS/stop ids, frees)
     output_start: float = 0.0  # output thread: detokenize, stop strings, stream
     output_end: float = 0.0
+    detok_ms: float = 0.0  # of the output thread's time, rows with detokenizer work (0: no text this step)
     output_tokens: int = 0  # tokens accepted for callers (extra tokens after a finish excluded)
+    num_admitted: int = 0  # waiting requests the step admitted
+    admit_ms: float = 0.0  # planner time admitting them (``StepPlan.admit_s``)
     gc_ms: float = 0.0  # Python GC pauses that overlapped the planner's work on this step
     # Structured outputs: the device idled inside the step, its forward done, until the host filled the
     # step's grammar masks (``mask_wait_*``; not busy time, the gap report's ``grammar_mask``);
@@ -173,10 +176,17 @@ def steady_decode_window(records: list[StepRecord], min_decode: int) -> list[Ste
     return window
 
 
+def admission_us_per_request(records: list[StepRecord]) -> float:
+    """Planner microseconds per admitted request over ``records`` (0.0 when none admitted any)."""
+    admitted = sum(r.num_admitted for r in records)
+    return sum(r.admit_ms for r in records) * 1e3 / admitted if admitted else 0.0
+
+
 def summarize(records: list[StepRecord]) -> dict:
     """Busy fraction, idle gaps and per-stage costs over a list of completed steps."""
     if not records:
         return {"steps": 0, "output_tokens": 0, "device_busy_fraction": 0.0, "idle_gap_ms_mean": 0.0,
+                "admission_us_per_request": 0.0,
                 "idle_gap_ms_p99": 0.0, "planner_ms_per_step": 0.0, "span_s": 0.0}
     starts = np.array([r.device_start for r in records])
     ends = np.array([r.device_end for r in records])
@@ -196,6 +206,8 @@ def summarize(records: list[StepRecord]) -> dict:
         "fence_wait_ms_per_step": float(np.mean([(r.fence_end - r.fence_start) * 1e3 for r in records])),
         "apply_ms_per_step": float(np.mean([(r.apply_end - r.wait_end) * 1e3 for r in records])),
         "output_ms_per_step": float(np.mean([(r.output_end - r.output_start) * 1e3 for r in records])),
+        "detok_ms_per_step": float(np.mean([r.detok_ms for r in records])),
+        "admission_us_per_request": admission_us_per_request(records),
         "device_ms_per_step": float((ends - starts).mean() * 1e3),
         "h2d_ms_per_step": float(np.mean([r.h2d_ms for r in records])),
         "sample_ms_per_step": float(np.mean([r.sample_ms for r in records])),

@@ -1,0 +1,231 @@
+"""Admission bursts and the frontend's token rate on ``sim``: this tree against an older one, side by side.
+
+    python scripts/bench_admission.py --ref-tree /tmp/wt-admit      # a worktree of the commit before
+    python scripts/bench_admission.py --ref HEAD                     # or let the script make one
+    python scripts/bench_admission.py --quick                        # this tree only, one repeat
+
+Three measurements, each run in a fresh interpreter per tree (``PYTHONPATH`` = the tree, the same copy of
+this script), trees interleaved and each case repeated ``--repeat`` times so that load from other users of
+the machine hits both alike; medians are shown, with every repeat in the JSON (``--json``):
+
+- ``planner``: the planner's work for the step that admits a burst, timed with ``perf_counter_ns``:
+  ``Scheduler.schedule`` + ``StepMetadataWriter.write`` + ``release_drained`` for ``--burst`` requests
+  (32-token prompts, prefix caching on, as the engine's default) arriving at an idle scheduler (warmed
+  up by one earlier burst, so no first-touch page faults; GC frozen as in the engine), and
+  the same for the 64 admitted into a scheduler that decodes 192 (a burst as the token budget meters
+  it out: the steps after the first). Per admitted request, wall clock and the thread's CPU time
+  (``thread_time_ns``: what the work costs when the machine's other load preempts the process); best
+  of 7 in each process.
+- ``burst``: the issue's workload through ``LLM`` (engine process, overlap): 256 requests at once,
+  32-token prompts, 400-token outputs (ignore_eos), ``max_num_seqs`` 256, sim 1 ms per step; whole-run
+  busy fraction from the gap report (first device start to last device end), its largest gap, the idle
+  time's planning and output shares, output ms per step, and ``admission_us_per_request`` from
+  ``stats()`` where the tree has it.
+- ``running``: the same with 1,024 requests and ``max_num_seqs`` 1,024 (1,024 running at 1 ms), with a
+  tokenizer and with ``skip_tokenizer_init`` (token ids only: no detokenizer runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import multiprocessing
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness.common import COMMON, ROOT, ref_worktree, run_in_tree
+
+PROMPT_LEN = 32
+
+
+def planner_case(burst: int, decoding: int) -> tuple[float, float]:
+    """us per admitted request of the planner's work for one admission step: (wall, thread CPU), best of 7."""
+    runs = [_admission_step(burst, decoding, seed) for seed in range(7)]
+    return min(r[0] for r in runs), min(r[1] for r in runs)
+
+
+def _admission_step(burst: int, decoding: int, seed: int) -> tuple[float, float]:
+    import numpy as np
+
+    from asyncbatch.engine.block_manager import BlockManager
+    from asyncbatch.engine.host_staging import StagingPair
+    from asyncbatch.engine.request import Request
+    from asyncbatch.engine.scheduler import Scheduler
+    from asyncbatch.engine.step_metadata import StepMetadataWriter
+    from asyncbatch.sampling_params import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    n = burst + decoding
+    blocks = BlockManager(n * 32 + 1, 16, n, 32, prefix_caching=True)
+    scheduler = Scheduler(blocks, max(8192, n), eos_token_id=2)
+    writer = StepMetadataWriter(scheduler.rows, blocks)
+    staging = StagingPair(max(8192, n), n, 32, pinned=False)
+    tokens, finite = np.full(n, 7, dtype=np.int64), np.ones(n, dtype=bool)
+
+    def request(i: int) -> Request:
+        params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True, seed=i)
+        return Request(str(i), i, rng.integers(256, 30000, PROMPT_LEN).tolist(), params, i, 0.0)
+
+    def run_until_idle() -> None:
+        while scheduler.has_work():
+            plan = scheduler.schedule()
+            meta = writer.write(plan, staging.next_buffer())
+            scheduler.release_drained(plan)
+            scheduler.apply(plan, tokens[:meta.num_sampled], finite[:meta.num_sampled])
+
+    # Warm-up: every row, block and staging page touched once, as in an engine that has served before.
+    for i in range(n):
+        warm = Request(f"w{i}", 10**6 + i, rng.integers(256, 30000, PROMPT_LEN).tolist(),
+                       SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), i, 0.0)
+        scheduler.add(warm)
+    run_until_idle()
+    for i in range(decoding):
+        scheduler.add(request(i))
+    while decoding:  # prefill them, then one decode step
+        plan = scheduler.schedule()
+        meta = writer.write(plan, staging.next_buffer())
+        scheduler.release_drained(plan)
+        scheduler.apply(plan, tokens[:meta.num_sampled], finite[:meta.num_sampled])
+        if not plan.num_prefill:
+            break
+    for r in [request(decoding + i) for i in range(burst)]:
+        scheduler.add(r)
+    gc.collect()
+    gc.freeze()  # as the engine does after warm-up
+    t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+    plan = scheduler.schedule()
+    writer.write(plan, staging.next_buffer())
+    scheduler.release_drained(plan)
+    elapsed, cpu = time.perf_counter_ns() - t0, time.thread_time_ns() - c0
+    gc.unfreeze()
+    if plan.num_prefill != burst:
+        raise RuntimeError(f"admitted {plan.num_prefill} of {burst}")
+    return elapsed / 1e3 / burst, cpu / 1e3 / burst
+
+
+def engine_case(num_requests: int, output_len: int, skip_tokenizer_init: bool) -> dict:
+    from asyncbatch.config import SimConfig
+    from asyncbatch.llm import LLM
+    from asyncbatch.profiling.gap_report import gap_report, lifetimes_of
+    from asyncbatch.sampling_params import SamplingParams
+
+    sim = SimConfig(step_fixed_ms=1.0, per_token_us=0.0, per_context_token_ns=0.0)
+    with LLM("smollm2-135m", device="sim", sim=sim, max_num_seqs=num_requests, seed=0,
+             skip_tokenizer_init=skip_tokenizer_init) as llm:
+        import numpy as np
+
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(256, 30000, PROMPT_LEN).tolist() for _ in range(num_requests)]
+        warm = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        llm.generate(prompts[:4], warm, use_tqdm=False)
+        llm.wait_settled(5.0)
+        llm.reset_stats()
+        params = [SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True, seed=i)
+                  for i in range(num_requests)]
+        core = [p.pid for p in multiprocessing.active_children() if p.name == "asyncbatch-core"]
+        load = os.getloadavg()[0]
+        start, cpu, core_cpu = time.perf_counter(), time.process_time(), _cpu_seconds(core)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        wall = time.perf_counter() - start
+        cpu, core_cpu = time.process_time() - cpu, _cpu_seconds(core) - core_cpu
+        llm.wait_settled(5.0)
+        report = gap_report(llm, lifetimes_of(outputs))
+        stats = llm.stats()
+        shares = report.shares()
+        largest = max((g.gap_ms for g in report.gaps), default=0.0)
+        return {"busy": report.busy_fraction, "steps": stats["steps"], "wall_s": wall,
+                "idle_ms_per_step": report.idle_ms_per_step, "largest_gap_ms": largest,
+                # The first num_requests // 64 + 1 gaps of the run (the admission phase: the default token budget
+                # admits 64 prompts of 32 tokens per step), and the gap before the last step.
+                "burst_gaps_ms": sum(g.gap_ms for g in report.gaps[:num_requests // 64 + 1]),
+                "last_gap_ms": report.gaps[-1].gap_ms if report.gaps else 0.0,
+                "busy_ms": report.busy_ms, "idle_ms": report.idle_ms,
+                "planning_share": shares.get("planning", 0.0), "output_share": shares.get("output", 0.0),
+                "output_ms_per_step": stats["output_ms_per_step"], "planner_ms_per_step": stats["planner_ms_per_step"],
+                "admission_us_per_request": stats.get("admission_us_per_request"),
+                "detok_ms_per_step": stats.get("detok_ms_per_step"),
+                # What the two processes asked of the machine during generate(): CPU seconds per wall second
+                # (2.0 = both cores), and the load average (other users included) when the run began.
+                "frontend_cores": cpu / wall, "core_cores": core_cpu / wall, "load_avg": load}
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    """user + system CPU seconds of ``pids`` so far (from /proc; 0.0 where unreadable)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def child(args: argparse.Namespace) -> dict:
+    if args.child == "planner":
+        (idle, idle_cpu), (metered, metered_cpu) = planner_case(args.burst, 0), planner_case(64, 192)
+        return {"idle_burst_us": idle, "idle_burst_cpu_us": idle_cpu, "metered_burst_us": metered,
+                "metered_burst_cpu_us": metered_cpu}
+    if args.child == "burst":
+        return engine_case(256, 400, False)
+    return engine_case(1024, 400, args.child == "running-ids")
+
+
+CASES = ("planner", "burst", "running", "running-ids")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ref", help="commit to compare against (a temporary worktree is made)")
+    parser.add_argument("--ref-tree", type=Path, help="an existing checkout to compare against")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--burst", type=int, default=256)
+    parser.add_argument("--quick", action="store_true", help="one repeat, this tree only")
+    parser.add_argument("--json", type=Path, help="write every repeat here")
+    parser.add_argument("--child", choices=CASES, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(child(args)))
+        return
+    repeat = 1 if args.quick else args.repeat
+    with contextlib.ExitStack() as stack:
+        ref = args.ref_tree
+        if ref is not None:  # the same measuring code on both sides
+            shutil.copy2(Path(__file__), ref / "scripts" / Path(__file__).name)
+        if args.ref and not args.quick:
+            ref = stack.enter_context(ref_worktree(args.ref, [Path(__file__), COMMON, COMMON.with_name("__init__.py")]))
+        trees = {"after": ROOT, **({"before": ref} if ref and not args.quick else {})}
+        runs: dict[str, dict[str, list[dict]]] = {case: {name: [] for name in trees} for case in args.cases.split(",")}
+        for case in runs:
+            for _ in range(repeat):
+                for name, tree in trees.items():  # interleaved
+                    done = run_in_tree(tree, Path(__file__), ["--child", case, "--burst", str(args.burst)],
+                                       timeout_s=900)
+                    if done.returncode:
+                        raise RuntimeError(f"{case} in {tree} failed:\n{done.stderr[-3000:]}")
+                    runs[case][name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+                    print(f"  {case} {name}: {runs[case][name][-1]}", file=sys.stderr, flush=True)
+    print(f"load average before/after: see uptime; {os.cpu_count()} cores; medians of {repeat}")
+    for case, by_tree in runs.items():
+        keys = [k for k, v in by_tree["after"][0].items() if isinstance(v, (int, float))]
+        print(f"\n{case}")
+        for key in keys:
+            cells = []
+            for name in trees:
+                values = [r[key] for r in by_tree[name] if isinstance(r.get(key), (int, float))]
+                cells.append(f"{name} {statistics.median(values):10.4g}" if values else f"{name} {'-':>10}")
+            print(f"  {key:28s} " + "   ".join(cells))
+    if args.json:
+        args.json.write_text(json.dumps(runs, indent=1))
+
+
+if __name__ == "__main__":
+    main()
