@@ -54,6 +54,7 @@ def run_one(config: str, step_ms: float, running: int, max_tokens: int, grammar_
             engine_process: bool = True) -> dict:
     sim = SimConfig(step_fixed_ms=step_ms, per_token_us=0.0, per_context_token_ns=0.0,
                     output_len_distribution="fixed", output_len_max=10 * max_tokens)
+    load_before = os.getloadavg()[0]  # the machine is shared: say how busy it was when the run began
     num_grammar = 0 if config == "none" else round(running * grammar_share)
     constraint = StructuredOutputsParams(json=SCHEMA)
     params = [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, ignore_eos=True,
@@ -71,6 +72,11 @@ def run_one(config: str, step_ms: float, running: int, max_tokens: int, grammar_
     report = attribute_gaps(window)
     grammar_rows = sum(r.grammar_rows for r in window)
     fill_ms = [r.mask_fill_ms for r in window]
+    # The host's part of the grammar chain that must fit in one step: the device's end of step N to the
+    # planner holding N's tokens (the sim's sampling, the wake-up), then applying them with the matchers'
+    # advance, then the fill of N+1 (``mask_fill``).
+    result_ms = [max(0.0, r.wait_end - max(r.wait_start, r.device_end)) * 1e3 for r in window]
+    apply_ms = [(r.apply_end - r.wait_end) * 1e3 for r in window]
     return {
         "config": config, "step_ms": step_ms, "running": running, "grammar_rows": num_grammar,
         "steady_steps": len(window), "device_busy_fraction": report.busy_fraction,
@@ -78,6 +84,9 @@ def run_one(config: str, step_ms: float, running: int, max_tokens: int, grammar_
         "mask_fill_us_per_row": sum(fill_ms) * 1e3 / grammar_rows if grammar_rows else 0.0,
         "mask_fill_ms_per_step_median": statistics.median(fill_ms) if fill_ms else 0.0,
         "mask_wait_ms_per_step_mean": statistics.fmean(r.mask_wait_ms for r in window) if window else 0.0,
+        "result_ms_per_step_median": statistics.median(result_ms) if result_ms else 0.0,
+        "apply_ms_per_step_median": statistics.median(apply_ms) if apply_ms else 0.0,
+        "load_average_1m": load_before,
         "grammar_stops": sum(o.finish_reason == "stop" for o in outputs[:num_grammar]),
         "output_tokens_per_s": sum(len(o.token_ids) for o in outputs) / wall,
     }
@@ -92,10 +101,14 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
         f"Command: `python scripts/bench_structured.py {' '.join(sys.argv[1:])}`", "",
         (f"{args.running} running requests, {args.max_tokens} output tokens each, greedy-free sampling; "
         f"grammar rows: {int(args.grammar_share * 100)} % with a JSON schema (an array of >= 64 objects). "
-        "Busy fraction over the steady decode window; a wait for masks inside a step counts as idle."), "",
+        "Busy fraction over the steady decode window; a wait for masks inside a step counts as idle. "
+        "Medians per step: `result`, the device's end of a step to the planner holding its tokens; `apply + "
+        "advance`, applying them (the grammar matchers' advance included); with the mask fill, the host work "
+        "that must fit in one step for the sampling of the next never to wait. `load`: the 1-minute load "
+        "average when the configuration's run began."), "",
         ("| step | config | grammar rows | busy | busy / none | mask fill us/row | mask fill ms/step (median) "
-        "| mask wait ms/step | idle ms/step | out tok/s |"),
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| mask wait ms/step | result ms/step | apply + advance ms/step | idle ms/step | out tok/s | load |"),
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for step_ms in args.step_ms:
         rows = [r for r in results if r["step_ms"] == step_ms]
@@ -105,7 +118,9 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
             lines.append(f"| {step_ms:g} ms | {r['config']} | {r['grammar_rows']} | "
                          f"{100 * r['device_busy_fraction']:.1f} % | {ratio:.3f} | {r['mask_fill_us_per_row']:.1f} | "
                          f"{r['mask_fill_ms_per_step_median']:.2f} | {r['mask_wait_ms_per_step_mean']:.3f} | "
-                         f"{r['idle_ms_per_step']:.3f} | {r['output_tokens_per_s']:.0f} |")
+                         f"{r['result_ms_per_step_median']:.2f} | {r['apply_ms_per_step_median']:.2f} | "
+                         f"{r['idle_ms_per_step']:.3f} | {r['output_tokens_per_s']:.0f} | "
+                         f"{r['load_average_1m']:.1f} |")
         overlap = next(r for r in rows if r["config"] == "overlap")["device_busy_fraction"]
         met = overlap >= GOAL * base
         lines.append(f"\nGoal at {step_ms:g} ms (overlap busy >= {GOAL:.0%} of none): "

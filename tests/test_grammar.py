@@ -323,11 +323,22 @@ def grammar_special_ids(tokenizer) -> set[int]:
     return special_token_ids(tokenizer)
 
 
-@pytest.mark.parametrize("backend", PARAMS)
-def test_batched_fill_and_accept_equal_one_row_at_a_time(default_tokenizer, backend):
+XGRAMMAR_PUBLIC = pytest.param("xgrammar-public", id="xgrammar-public-wrappers", marks=pytest.mark.skipif(
+    importlib.util.find_spec("xgrammar") is None, reason="xgrammar is not installed"))
+
+
+@pytest.mark.parametrize("backend", [*PARAMS, XGRAMMAR_PUBLIC])
+def test_batched_fill_and_accept_equal_one_row_at_a_time(default_tokenizer, backend, monkeypatch):
     """``fill_bitmasks`` and ``accept_tokens`` (xgrammar: one library call each) do exactly what per-row
     ``fill_bitmask`` and ``accept`` do, for rows at the start state, mid-walk (JSON filter, UTF-8 repairs
-    included) and terminated, in any row order: two sets of matchers walk the same tokens, one each way."""
+    included) and terminated, in any row order: two sets of matchers walk the same tokens, one each way.
+    ``xgrammar-public``: without the private FFI entry points the wrapper uses (another xgrammar version),
+    through xgrammar's public batch calls."""
+    if backend == "xgrammar-public":
+        import xgrammar.base
+
+        monkeypatch.setattr(xgrammar.base, "_core", object())  # no BatchGrammarMatcher: the fallback
+        backend = "xgrammar"
     vocab = 49152
     compiler = GrammarCompiler(default_tokenizer, vocab, default_tokenizer.eos_token_id, backend=backend)
     cases = [c for c in CASES if c.params.kind in ("json", "json_object", "regex", "grammar")][:12]
@@ -350,3 +361,58 @@ def test_batched_fill_and_accept_equal_one_row_at_a_time(default_tokenizer, back
         expected = [m.accept(t) for m, t in zip(one_by_one, tokens)]
         assert compiler.accept_tokens(batched, tokens) == expected
         assert [m.is_terminated() for m in batched] == [m.is_terminated() for m in one_by_one]
+
+
+@pytest.mark.parametrize("vocab", [49152, 49152 + 32, 100])  # an even and an odd number of words, a small one
+def test_the_sim_devices_pick_takes_only_allowed_tokens(vocab):
+    """``sim_executor.allowed_pick`` (the simulated sampler of grammar rows) returns an allowed token for
+    every row that allows any, token 0 for a row that allows none, spreads its picks over a dense row by
+    the hash, and reads row slices that are not contiguous."""
+    from asyncbatch.executors.sim_executor import allowed_pick, mix64
+
+    rng = np.random.default_rng(0)
+    rows, words = 96, allocate_bitmask(1, vocab).shape[1]
+    bitmask = allocate_bitmask(rows, vocab)
+    edges = [0, 31, 32, 63, 64, vocab - 1] + rng.integers(0, vocab, 20).tolist()
+    for g in range(rows):
+        kind = g % 4
+        if kind == 0 and g // 4 < len(edges):  # one allowed token, at a word's edge or anywhere
+            token = edges[g // 4]
+            bitmask[g, token // 32] = np.int32(np.uint32(1 << (token % 32)).view(np.int32))
+        elif kind == 1:  # a few allowed tokens
+            for token in rng.integers(0, vocab, 3):
+                bitmask[g, token // 32] |= np.int32(np.uint32(1 << (int(token) % 32)).view(np.int32))
+        elif kind == 2:  # most allowed (a string's contents)
+            bitmask[g] = rng.integers(-2**31, 2**31, words, dtype=np.int64).astype(np.int32)
+        # kind 3 (and kind 0 past the edges): nothing allowed
+    bitmask[:, -1] &= np.int32(np.uint32((1 << (vocab % 32)) - 1 if vocab % 32 else 0xFFFFFFFF).view(np.int32))
+    for view in (bitmask, bitmask[::2]):
+        for seed in range(4):
+            h = mix64(np.arange(len(view), dtype=np.uint64) * np.uint64(7919) + np.uint64(seed))
+            picks = allowed_pick(view, h)
+            for g, token in enumerate(picks.tolist()):
+                ok = allowed(view, g, vocab)
+                assert (token in ok.tolist()) if len(ok) else token == 0, (vocab, g, token)
+    dense = np.full((64, words), -1, dtype=np.int32)
+    picks = allowed_pick(dense, mix64(np.arange(64, dtype=np.uint64)))
+    assert len(set(picks.tolist())) > 48
+
+
+@pytest.mark.parametrize("backend", PARAMS)
+def test_batched_accept_refuses_out_of_range_tokens_alone(default_tokenizer, backend):
+    """A token outside the vocabulary in ``accept_tokens`` is refused for its row only; the other rows
+    advance as they would one at a time."""
+    vocab = 49152
+    compiler = GrammarCompiler(default_tokenizer, vocab, default_tokenizer.eos_token_id, backend=backend)
+    params = StructuredOutputsParams(regex="[a-z]+")
+    batched = [compiler.matcher(params) for _ in range(3)]
+    one_by_one = [compiler.matcher(params) for _ in range(3)]
+    token = default_tokenizer.encode("abc", add_special_tokens=False)[0]
+    tokens = [token, vocab, -1]
+    assert compiler.accept_tokens(batched, tokens) == [m.accept(t) for m, t in zip(one_by_one, tokens)] \
+        == [True, False, False]
+    mask_a, mask_b = allocate_bitmask(3, vocab), allocate_bitmask(3, vocab)
+    compiler.fill_bitmasks(batched, mask_a, [0, 1, 2])
+    for g, m in enumerate(one_by_one):
+        m.fill_bitmask(mask_b, g)
+    np.testing.assert_array_equal(mask_a, mask_b)

@@ -14,6 +14,11 @@ the overlap loop (``EngineCore.overlap_loop``):
   (the planner calls it then), so the mask of step N+1 sees token N;
 * a row whose request ended since the plan (its late token is dropped) gets
   an all-allowed mask: its token is never used.
+
+The fill stays on the planner thread on purpose: a fill worker (the batched
+fill is C++ that releases the GIL) was measured on 2 cores and lost more to
+the thread hand-offs than it won by running the planner's next steps beside
+the fill (profiles/structured-output-sim-amd-epyc-2core).
 """
 
 from __future__ import annotations
@@ -79,26 +84,29 @@ class GrammarState:
         if not len(keys) or not len(seqs):
             return []
         at = np.searchsorted(keys, seqs).clip(max=len(keys) - 1)
-        index = (keys[at] == seqs).nonzero()[0].tolist()
-        if not index:
+        index = (keys[at] == seqs).nonzero()[0]
+        if not len(index):
             return []
-        accepted = self._compiler.accept_tokens([self.matchers[int(seqs[i])] for i in index],
+        matchers = self.matchers
+        accepted = self._compiler.accept_tokens([matchers[seq] for seq in seqs[index].tolist()],
                                                 tokens[index].tolist())
-        return [i for i, ok in zip(index, accepted) if not ok]
+        if all(accepted):
+            return []
+        return [i for i, ok in zip(index.tolist(), accepted) if not ok]
 
     def fill(self, mask: GrammarMask) -> float:
         """Write every row of ``mask`` from its request's matcher (one batched library call), then mark it
         ready; returns the milliseconds it took."""
         t0 = time.perf_counter()
         bitmask = mask.bitmask
-        matchers, rows = [], []
-        for g, seq in enumerate(mask.seqs.tolist()):
-            matcher = self.matchers.get(seq)
-            if matcher is None:
-                bitmask[g] = -1  # the request ended since the plan: its token is dropped
-            else:
-                matchers.append(matcher)
-                rows.append(g)
+        get = self.matchers.get
+        matchers = [get(seq) for seq in mask.seqs.tolist()]
+        rows = list(range(len(matchers)))
+        if None in matchers:  # requests that ended since the plan: all allowed, their tokens are dropped
+            ended = [g for g, m in enumerate(matchers) if m is None]
+            bitmask[ended] = -1
+            rows = [g for g, m in enumerate(matchers) if m is not None]
+            matchers = [matchers[g] for g in rows]
         if matchers:
             self._compiler.fill_bitmasks(matchers, bitmask, rows)
         now = time.perf_counter()

@@ -13,11 +13,18 @@ xgrammar 0.2.9 needs four corrections to produce only what the constraint allows
   refused, as llguidance refuses them, rather than constrained wrongly.
 
 One difference is left: its regex ``.`` also matches a newline (Python's and Rust's do not).
+
+The batched calls (``accept_batch``, ``fill_batch``) run once per step over every grammar row, on the
+planner's critical path: they call xgrammar's tvm-ffi functions directly with each matcher's FFI handle,
+cached at creation, instead of through its Python wrappers, whose per-row list building and result
+conversion (~0.9 us an element for a tvm-ffi ``Array``) cost as much as the C++ work for 128 rows. The
+calls release the GIL (tvm-ffi's default), so the planner's other threads run meanwhile.
 """
 
 from __future__ import annotations
 
 import json
+import operator
 import os
 import re
 from typing import Any
@@ -73,11 +80,12 @@ def scan_schema(schema: Any) -> tuple[list[str], int]:
 
 
 class XGrammarMatcher(Matcher):
-    __slots__ = ("_after_ed", "_done", "_filter", "_lib")
+    __slots__ = ("_after_ed", "_done", "_filter", "_h", "_lib")
 
     def __init__(self, matcher: Any, compiled: Compiled, lib: XGrammarLib) -> None:
         super().__init__(matcher, compiled, lib.eos, lib.vocab_size)
         self._lib, self._filter = lib, compiled.token_filter
+        self._h = lib.ffi_handle(matcher)  # what the batched calls take (``XGrammarLib.accept_batch``)
         self._after_ed = False  # the text ends with a lone 0xED, the lead byte of a 3-byte UTF-8 sequence
         self._done = False  # EOS accepted: xgrammar's matcher is terminated (tracked here: asked every step)
 
@@ -133,35 +141,75 @@ class XGrammarLib:
         # One call fills many rows on xgrammar's threads: per-row calls cost ~100 us each in their Python
         # wrapper at vocab 49k, the batch ~3-13 us a row (profiles/grammar-backends-amd-epyc-2core).
         self._batch = xgr.BatchGrammarMatcher(max_threads="auto")
+        # xgrammar 0.2.9's FFI entry points behind ``BatchGrammarMatcher``'s two batch methods (see the module
+        # docstring for why they are called directly): (handles, tokens, debug) and (handles, bitmask, rows,
+        # debug).
+        # They are private: any other xgrammar than the pinned one gets the public wrappers instead (slower,
+        # same results), so a version bump costs speed, not correctness.
+        try:
+            from xgrammar.base import _core  # private-name: xgrammar's FFI module, pinned
+
+            self._accept_ffi = _core.BatchGrammarMatcher.batch_accept_token  # private-name: xgrammar's, pinned
+            self._fill_ffi = self._batch._handle.batch_fill_next_token_bitmask  # private-name: xgrammar's, pinned
+            self.ffi_handle = operator.attrgetter("_handle")
+        except (ImportError, AttributeError):
+            public = xgr.BatchGrammarMatcher
+            self._accept_ffi = lambda matchers, tokens, _debug: public.batch_accept_token(matchers, tokens)
+            self._fill_ffi = lambda matchers, bitmask, rows, _debug: self._batch.batch_fill_next_token_bitmask(
+                matchers, bitmask, rows)
+            self.ffi_handle = lambda matcher: matcher
 
     def accept_batch(self, matchers: list[XGrammarMatcher], tokens: list[int]) -> list[bool]:
         """``[m.accept(t) for m, t in zip(matchers, tokens)]`` with the library's part in one call."""
+        if not matchers:
+            return []
+        if min(tokens) < 0 or max(tokens) >= self.vocab_size or any(m._done for m in matchers):
+            return self._accept_some(matchers, tokens)
+        result = self._accept_ffi([m._h for m in matchers], tokens, False)  # [R] 0/1, a tvm-ffi Array
+        if 0 in result:  # one FFI call; converting the array would cost ~0.9 us a row
+            ok = [bool(a) for a in result]
+        else:
+            ok = [True] * len(matchers)
+        ed, eos = self.ends_with_ed, self.eos
+        for m, t, good in zip(matchers, tokens, ok):
+            if good:  # ``XGrammarMatcher.accepted``, inlined: it runs for every grammar row of every step
+                m._start = None
+                m._after_ed = t in ed
+                m._done = t == eos
+        return ok
+
+    def _accept_some(self, matchers: list[XGrammarMatcher], tokens: list[int]) -> list[bool]:
+        """``accept_batch`` when some token is out of range or some matcher has ended (those refuse)."""
         ok = [0 <= t < self.vocab_size and not m.is_terminated() for m, t in zip(matchers, tokens)]
         live = [i for i, good in enumerate(ok) if good]
-        accepted = self._xgr.BatchGrammarMatcher.batch_accept_token([matchers[i]._m for i in live],
-                                                                    [tokens[i] for i in live])
-        for i, good in zip(live, accepted):
-            ok[i] = bool(good)
-            if good:
-                matchers[i].accepted(tokens[i])
+        if live:
+            accepted = list(self._accept_ffi([matchers[i]._h for i in live], [tokens[i] for i in live], False))
+            for i, good in zip(live, accepted):
+                ok[i] = bool(good)
+                if good:
+                    matchers[i].accepted(tokens[i])
         return ok
 
     def fill_batch(self, matchers: list[XGrammarMatcher], bitmask: np.ndarray, rows: list[int]) -> None:
         """``matchers[i].fill_bitmask(bitmask, rows[i])`` for every ``i``, the library's part in one call."""
-        live, live_rows = [], []
-        for matcher, row in zip(matchers, rows):
-            if not matcher.fill_without_library(bitmask, row):
-                live.append(matcher)
-                live_rows.append(row)
-        if not live:
+        handles, live_rows, filtered, after_ed = [], [], [], []
+        for m, row in zip(matchers, rows):
+            if m._start is not None or m._done:
+                m.fill_without_library(bitmask, row)
+                continue
+            handles.append(m._h)
+            live_rows.append(row)
+            if m._filter is not None:
+                filtered.append(row)
+            if m._after_ed:
+                after_ed.append(row)
+        if not handles:
             return
-        self._batch.batch_fill_next_token_bitmask([m._m for m in live], bitmask, live_rows)
-        filtered = [row for m, row in zip(live, live_rows) if m._filter is not None]
+        self._fill_ffi(handles, bitmask, live_rows, False)
         if len(filtered) == len(bitmask):  # every row (the usual case): in place, no gather and scatter
             bitmask &= self._json_filter
         elif filtered:
             bitmask[filtered] &= self._json_filter
-        after_ed = [row for m, row in zip(live, live_rows) if m._after_ed]
         if after_ed:
             bitmask[after_ed] &= self.no_surrogate_tail
 
