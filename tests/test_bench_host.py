@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from in_process import run_program
 
 ROOT = Path(__file__).resolve().parents[1]
 SIM_SECTIONS = ("planner", "busy", "gil")
@@ -40,8 +40,8 @@ def _check_sim_row(section: str, key: str, metrics: dict) -> None:
 @pytest.mark.slow
 def test_quick_report_is_complete(tmp_path: Path) -> None:
     out = tmp_path / "report"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_host.py"), "--quick", "--skip-cpu",
-                           "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
+    proc = run_program([sys.executable, str(ROOT / "scripts" / "bench_host.py"), "--quick", "--skip-cpu",
+                        "--out", str(out)])  # in the test worker: tests/in_process.py says why
     assert proc.returncode == 0, f"bench_host failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert "simulated device" in (out / "report.md").read_text()
     report = json.loads((out / "report.json").read_text())

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from in_process import run_program
 from tiny_models import save_tiny_model
 
 from asyncbatch.bench.workloads import (
@@ -62,8 +62,7 @@ def test_bench_prefix_cache_script_end_to_end(tmp_path):
     args = ["--model", str(model), "--num-requests", "6", "--system-len", "48", "--question-len", "8",
             "--output-len", "4", "--max-num-batched-tokens", "64", "--max-num-seqs", "8", "--sim-requests", "24", "--sim-max-num-seqs", "16",
             "--sim-repeats", "1", "--warmup-requests", "2", "--no-progress", "--results-dir", str(out)]
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_prefix_cache.py"), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, check=False)
+    proc = run_program([sys.executable, str(ROOT / "scripts" / "bench_prefix_cache.py"), *args])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((out / "report.json").read_text())
     model_part, sim = doc["model"], doc["sim"]

@@ -1,7 +1,7 @@
 """Smoke tests of the benchmark scripts on a tiny model, and unit tests of their helpers.
 
-The scripts run end to end in subprocesses (all four systems, CPU) exactly as
-a person runs them; the test then validates the JSON they wrote against the
+The scripts run end to end (all four systems, CPU) as a person runs them, in the
+test worker (tests/in_process.py says why); the test then validates the JSON they wrote against the
 results schema and checks that every plot the JSON lists is a PNG on disk.
 """
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from harness.records import RequestRecord, RunResult
 from harness.results_schema import RESULTS_SCHEMA, validation_errors
 from harness.run_metrics import run_metrics
 from harness.systems import SYSTEM_NAMES, parse_systems
+from in_process import Completed, run_program
 from tiny_models import save_tiny_model
 
 from asyncbatch.bench.arrivals import arrival_offsets, parse_rates
@@ -42,9 +42,8 @@ def tiny_model(tmp_path_factory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("bench") / "tiny", "LlamaForCausalLM")
 
 
-def _run_script(script: str, args: list[str]) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=180, check=False)
+def _run_script(script: str, args: list[str]) -> Completed:
+    proc = run_program([sys.executable, str(ROOT / "scripts" / script), *args])
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
 

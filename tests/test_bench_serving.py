@@ -28,6 +28,7 @@ from harness.serving_servers import (
     transformers_spec,
     workload_kv_tokens,
 )
+from in_process import Completed, run_program
 from tiny_models import save_tiny_model
 
 from asyncbatch.bench.host_load import ServerLoad, process_group_cpu_s
@@ -425,9 +426,9 @@ def tiny_model(tmp_path_factory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("serving") / "tiny", "LlamaForCausalLM", vocab_size=259)
 
 
-def _run_script(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_serving.py"), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout, check=False)
+def _run_script(args: list[str]) -> Completed:
+    """In the test worker (tests/in_process.py says why); the servers it starts are processes of their own."""
+    proc = run_program([sys.executable, str(ROOT / "scripts" / "bench_serving.py"), *args])
     assert proc.returncode == 0, f"bench_serving.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
 
@@ -521,7 +522,7 @@ def test_script_against_transformers_serve(tiny_model, tmp_path):
     _run_script(["--systems", "transformers", "--model", str(tiny_model), "--workload", "uniform",
                  "--prompt-range", "4,12", "--output-range", "4,12", "--num-prompts", "4", "--request-rates", "inf",
                  "--warmup-requests", "1", "--startup-timeout", "180", "--request-timeout", "120",
-                 "--out", str(out), "--tag", "tf"], timeout=400)
+                 "--out", str(out), "--tag", "tf"])
     doc = _check_document(out, "tf")
     [system] = doc["systems"]
     assert system["error"] is None and system["exit_code"] is not None
@@ -542,7 +543,7 @@ def test_script_against_asyncbatch_serve_on_sim(tmp_path):
     _run_script(["--systems", "asyncbatch", "--device", "sim", "--workload", "uniform", "--prompt-range", "16,64",
                  "--output-range", "8,32", "--num-prompts", "20", "--request-rates", "50,inf", "--warmup-requests",
                  "2", "--metrics-interval", "0.1", "--slo-ttft-ms", "10000", "--startup-timeout", "180",
-                 "--request-timeout", "120", "--out", str(out), "--tag", "sim"], timeout=400)
+                 "--request-timeout", "120", "--out", str(out), "--tag", "sim"])
     doc = _check_document(out, "sim")
     [system] = doc["systems"]
     assert system["error"] is None and system["exit_code"] == 0  # SIGTERM drains and exits 0

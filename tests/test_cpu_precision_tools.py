@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from harness.quality import QUALITY_TEXT, agreement, teacher_forced
 from harness.runner import build_systems
 from harness.system_base import BenchSettings
 from harness.systems import LLAMACPP, parse_systems
+from in_process import Completed, run_program
 from tiny_models import save_tiny_model
 
 from asyncbatch.bench.workloads import WorkItem
@@ -77,9 +77,8 @@ def test_llamacpp_runs_the_requests_greedily():
         system.close()
 
 
-def _run(script: str, *args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300, check=False)
+def _run(script: str, *args: str) -> Completed:
+    proc = run_program([sys.executable, str(ROOT / "scripts" / script), *args])  # tests/in_process.py: why
     assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc
 

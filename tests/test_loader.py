@@ -211,14 +211,24 @@ def test_resolve_dtype(monkeypatch) -> None:
 
 # ---- load_model, load_tokenizer -------------------------------------------------------------------
 
-def test_loaded_model_is_cast_frozen_and_materialised(llama_dir: Path) -> None:
+@pytest.mark.parametrize("emulation", ["0", "1"], ids=["bf16-kernels", "bf16-emulated"])
+def test_loaded_model_is_cast_frozen_and_materialised(llama_dir: Path, monkeypatch, emulation: str) -> None:
+    """Every weight holds its checkpoint value in bfloat16; with bfloat16 emulated (a CPU without bfloat16
+    kernels, ``model/emulated_bf16.py``) the linears' weights hold those same values in float32."""
+    monkeypatch.setenv("ASYNCBATCH_BF16_EMULATION", emulation)
     model = load_model(llama_dir, torch.bfloat16, CPU, max_positions=32)
     assert not model.training
-    params = list(model.parameters())
-    assert all(p.dtype == torch.bfloat16 and not p.requires_grad and not p.is_meta for p in params)
+    params = dict(model.named_parameters())
+    assert all(not p.requires_grad and not p.is_meta for p in params.values())
+    linear = ({name for name in params if name.endswith(("proj.weight", "proj.bias"))} | {"emulated_lm_head.weight"}
+              if emulation == "1" else set())
+    assert all(p.dtype == (torch.float32 if name in linear else torch.bfloat16) for name, p in params.items())
     assert model.rope_cos.dtype == torch.float32 and model.rope_cos.shape == (32, 16)
     stored = load_file(str(llama_dir / "model.safetensors"))
-    assert torch.equal(model.lm_head.weight, stored["lm_head.weight"].to(torch.bfloat16))
+    head = model.lm_head.weight if emulation == "0" else model.emulated_lm_head.weight
+    assert torch.equal(head, stored["lm_head.weight"].to(torch.bfloat16).to(head.dtype))
+    q = params["model.layers.0.self_attn.q_proj.weight"]
+    assert torch.equal(q, stored["model.layers.0.self_attn.q_proj.weight"].to(torch.bfloat16).to(q.dtype))
 
 
 def test_sharded_checkpoint_loads_like_single_file(tmp_path: Path) -> None:

@@ -2,7 +2,9 @@
 
 Each command's entry point answers ``--help``; the short ones run end to end on the simulated device:
 ``generate`` and ``demo``, and ``serve`` with a request and the packaged serving benchmark
-(``python -m asyncbatch.bench``) against it. The two set-up commands (``scripts/demo.sh``,
+(``python -m asyncbatch.bench``) against it. ``serve`` runs as its own process, as a user starts it; the
+others run in the test worker (tests/in_process.py), their fresh-interpreter start being what the
+``--help`` run checks. The two set-up commands (``scripts/demo.sh``,
 ``scripts/test.sh``) install things and run the whole suite, so only their presence and syntax are
 checked here; the demo's body is ``asyncbatch demo``, run below.
 """
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from in_process import run_program
 from serve_harness import ServeProcess
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,14 +132,14 @@ def on_sim(command: str) -> list[str]:
 @pytest.mark.parametrize("command", [c for c in shown_commands(ROOT / "README.md")
                                      if c.startswith("python -m asyncbatch generate")])
 def test_generate_runs_on_sim(command):
-    done = _run(on_sim(command))
+    done = run_program(on_sim(command))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "(simulated)" in done.stderr
 
 
 def test_demo_runs_on_sim():
     command = next(c for c in shown_commands(ROOT / "README.md") if c.startswith("python -m asyncbatch demo"))
-    done = _run(on_sim(command))
+    done = run_program(on_sim(command))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "overlap" in done.stdout and "sync" in done.stdout
 
@@ -148,7 +151,7 @@ def test_serve_answers_and_the_serving_benchmark_measures_it(tmp_path):
             "model": "smollm2-135m", "messages": [{"role": "user", "content": "Name three rivers."}],
             "max_tokens": 48})
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] > 0
-        done = _run([sys.executable, "-m", "asyncbatch.bench", "--base-url", server.url, "--out",
+        done = run_program([sys.executable, "-m", "asyncbatch.bench", "--base-url", server.url, "--out",
                      str(tmp_path / "bench"), "--device", "sim", "--num-prompts", "8", "--request-rates", "inf",
                      "--warmup-requests", "1"])
         assert done.returncode == 0, done.stderr[-3000:]

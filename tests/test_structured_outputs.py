@@ -129,13 +129,13 @@ def test_the_structured_output_benchmark_runs_and_reports_every_configuration(tm
     """``scripts/bench_structured.py --quick``: the three configurations side by side, each with its busy
     fraction and, for the grammar ones, a measured mask time; no timing is asserted."""
     import json
-    import subprocess
     import sys
     from pathlib import Path
 
+    from in_process import run_program
+
     script = Path(__file__).resolve().parents[1] / "scripts" / "bench_structured.py"
-    proc = subprocess.run([sys.executable, str(script), "--quick", "--out", str(tmp_path)], capture_output=True,
-                          text=True, timeout=300, check=False)
+    proc = run_program([sys.executable, str(script), "--quick", "--out", str(tmp_path)])  # in_process.py: why
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads((tmp_path / "report.json").read_text())
     assert [r["config"] for r in results] == ["none", "overlap", "naive"]

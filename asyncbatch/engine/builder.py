@@ -28,6 +28,7 @@ from asyncbatch.engine.core import EngineCore
 from asyncbatch.engine.scheduler import Scheduler
 from asyncbatch.executors.base import Executor
 from asyncbatch.model.compiled_decode import check_compile_decode
+from asyncbatch.model.emulated_bf16 import emulates_bf16
 from asyncbatch.model.loader import (
     explain_dtype,
     load_config,
@@ -177,6 +178,8 @@ def build_core(config: EngineConfig, spec: ModelSpec, send: Callable[[object], N
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         dtype, dtype_choice = explain_dtype(config.dtype, device)
         torch_device = torch.device(device)
+        if config.quantization is None and emulates_bf16(dtype, torch_device):
+            dtype_choice += "; linears on float32 kernels, bfloat16 values (no bfloat16 dot products here)"
         model = load_model(spec.path, dtype, torch_device, max_positions=max_len, quantization=config.quantization)
         reserved = 0
         if device == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory_gib is None:

@@ -11,9 +11,8 @@ any other CPU, ``auto`` stays float32.
 
 ``ASYNCBATCH_CPU_FLAGS`` (space- or comma-separated flag names), when set,
 replaces the flags read from ``/proc/cpuinfo``: ``ASYNCBATCH_CPU_FLAGS=amx_bf16``
-makes an AVX2 machine choose bfloat16 as a Sapphire Rapids would (torch then
-emulates bfloat16: slower, but every result is rounded to bfloat16 as a native
-kernel's is), and ``ASYNCBATCH_CPU_FLAGS=avx2`` makes an AMX machine choose
+makes an AVX2 machine choose bfloat16 as a Sapphire Rapids would (its linears then
+run on float32 kernels with every value a bfloat16 one, ``emulated_bf16``), and ``ASYNCBATCH_CPU_FLAGS=avx2`` makes an AMX machine choose
 float32. It is how the test suite runs both sides of ``dtype="auto"`` on one
 machine; engine core processes inherit it.
 """
@@ -38,6 +37,14 @@ def faked_cpu_flags() -> frozenset[str] | None:
     if value is None:
         return None
     return frozenset(value.replace(",", " ").split())
+
+
+def hardware_cpu_flags() -> frozenset[str]:
+    """The flags of the CPU itself, whatever ``ASYNCBATCH_CPU_FLAGS`` fakes (what kernels can run)."""
+    try:
+        return cpu_flags(_CPUINFO.read_text(errors="replace"))
+    except OSError:
+        return frozenset()
 
 
 def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:

@@ -128,6 +128,8 @@ class CausalLM(nn.Module):
         # ``output_weight``.
         self.quantization: str | None = None
         self.quantized_lm_head: nn.Module | None = None
+        # Set by ``emulated_bf16.emulate_bf16_linears``: bfloat16 on a CPU without bfloat16 kernels.
+        self.emulated_lm_head: nn.Module | None = None
         attn = self.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         cos, sin = rope_cos_sin(config, attn.head_dim, max_positions)
@@ -137,7 +139,7 @@ class CausalLM(nn.Module):
     @property
     def lm_head_reads_embedding(self) -> bool:
         """Whether the LM head multiplies by the (tied) embedding table, reading all of it every step."""
-        return self.tie_word_embeddings and self.quantized_lm_head is None
+        return self.tie_word_embeddings and self.quantized_lm_head is None and self.emulated_lm_head is None
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -171,4 +173,6 @@ class CausalLM(nn.Module):
         """The LM head: ``[R, hidden]`` final-normed states → ``[R, vocab]`` float32 logits."""
         if self.quantized_lm_head is not None:
             return self.quantized_lm_head(hidden).float()
+        if self.emulated_lm_head is not None:
+            return self.emulated_lm_head(hidden)
         return F.linear(hidden, self.output_weight).float()

@@ -18,13 +18,15 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from asyncbatch.model.cpu_features import choose_cpu_dtype
 from asyncbatch.model.default_model import DEFAULT_MODEL_ALIASES, default_gguf_path, is_default_model
+from asyncbatch.model.emulated_bf16 import emulate_bf16_linears, emulates_bf16
 from asyncbatch.model.gguf_cache import convert_gguf
 from asyncbatch.model.llama import SUPPORTED_ARCHITECTURES, CausalLM
 from asyncbatch.model.quantization import check_quantization, quantize_model
+from asyncbatch.model.tokenizer_cache import load_tokenizer_cached
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -108,7 +110,9 @@ def explain_dtype(name: str, device: torch.device | str) -> tuple[torch.dtype, s
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(path)
+    """The folder's tokenizer; each call its own object over a tokenizer built once per process
+    (``tokenizer_cache``)."""
+    return load_tokenizer_cached(path)
 
 
 def load_model(path: str | os.PathLike[str], dtype: torch.dtype, device: torch.device | str,
@@ -146,6 +150,8 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype, device: torch.d
     model = model.eval().requires_grad_(False)
     if quantization is not None:
         quantize_model(model, quantization, path)
+    elif emulates_bf16(dtype, device):
+        emulate_bf16_linears(model)
     return model
 
 
