@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness.common import COMMON, ROOT, ref_worktree, run_in_tree
+from harness.common import COMMON, ROOT, cpu_seconds, ref_worktree, run_in_tree
 
 PROMPT_LEN = 32
 
@@ -131,10 +131,10 @@ def engine_case(num_requests: int, output_len: int, skip_tokenizer_init: bool) -
                   for i in range(num_requests)]
         core = [p.pid for p in multiprocessing.active_children() if p.name == "asyncbatch-core"]
         load = os.getloadavg()[0]
-        start, cpu, core_cpu = time.perf_counter(), time.process_time(), _cpu_seconds(core)
+        start, cpu, core_cpu = time.perf_counter(), time.process_time(), cpu_seconds(core)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - start
-        cpu, core_cpu = time.process_time() - cpu, _cpu_seconds(core) - core_cpu
+        cpu, core_cpu = time.process_time() - cpu, cpu_seconds(core) - core_cpu
         llm.wait_settled(5.0)
         report = gap_report(llm, lifetimes_of(outputs))
         stats = llm.stats()
@@ -154,18 +154,6 @@ def engine_case(num_requests: int, output_len: int, skip_tokenizer_init: bool) -
                 # What the two processes asked of the machine during generate(): CPU seconds per wall second
                 # (2.0 = both cores), and the load average (other users included) when the run began.
                 "frontend_cores": cpu / wall, "core_cores": core_cpu / wall, "load_avg": load}
-
-
-def _cpu_seconds(pids: list[int]) -> float:
-    """user + system CPU seconds of ``pids`` so far (from /proc; 0.0 where unreadable)."""
-    total = 0.0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
 
 
 def child(args: argparse.Namespace) -> dict:
@@ -199,7 +187,8 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         ref = args.ref_tree
         if ref is not None:  # the same measuring code on both sides
-            shutil.copy2(Path(__file__), ref / "scripts" / Path(__file__).name)
+            for path in (Path(__file__), COMMON):
+                shutil.copy2(path, ref / path.relative_to(ROOT))
         if args.ref and not args.quick:
             ref = stack.enter_context(ref_worktree(args.ref, [Path(__file__), COMMON, COMMON.with_name("__init__.py")]))
         trees = {"after": ROOT, **({"before": ref} if ref and not args.quick else {})}

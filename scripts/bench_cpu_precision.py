@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import torch
-from harness.common import log
+from harness.common import cpu_seconds, log
 from harness.common import parser as script_parser
 from harness.decode_step import DecodeStepBench
 from harness.run_metrics import run_metrics
@@ -96,18 +96,6 @@ def build(kind: str, settings: BenchSettings) -> BenchSystem:
     from harness.system_asyncbatch import AsyncBatchSystem
 
     return AsyncBatchSystem(settings, overlap=True, name=f"asyncbatch {kind}")
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU seconds of these processes so far (all their threads), from /proc."""
-    total = 0.0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
 
 
 def system_pids(system: BenchSystem) -> list[int]:

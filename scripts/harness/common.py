@@ -85,3 +85,16 @@ def run_in_tree(tree: Path, script: Path, args: list[str], timeout_s: float | No
     target = tree / script.resolve().relative_to(ROOT)
     return subprocess.run([sys.executable, str(target), *args], cwd=tree, env=env, capture_output=True, text=True,
                           timeout=timeout_s, check=False)
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes so far (all their threads), from /proc; 0.0 for a pid
+    that cannot be read (gone, or not Linux)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
