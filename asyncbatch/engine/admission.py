@@ -75,7 +75,7 @@ class Admitter:
             return budget
         started = time.perf_counter()
         blocks, prefix, free_rows = self.blocks, self.prefix, self.free_rows
-        caching, bs = blocks.caching, blocks.block_size
+        caching = blocks.caching
         rows_left = self.max_num_seqs - len(self.running)
         available = blocks.num_free_blocks  # fresh + reclaimable: what the admissions may take
         unused = blocks.num_unused_blocks  # on the free stack: fresh blocks popped without evicting
@@ -89,7 +89,7 @@ class Admitter:
             hit = prefix.hit(request, target) if caching else NO_HIT
             start = hit.num_tokens
             n = min(target - start, budget)
-            fresh = -(-(start + n) // bs) - len(hit.cached)
+            fresh = blocks.blocks_for(start + n) - len(hit.cached)
             if fresh + hit.num_reclaimed > available:
                 break
             if fresh > unused and batch:  # it evicts: apply the batch first, so its hit saw no eviction

@@ -200,20 +200,14 @@ class BlockManager:
         if num_full > self.num_row_blocks[row]:
             raise IntegrityError(f"row {row} registers {num_full} blocks but lists {self.num_row_blocks[row]}")
         chain = self.chains[row]
-        for j in range(len(chain), num_full):
-            parent_key = keys[j - 1] if j else ROOT_KEY
-            parent_serial = chain[-1] if chain else ROOT_SERIAL
-            serial = self.prefix.register(int(self.block_table[row, j]), keys[j], parent_key, contents[j],
-                                          parent_serial)
-            if serial is None:
-                return
-            chain.append(serial)
+        if num_full > len(chain):
+            self._extend_chain(chain, self.block_table[row, :num_full].tolist(), keys, contents, num_full)
 
     def register_rows(self, rows: np.ndarray, requests: Sequence[Request], num_full: np.ndarray) -> None:
         """``register`` for each of ``rows`` ([Q] int64) with its request's chain keys and token tuples
         (``Request.block_keys``/``block_contents``) up to ``num_full[i]`` blocks; rows whose chain is that long
         already are skipped (a prefill chunk that filled no block)."""
-        chains, prefix = self.chains, self.prefix
+        chains = self.chains
         have = np.fromiter((len(chains[row]) for row in rows.tolist()), dtype=np.int64, count=len(rows))  # [Q]
         todo = (num_full > have).nonzero()[0]
         if not len(todo):
@@ -223,17 +217,24 @@ class BlockManager:
         widest = int(num_full[todo].max())
         ids = self.block_table[rows[todo], :widest].tolist()  # one conversion instead of a scalar read per block
         for i, block_ids in zip(todo.tolist(), ids):
-            row, request = int(rows[i]), requests[i]
-            chain, keys, contents = chains[row], request.block_keys, request.block_contents
-            parent_key = keys[len(chain) - 1] if chain else ROOT_KEY
-            parent_serial = chain[-1] if chain else ROOT_SERIAL
-            for j in range(len(chain), int(num_full[i])):
-                key = keys[j]
-                serial = prefix.register(block_ids[j], key, parent_key, contents[j], parent_serial)
-                if serial is None:  # a collision stops the chain
-                    break
-                chain.append(serial)
-                parent_key, parent_serial = key, serial
+            request = requests[i]
+            self._extend_chain(chains[int(rows[i])], block_ids, request.block_keys, request.block_contents,
+                               int(num_full[i]))
+
+    def _extend_chain(self, chain: list[int], block_ids: list[int], keys: Sequence[int],
+                      contents: Sequence[tuple[int, ...]], num_full: int) -> None:
+        """Register blocks ``len(chain):num_full`` of a row (``block_ids``: its table's first entries) after
+        its chain ``chain`` (appended to); a collision stops the chain."""
+        prefix = self.prefix
+        parent_key = keys[len(chain) - 1] if chain else ROOT_KEY
+        parent_serial = chain[-1] if chain else ROOT_SERIAL
+        for j in range(len(chain), num_full):
+            key = keys[j]
+            serial = prefix.register(block_ids[j], key, parent_key, contents[j], parent_serial)
+            if serial is None:
+                return
+            chain.append(serial)
+            parent_key, parent_serial = key, serial
 
     def free(self, row: int) -> None:
         """Drop ``row``'s references to its blocks; a second call frees nothing."""

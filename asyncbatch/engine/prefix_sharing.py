@@ -56,11 +56,6 @@ class PrefixHit(NamedTuple):
     num_tokens: int  # tokens they hold: the first chunk starts here
     num_reclaimed: int  # of them, evictable blocks (counted as free until shared)
 
-    def blocks_needed(self, blocks: BlockManager, num_new_tokens: int) -> int:
-        """Free blocks an admission computing ``num_new_tokens`` after the hit takes: fresh blocks, plus the
-        reused blocks that were evictable (they counted as free)."""
-        return blocks.blocks_for(self.num_tokens + num_new_tokens) - len(self.cached) + self.num_reclaimed
-
 
 NO_HIT = PrefixHit([], np.zeros(0, dtype=np.int64), 0, 0)
 

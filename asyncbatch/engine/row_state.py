@@ -81,14 +81,9 @@ class RowState:
         self._history_flat = self.history.reshape(-1)  # [S * max_outputs] view
         self.max_outputs = max_outputs
 
-    def admit(self, row: int, request: Request, admit_key: int, prefill_len: int) -> None:
-        """Fill ``row`` for ``request`` (new, or preempted and now recomputed)."""
-        self.admit_many(np.array([row], dtype=np.int64), [request], np.array([admit_key], dtype=np.int64),
-                        np.array([prefill_len], dtype=np.int64))
-
     @staticmethod
     def constants_of(request: Request) -> tuple[tuple, tuple]:
-        """What ``admit`` reads from ``request``'s parameters and seed, as (ints, floats) for ``admit_many``:
+        """What ``admit_many`` reads from ``request``'s parameters and seed, as (ints, floats) for ``admit_many``:
         computed once on arrival (``Scheduler.add``), so an admission burst reads one attribute per request."""
         p = request.params
         return ((request.arrival_seq, p.max_tokens, p.ignore_eos, bool(p.stop_token_ids), request.seed,
@@ -98,8 +93,8 @@ class RowState:
 
     def admit_many(self, rows: np.ndarray, requests: list[Request], admit_keys: np.ndarray,
                    prefill_lens: np.ndarray) -> None:
-        """``admit`` for ``requests`` into ``rows`` ([A] int64, distinct) at once: the same values, from each
-        request's ``Request.row_constants`` (``constants_of``), scattered with one assignment per array."""
+        """Fill ``rows`` ([A] int64, distinct) for ``requests`` (new, or preempted and now recomputed) at once,
+        from each request's ``Request.row_constants`` (``constants_of``), one assignment per array."""
         constants = [r.row_constants or self.constants_of(r) for r in requests]
         i = np.array([c[0] for c in constants], dtype=np.int64)  # [A, 11]
         f = np.array([c[1] for c in constants], dtype=np.float32)  # [A, 6]
@@ -133,7 +128,7 @@ class RowState:
         for row, request in zip(rows.tolist(), requests):
             p = request.params
             params[row] = p
-            bias[row] = _bias_arrays(p.logit_bias) if p.logit_bias else _NO_BIAS
+            bias[row] = _bias_arrays(p.logit_bias)
             if request.num_outputs:  # a preempted request's outputs, to recompute
                 self.history[row, :request.num_outputs] = request.output_token_ids
 
