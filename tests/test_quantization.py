@@ -103,6 +103,27 @@ def test_quantized_linear_rows_are_independent_of_the_batch(scheme):
         assert _relative_error(batch, exact[:rows]) < TOLERANCE[scheme]
 
 
+@pytest.mark.skipif(quant.unavailable_reason("w8a8") is not None, reason="this torch build has no fbgemm")
+def test_w8a8_handles_are_reused_once_their_linear_is_freed():
+    """Compiled graphs bake the handles in: a model built after an earlier one was freed must get the same
+    handles (so inductor's cache serves its graphs); linears alive at once never share one."""
+    import gc
+
+    weight = torch.randn(16, 32)
+    first = [quant.QuantizedLinear(weight, None, "w8a8") for _ in range(3)]
+    handles = [layer._handle for layer in first]
+    assert len(set(handles)) == 3 and all(quant._W8A8_PACKED[h][0] is layer._packed for h, layer in zip(handles, first))
+    del first
+    gc.collect()
+    assert not set(handles) & set(quant._W8A8_PACKED)
+    second = [quant.QuantizedLinear(weight, None, "w8a8") for _ in range(3)]
+    assert [layer._handle for layer in second] == handles
+    x = torch.randn(2, 32)
+    torch.testing.assert_close(torch.ops.asyncbatch.w8a8_linear(torch.cat((x, second[1].sentinel)), handles[1]),
+                               torch.ops.quantized.linear_dynamic(torch.cat((x, second[1].sentinel)),
+                                                                  second[1]._packed, quant.W8A8_REDUCE_RANGE))
+
+
 def test_unsupported_combinations_raise_value_errors_naming_quantization(monkeypatch):
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig(quantization="int3")
