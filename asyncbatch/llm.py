@@ -157,7 +157,7 @@ class LLM:
         return handles
 
     def _detokenizer(self, ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | NullDetokenizer:
-        if self.tokenizer is None:
+        if self.tokenizer is None or not params.detokenize:
             return NullDetokenizer()
         return IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
 

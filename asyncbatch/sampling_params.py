@@ -52,8 +52,10 @@ class SamplingParams:
     temperature and top-k/top-p/min-p (vLLM's default ``raw_logprobs``).
     ``logit_bias`` adds a value in [-100, 100] to a token id's logit before
     sampling; ``min_tokens`` masks EOS and ``stop_token_ids`` until that many
-    tokens were generated. ``structured_outputs`` constrains the output to a JSON
-    schema, any JSON object, a regex, a choice or a grammar.
+    tokens were generated. ``detokenize=False`` returns token ids only: ``text``
+    stays empty and no detokenizer runs for the request (vLLM's field; stop
+    strings need the text). ``structured_outputs`` constrains the output to a
+    JSON schema, any JSON object, a regex, a choice or a grammar.
     """
 
     max_tokens: int = 16
@@ -67,6 +69,7 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    detokenize: bool = True
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -105,10 +108,12 @@ class SamplingParams:
         self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0:
             raise ValueError(f"SamplingParams.repetition_penalty must be > 0, got {self.repetition_penalty}")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"SamplingParams.{name} must be a bool, got {type(getattr(self, name)).__name__}")
         self._stop = self._normalize_stop(self.stop)
+        if self._stop and not self.detokenize:
+            raise ValueError("SamplingParams.stop needs detokenize=True (stop strings are matched in the text)")
         if self.stop_token_ids is not None:
             if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
                 raise TypeError("SamplingParams.stop_token_ids must be a list of ints")

@@ -83,3 +83,22 @@ def test_stop_strings_still_end_a_request_that_is_not_streamed(make_llm) -> None
                        use_tqdm=False)[0]
     assert out.finish_reason == "stop" and stop not in out.text
     assert free.text.startswith(out.text)
+
+
+def test_detokenize_false_returns_ids_only_and_runs_no_detokenizer(make_llm, detok_calls) -> None:
+    """vLLM's ``SamplingParams.detokenize``: an engine with a tokenizer, a request that wants no text."""
+    llm = make_llm(device="sim", sim=SIM, engine_process=False)
+    params = [SamplingParams(max_tokens=20, temperature=0.0, seed=i, detokenize=False) for i in range(len(PROMPTS))]
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    streamed = list(llm.stream(PROMPTS[0], params[0]))
+    assert not {k: v for k, v in detok_calls.items() if not k.startswith("NullDetokenizer")}
+    assert all(o.token_ids and o.text == "" for o in outs)
+    assert [t for d in streamed for t in d.token_ids] == outs[0].token_ids and all(d.text == "" for d in streamed)
+    with_text = llm.generate(PROMPTS, [SamplingParams(max_tokens=20, temperature=0.0, seed=i)
+                                       for i in range(len(PROMPTS))], use_tqdm=False)
+    assert [o.token_ids for o in with_text] == [o.token_ids for o in outs]
+    assert all(o.text for o in with_text)
+    with pytest.raises(ValueError, match="stop needs detokenize=True"):
+        SamplingParams(stop=["\n"], detokenize=False)
+    with pytest.raises(TypeError, match="detokenize must be a bool"):
+        SamplingParams(detokenize="no")
