@@ -107,6 +107,7 @@ class Rig:
                 meta = self.writer.write(plan, buffer)
                 self.sched.release_drained(plan)
                 in_flight.append((plan, self.device.run(plan, meta, buffer)))
+                self.sched.settle_released(0.0)  # as the core does while a step runs; 0: one release a step
             if in_flight and (len(in_flight) > self.lag or plan is None):
                 done, tokens = in_flight.popleft()
                 applied = self.sched.apply(done, tokens, np.ones(len(tokens), dtype=bool))
@@ -118,6 +119,8 @@ class Rig:
             self.sched.check_integrity()
             self.device.check_records(self.blocks)
             if step > 40 and not self.sched.has_work() and not in_flight:
+                self.sched.settle_released()  # as the core does before it sleeps
+                self.sched.check_integrity()
                 break
         assert not self.sched.has_work(), "the scheduler stalled with work left"
         assert all(r.status is RequestStatus.FINISHED and r.num_pending == 0 for r in self.requests.values())
@@ -191,9 +194,12 @@ def step(r: Rig):
     meta = r.writer.write(plan, r.staging.next_buffer())
     r.sched.release_drained(plan)
     tokens = r.device.run(plan, meta, meta.staging)
+    r.sched.settle_released(0.0)  # as the core does while a step runs; 0: one release a step
     applied = r.sched.apply(plan, tokens, np.ones(plan.num_sampled, dtype=bool))
     for seq, token in zip(applied.seqs.tolist(), applied.token_ids.tolist()):
         r.outputs.setdefault(seq, []).append(token)
+    if not r.sched.has_work():
+        r.sched.settle_released()  # as the core does before it sleeps
     r.sched.check_integrity()
     r.device.check_records(r.blocks)
     return plan
@@ -248,6 +254,54 @@ def test_an_output_still_in_flight_is_not_cached():
     # Positions 0..7 are computed (prompt and 4 decode inputs); at the drained release only 3 outputs were
     # back, so position 7's token was unknown and its block is not cached.
     assert r.sched.prefix_cache_stats()["cached_blocks"] == 1
+
+
+def test_released_blocks_stay_parked_until_settled_and_what_arrives_settles_them_first():
+    """A finished request's row is free at once; its blocks are registered and freed by ``settle_released``,
+    within its budget (at least one request a call), or all at once when a plan might need them."""
+    r = rig(block_size=4, num_blocks=64, max_seqs=4, budget=64)
+    prompts = [list(range(500 + 20 * i, 506 + 20 * i)) for i in range(3)]
+    admit(r, *prompts, max_tokens=7)  # 6 + 6 known tokens each: 3 full blocks
+    while r.sched.has_work():
+        plan = r.sched.schedule()
+        meta = r.writer.write(plan, r.staging.next_buffer())
+        r.sched.release_drained(plan)
+        tokens = r.device.run(plan, meta, meta.staging)
+        applied = r.sched.apply(plan, tokens, np.ones(plan.num_sampled, dtype=bool))
+        for seq, token in zip(applied.seqs.tolist(), applied.token_ids.tolist()):
+            r.outputs.setdefault(seq, []).append(token)
+        r.sched.check_integrity()
+    assert (r.sched.rows.seq == -1).all() and r.sched.prefix.num_pending == 3
+    assert r.blocks.num_parked_blocks == 9 and r.blocks.num_free_blocks == r.blocks.num_usable_blocks - 9
+    assert r.blocks.prefix.num_cached == 3  # the prompts' first blocks, registered when their prefill was planned
+    assert r.sched.settle_released(0.0) == 2  # one a call at the least
+    r.sched.check_integrity()
+    assert r.blocks.num_parked_blocks == 6 and r.blocks.prefix.num_cached == 5
+    # A request that waits settles the rest before it is admitted, so it reuses the outputs' blocks.
+    rows = admit(r, prompts[2] + r.outputs[2] + [9])
+    assert rows[0].num_cached == 12 and r.sched.prefix.num_pending == 0
+    finish_all(r)
+    assert r.blocks.num_free_blocks == r.blocks.num_usable_blocks
+
+
+def test_parked_blocks_are_settled_before_anyone_is_preempted():
+    """A decode row that needs a block while the free ones are parked takes a settled one, not a victim."""
+    r = rig(block_size=2, num_blocks=12, max_seqs=2, budget=16)  # 11 usable blocks
+    admit(r, [1, 2, 3, 4, 5], max_tokens=6)
+    admit(r, [7, 8, 9], max_tokens=12)  # the long one: grows while the first one's blocks are parked
+    preempted = []
+    while r.sched.has_work():
+        plan = r.sched.schedule()
+        preempted += plan.preempted
+        meta = r.writer.write(plan, r.staging.next_buffer())
+        r.sched.release_drained(plan)
+        tokens = r.device.run(plan, meta, meta.staging)
+        r.sched.apply(plan, tokens, np.ones(plan.num_sampled, dtype=bool))
+        r.sched.check_integrity()
+        r.device.check_records(r.blocks)
+    assert not preempted
+    r.sched.settle_released()
+    assert r.blocks.num_free_blocks == r.blocks.num_usable_blocks
 
 
 def test_preempted_request_recomputes_from_what_is_still_cached():

@@ -184,6 +184,20 @@ def test_attribution_follows_the_documented_priority():
     assert cuda["queue_empty"] == 0.0 and sum(cuda.values()) == pytest.approx(10.0)
 
 
+def test_release_work_after_a_launch_is_idle_time_only_where_it_outlasts_the_step():
+    """``settle_ms`` starts at ``launch_end``: the part of it past the step's end, before the next plan, is
+    ``release``; the part while the step ran is not idle time at all."""
+    first = record(0, plan_start=0, schedule_end=0.5, fence_start=0.5, fence_end=0.5, plan_end=0.8, launch_end=1,
+                   device_start=1.2, device_end=3, settle_ms=3.0)  # settling 1-4: 3-4 outlasts the step
+    second = record(1, plan_start=4, schedule_end=4.5, fence_start=4.5, fence_end=4.5, plan_end=4.8, launch_end=5,
+                    device_start=5.5, device_end=7)
+    c = attribute_gaps([first, second]).causes_ms
+    assert c["release"] == pytest.approx(1.0)
+    assert c["planning"] == pytest.approx(1.0) and c["launch"] == pytest.approx(0.5)
+    assert sum(c.values()) == pytest.approx(2.5)
+    assert summarize([first, second])["settle_ms_per_step"] == pytest.approx(1.5)
+
+
 def test_a_wait_for_grammar_masks_inside_a_step_is_idle_time_of_its_own():
     """A step whose forward ended before its masks were filled waited inside itself: not busy, and not a gap
     between steps either; busy + idle still equals the span, and every view (report, summary, trace) agrees."""

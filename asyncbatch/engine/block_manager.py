@@ -22,10 +22,17 @@ is free (least recently released first).
 blocks. After every request ended it equals ``num_usable_blocks`` with caching
 on or off.
 
+A row that gives its blocks back before its full blocks are registered may
+*park* them (``park``): the row is empty at once, and a ``ParkedBlocks``
+record keeps the references until ``unpark`` drops them, after the caller
+registered them (``prefix_sharing``: registration is the costly part of a
+release, done later within a time budget). Parked blocks count as held.
+
 Invariant (``check_integrity``): every usable block is on the free stack, or
 evictable, or held (``ref > 0``), exactly one of them; ``ref[b]`` equals the
-number of held rows whose table prefix lists ``b`` (at most once per row); the
-cache's table agrees with its records (``PrefixCache.check``). Block 0 is the
+number of held rows whose table prefix lists ``b`` (at most once per row) plus
+the parked records listing it; the cache's table agrees with its records
+(``PrefixCache.check``). Block 0 is the
 dummy block: padding rows of a captured CUDA graph write their keys and values
 there, so it is never handed out.
 
@@ -39,6 +46,7 @@ planning step N safe to read from step N+1 on (``docs/prefix-caching.md``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -51,6 +59,15 @@ __all__ = ["DUMMY_BLOCK", "BlockManager", "IntegrityError", "blocks_for_tokens"]
 
 class IntegrityError(AssertionError):
     """Block or row accounting is inconsistent: a bug, never the user's fault."""
+
+
+@dataclass(slots=True, eq=False)
+class ParkedBlocks:
+    """A released row's blocks, still referenced until ``BlockManager.unpark``: its table prefix and its chain
+    (the serials of its registered blocks, extended when the rest are registered)."""
+
+    blocks: np.ndarray  # [n] int64, in the row's order
+    chain: list[int]
 
 
 class BlockManager:
@@ -83,6 +100,8 @@ class BlockManager:
         self.decode_slot_base = np.zeros(max_num_seqs, dtype=np.int64)  # [S]
         self.prefix: PrefixCache | None = PrefixCache(num_blocks, block_size) if prefix_caching else None
         self.chains: list[list[int]] = [[] for _ in range(max_num_seqs)]
+        self._parked: dict[int, ParkedBlocks] = {}  # id(record) -> record
+        self.num_parked_blocks = 0
 
     @property
     def caching(self) -> bool:
@@ -241,13 +260,41 @@ class BlockManager:
         n = int(self.num_row_blocks[row])
         if n == 0:
             return
-        blocks = self.block_table[row, :n]  # [n]
-        if (self.ref[blocks] <= 0).any():
-            raise IntegrityError(f"row {row} frees blocks no row holds")
-        self.ref[blocks] -= 1
+        self._drop(self.block_table[row, :n], f"row {row}")
         self.num_row_blocks[row] = 0
         self.chains[row] = []
-        idle = blocks[::-1][self.ref[blocks[::-1]] == 0]  # [I] the row's last block first
+
+    def park(self, row: int) -> ParkedBlocks:
+        """Empty ``row`` at once, its blocks keeping their references in the returned record until ``unpark``."""
+        n = int(self.num_row_blocks[row])
+        parked = ParkedBlocks(self.block_table[row, :n].copy(), self.chains[row])
+        self.num_row_blocks[row] = 0
+        self.chains[row] = []
+        self._parked[id(parked)] = parked
+        self.num_parked_blocks += n
+        return parked
+
+    def unpark(self, parked: ParkedBlocks) -> None:
+        """Drop a parked record's references, as ``free`` drops a row's."""
+        del self._parked[id(parked)]
+        self.num_parked_blocks -= len(parked.blocks)
+        self._drop(parked.blocks, "a parked record")
+
+    def register_parked(self, parked: ParkedBlocks, keys: Sequence[int], contents: Sequence[tuple[int, ...]],
+                        num_full: int) -> None:
+        """``register`` for a parked record's first ``num_full`` blocks."""
+        if num_full > len(parked.blocks):
+            raise IntegrityError(f"a parked record registers {num_full} blocks but lists {len(parked.blocks)}")
+        if num_full > len(parked.chain):
+            self._extend_chain(parked.chain, parked.blocks[:num_full].tolist(), keys, contents, num_full)
+
+    def _drop(self, blocks: np.ndarray, holder: str) -> None:
+        """One reference fewer to each of ``blocks`` ([n], a holder's list in order); blocks nobody holds any more
+        go to the free stack or, if cached, to the evictable LRU."""
+        if (self.ref[blocks] <= 0).any():
+            raise IntegrityError(f"{holder} frees blocks no row holds")
+        self.ref[blocks] -= 1
+        idle = blocks[::-1][self.ref[blocks[::-1]] == 0]  # [I] the holder's last block first
         if self.prefix is not None:
             cached = self.prefix.cached[idle]  # [I]
             if cached.any():
@@ -292,6 +339,12 @@ class BlockManager:
         if len(np.unique(listed * self.max_num_seqs + owners)) != len(listed):
             raise IntegrityError("a row lists a block twice")
         listings = np.bincount(listed, minlength=self.num_blocks)  # [num_blocks]
+        for parked in self._parked.values():
+            if len(np.unique(parked.blocks)) != len(parked.blocks) or (parked.blocks == DUMMY_BLOCK).any():
+                raise IntegrityError("a parked record lists a block twice, or the dummy block")
+            listings[parked.blocks] += 1
+        if sum(len(p.blocks) for p in self._parked.values()) != self.num_parked_blocks:
+            raise IntegrityError("the parked block count differs from the parked records")
         if not np.array_equal(listings, self.ref):
             bad = np.flatnonzero(listings != self.ref)[:5]
             raise IntegrityError(f"blocks {bad.tolist()} have reference counts {self.ref[bad].tolist()} but are "

@@ -50,7 +50,7 @@ from asyncbatch.engine.messages import (
     StepOutputs,
     ended_only,
 )
-from asyncbatch.engine.scheduler import Scheduler, StepPlan
+from asyncbatch.engine.scheduler import SETTLE_BUDGET_S, Scheduler, StepPlan
 from asyncbatch.engine.step_contract import GrammarMask
 from asyncbatch.engine.step_extras import StepExtrasWriter
 from asyncbatch.engine.step_metadata import StepMeta, StepMetadataWriter
@@ -208,6 +208,13 @@ class EngineCore:
             handle = self.executor.launch(meta)
             if mask is not None and not in_flight:
                 self.executor.masks_ready(handle)
+        if self.scheduler.num_parked_releases:
+            # While the step runs: the costly part of releasing requests (registering their output blocks),
+            # a slice per step so that a wave of finishing requests does not stall the next launch.
+            with mark("settle_released", plan.step_id):
+                settle_start = time.perf_counter()
+                self.scheduler.settle_released(SETTLE_BUDGET_S)
+                record.settle_ms = (time.perf_counter() - settle_start) * 1e3
         record.num_tokens, record.num_decode = plan.num_tokens, plan.num_decode
         record.num_prefill, record.num_sampled = plan.num_prefill, meta.num_sampled
         record.num_admitted, record.admit_ms = plan.num_admitted, plan.admit_s * 1e3
@@ -278,6 +285,7 @@ class EngineCore:
         try:
             if block:
                 self._idle = True
+                self.scheduler.settle_released()  # nothing stays parked while the engine sleeps
                 message = self.inbox.get()
             else:
                 message = self.inbox.get_nowait()

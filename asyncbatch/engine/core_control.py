@@ -90,7 +90,9 @@ class ControlHandler:
 
     @answer.register
     def _num_free_blocks(self, call: NumFreeBlocks) -> int:
-        return int(self._core.scheduler.blocks.num_free_blocks)
+        scheduler = self._core.scheduler
+        scheduler.settle_released()  # released requests' parked blocks count as free, however soon one asks
+        return int(scheduler.blocks.num_free_blocks)
 
     @answer.register
     def _num_preemptions(self, call: NumPreemptions) -> int:

@@ -37,17 +37,21 @@ class Preemptor:
 
     ``rows``, ``blocks``, ``waiting``, ``running`` (seq -> request, admission order) and ``owners`` (token row ->
     request holding it) are the scheduler's own objects; ``release`` gives a request's row and blocks back
-    (``Scheduler._release``). ``num_preemptions`` counts preemptions since the start.
+    (``Scheduler._release``, blocks freed at once); ``settle`` frees the parked blocks of earlier releases
+    (``Scheduler.settle_released``), tried before anyone is preempted. ``num_preemptions`` counts preemptions
+    since the start.
     """
 
     def __init__(self, rows: RowState, blocks: BlockManager, waiting: deque[Request], running: dict[int, Request],
-                 owners: list[Request | None], release: Callable[[Request], None]) -> None:
+                 owners: list[Request | None], release: Callable[[Request], None],
+                 settle: Callable[[], int]) -> None:
         self.rows = rows
         self.blocks = blocks
         self.waiting = waiting
         self.running = running
         self.owners = owners
         self.release = release
+        self.settle = settle
         self.num_preemptions = 0
 
     def decode_under_pressure(self, rows: np.ndarray, preempted: list[Request]) -> tuple[np.ndarray, np.ndarray]:
@@ -78,6 +82,8 @@ class Preemptor:
                 preempted: list[Request]) -> bool:
         """Make room for ``num_tokens`` of KV, preempting newer unscheduled requests if needed."""
         need = self.blocks.extra_blocks_needed(request.token_row, num_tokens)
+        if not self.blocks.can_allocate(need) and self.blocks.num_parked_blocks:
+            self.settle()
         while not self.blocks.can_allocate(need):
             victim = next((r for r in reversed(self.running.values())
                            if r is not request and r.status is _RUNNING and not is_scheduled(r)), None)

@@ -31,7 +31,12 @@ Two moments satisfy (a) and (b):
   and every launched step that wrote them precedes any later reader. An
   output still in flight (overlap's one-step-late finish) is not known, so a
   block that needs it is not registered. Decode rows never hash anything
-  while they run: planning a pure-decode step stays array work.
+  while they run: planning a pure-decode step stays array work. The row is
+  given back at once; its blocks are parked (held) and registered, then freed,
+  by ``settle``: a slice per launched step while the step runs, or all at once
+  when a plan may need them (``Scheduler.schedule``, the preemptor) or the
+  engine goes idle. Registering later is as safe as registering at once: the
+  tokens were copied at the release, and stream order still holds.
 
 Stream order alone suffices for a block whose writer is preempted or aborted
 before its step ran: the block stays cached (evictable), and a reader or a new
@@ -40,11 +45,14 @@ owner is planned into a later step.
 
 from __future__ import annotations
 
+import time
+from collections import deque
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 
-from asyncbatch.engine.block_manager import BlockManager
+from asyncbatch.engine.block_manager import BlockManager, ParkedBlocks
 from asyncbatch.engine.prefix_cache import CachedBlock, chain_keys, chain_tail
 from asyncbatch.engine.request import Request
 from asyncbatch.engine.row_state import RowState
@@ -58,6 +66,17 @@ class PrefixHit(NamedTuple):
 
 
 NO_HIT = PrefixHit([], np.zeros(0, dtype=np.int64), 0, 0)
+_NONE = np.zeros(0, dtype=np.int64)
+
+
+@dataclass(slots=True)
+class _PendingRelease:
+    """A released request whose full blocks are registered by ``PrefixSharer.settle``, then freed."""
+
+    request: Request
+    parked: ParkedBlocks
+    outputs: np.ndarray  # [O] int64 its outputs not yet hashed into ``request.block_keys``
+    num_full: int  # its full blocks of known tokens that launched steps wrote
 
 
 class PrefixSharer:
@@ -71,6 +90,7 @@ class PrefixSharer:
         self.blocks = blocks
         self.rows = rows
         self._to_register: list[Request] = []  # prefilled in the plan being built (prefix caching)
+        self._pending: deque[_PendingRelease] = deque()  # released, blocks parked until ``settle``, oldest first
 
     @staticmethod
     def _prefill_tokens(request: Request) -> list[int]:
@@ -129,22 +149,54 @@ class PrefixSharer:
         self.blocks.register_rows(rows, requests, self.rows.num_computed[rows] // self.blocks.block_size)
         self._to_register.clear()
 
-    def register_known(self, request: Request, row: int) -> None:
-        """``request`` gives back ``row``: cache the full blocks of known tokens its launched steps wrote."""
-        if self.blocks.prefix is None:
+    def release(self, request: Request, row: int, park: bool) -> None:
+        """``request`` gives back ``row``: its blocks are freed once the full blocks of known tokens its launched
+        steps wrote are cached. ``park``: the row is empty at once and the blocks stay held (parked) until
+        ``settle`` registers them; otherwise that happens now (a preemption needs the blocks now)."""
+        blocks = self.blocks
+        if blocks.prefix is None:
+            blocks.free(row)
             return
-        st, bs = self.rows, self.blocks.block_size
+        st, bs = self.rows, blocks.block_size
         num_outputs = int(st.num_outputs[row])
-        num_known = len(request.prompt_token_ids) + num_outputs
-        num_full = min(num_known, int(st.num_computed[row])) // bs
-        if num_full <= len(self.blocks.chains[row]):
+        prompt_len = len(request.prompt_token_ids)
+        num_full = min(prompt_len + num_outputs, int(st.num_computed[row])) // bs
+        if num_full <= len(blocks.chains[row]):
+            blocks.free(row)
             return
         hashed = len(request.block_keys) * bs
-        if hashed < num_full * bs:  # hash the new blocks only: the tokens after the hashed ones
-            prompt_len = len(request.prompt_token_ids)
-            tail = request.prompt_token_ids[hashed:] + st.history[row, max(hashed - prompt_len, 0):num_outputs].tolist()
+        # The outputs after the hashed tokens, copied: the row's history belongs to its next owner.
+        outputs = st.history[row, max(hashed - prompt_len, 0):num_outputs].copy() if hashed < num_full * bs else _NONE
+        pending = _PendingRelease(request, blocks.park(row), outputs, num_full)
+        if park:
+            self._pending.append(pending)
+        else:
+            self._settle_one(pending)
+
+    @property
+    def num_pending(self) -> int:
+        """Released requests whose blocks are parked until ``settle``."""
+        return len(self._pending)
+
+    def settle(self, budget_s: float | None = None) -> int:
+        """Register and free parked releases, oldest first: all of them, or (``budget_s``) until that many
+        seconds have passed, at least one. Returns how many are left."""
+        pending = self._pending
+        deadline = None if budget_s is None else time.perf_counter() + budget_s
+        while pending:
+            self._settle_one(pending.popleft())
+            if deadline is not None and time.perf_counter() >= deadline:
+                break
+        return len(pending)
+
+    def _settle_one(self, pending: _PendingRelease) -> None:
+        request, bs = pending.request, self.blocks.block_size
+        hashed = len(request.block_keys) * bs
+        if hashed < pending.num_full * bs:  # hash the new blocks only: the tokens after the hashed ones
+            tail = request.prompt_token_ids[hashed:] + pending.outputs.tolist()
             chain_tail(tail, bs, request.block_keys, request.block_contents)
-        self.blocks.register(row, request.block_keys, request.block_contents, num_full)
+        self.blocks.register_parked(pending.parked, request.block_keys, request.block_contents, pending.num_full)
+        self.blocks.unpark(pending.parked)
 
     # -- reporting -----------------------------------------------------------------------
     def stats(self) -> dict:

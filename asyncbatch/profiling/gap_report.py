@@ -16,7 +16,7 @@ rows whose forward finished before the host filled its masks waits there
 as busy time.
 
 Priority: ``queue_empty``, ``staging_fence``, ``h2d`` (``cuda`` only), ``planning``
-(less its ``gc`` share), ``apply``, ``d2h``, ``output``, ``result``; what no interval
+(less its ``gc`` share), ``release``, ``apply``, ``d2h``, ``output``, ``result``; what no interval
 covers is ``wakeup`` before step N+1's planning began, ``launch`` after. ``CAUSES``
 names and labels them; reports, traces and tests read those names.
 
@@ -46,6 +46,7 @@ CAUSES: dict[str, str] = {
     "h2d": "H2D copy",
     "planning": "planning (schedule, metadata, launch)",
     "gc": "Python GC pauses",
+    "release": "registering released requests' blocks (after a launch)",
     "apply": "applying results",
     "d2h": "D2H copy",
     "output": "output processing",
@@ -54,7 +55,7 @@ CAUSES: dict[str, str] = {
     "launch": "launch latency (launched, not yet started)",
     "grammar_mask": "inside a step: sampling waited for the host's grammar masks",
 }
-_ORDER = ("queue_empty", "staging_fence", "h2d", "planning", "apply", "d2h", "output")  # "gc" splits "planning"
+_ORDER = ("queue_empty", "staging_fence", "h2d", "planning", "release", "apply", "d2h", "output")  # "gc" splits "planning"
 
 # Backends whose recorded device start comes after the step's H2D copy.
 _H2D_BEFORE_START = frozenset({"cuda"})
@@ -168,6 +169,7 @@ def _host_intervals(records: Sequence[StepRecord], h2d_before_start: bool) -> di
         gc_fraction = min(r.gc_ms * 1e-3 / planned_s, 1.0) if planned_s > 0 else 0.0
         raw["planning"] += [(s, e, gc_fraction) for s, e in planning if _valid(s, e)]
         pairs = {"staging_fence": (r.fence_start, r.fence_end), "apply": (r.wait_end, r.apply_end),
+                 "release": (r.launch_end, r.launch_end + r.settle_ms * 1e-3),
                  "d2h": (r.device_end, r.device_end + r.d2h_ms * 1e-3),
                  "output": (r.output_start, r.output_end)}
         if h2d_before_start:

@@ -47,6 +47,7 @@ class StepRecord:
     num_admitted: int = 0  # waiting requests the step admitted
     admit_ms: float = 0.0  # planner time admitting them (``StepPlan.admit_s``)
     gc_ms: float = 0.0  # Python GC pauses that overlapped the planner's work on this step
+    settle_ms: float = 0.0  # after the launch, while the step ran: registering and freeing released blocks
     # Structured outputs: the device idled inside the step, its forward done, until the host filled the
     # step's grammar masks (``mask_wait_*``; not busy time, the gap report's ``grammar_mask``);
     # ``mask_fill_ms`` is the host's time filling them for ``grammar_rows`` rows.
@@ -207,6 +208,7 @@ def summarize(records: list[StepRecord]) -> dict:
         "apply_ms_per_step": float(np.mean([(r.apply_end - r.wait_end) * 1e3 for r in records])),
         "output_ms_per_step": float(np.mean([(r.output_end - r.output_start) * 1e3 for r in records])),
         "detok_ms_per_step": float(np.mean([r.detok_ms for r in records])),
+        "settle_ms_per_step": float(np.mean([r.settle_ms for r in records])),
         "admission_us_per_request": admission_us_per_request(records),
         "device_ms_per_step": float((ends - starts).mean() * 1e3),
         "h2d_ms_per_step": float(np.mean([r.h2d_ms for r in records])),
