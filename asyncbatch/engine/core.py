@@ -7,9 +7,14 @@ columnar ``StepOutputs`` per applied step goes out.
 
 Overlap mode (``overlap_loop``): step N+1 is launched before step N is waited for.
 
-    planner   [plan+launch N+1][wait N][apply N, send N][plan+launch N+2][wait N+1][apply N+1 ...
-    device    [...... step N .........][........ step N+1 ..............][..... step N+2 ....
-    frontend                                 [detok N, stops N]                  [detok N+1 ...
+    planner   [plan+launch N+1][release][wait N][apply N, send N][plan+launch N+2][release][wait N+1] ...
+    device    [...... step N ..................][........ step N+1 .......................][.. step N+2 ..
+    frontend                                           [detok N, stops N]                          [detok ...
+
+``release`` (after a launch, while the step runs): the blocks the plan's prefill
+chunks fill become cached, drained requests give back their rows, and a slice
+of earlier releases' parked blocks is registered and freed
+(``Scheduler.release_drained``, ``settle_released``).
 
 Synchronous mode (``sync_loop``, the ablation): plan N, launch N, wait N, apply
 N, send N, wait for the frontend's ``StepAck`` of N, then plan N+1.
@@ -197,7 +202,6 @@ class EngineCore:
         staging.fence.arm()
         with stage(record, None, "plan_end", "prepare_metadata"):
             meta = self.writer.write(plan, staging)
-            self.scheduler.release_drained(plan)
         mask = meta.extras.grammar if meta.extras is not None else None
         if mask is not None:
             if in_flight:
@@ -208,13 +212,15 @@ class EngineCore:
             handle = self.executor.launch(meta)
             if mask is not None and not in_flight:
                 self.executor.masks_ready(handle)
-        if self.scheduler.num_parked_releases:
-            # While the step runs: the costly part of releasing requests (registering their output blocks),
-            # a slice per step so that a wave of finishing requests does not stall the next launch.
-            with mark("settle_released", plan.step_id):
-                settle_start = time.perf_counter()
+        # While the step runs, not before its launch: registering the blocks its prefill chunks fill, releasing
+        # drained requests, and a slice of the costly part of earlier releases (registering their output
+        # blocks), so that neither an admission burst nor a wave of finishing requests delays the launch.
+        settle_start = time.perf_counter()
+        with mark("release", plan.step_id):
+            self.scheduler.release_drained(plan)
+            if self.scheduler.num_parked_releases:
                 self.scheduler.settle_released(SETTLE_BUDGET_S)
-                record.settle_ms = (time.perf_counter() - settle_start) * 1e3
+        record.settle_ms = (time.perf_counter() - settle_start) * 1e3
         record.num_tokens, record.num_decode = plan.num_tokens, plan.num_decode
         record.num_prefill, record.num_sampled = plan.num_prefill, meta.num_sampled
         record.num_admitted, record.admit_ms = plan.num_admitted, plan.admit_s * 1e3

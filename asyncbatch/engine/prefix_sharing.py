@@ -17,15 +17,17 @@ device thread of ``cpu``/``sim``), so a block written by step N is complete
 before any reader planned into step N+1 or later runs, even in overlap mode,
 where step N may still be running while step N+1 is planned:
 
-    planner  [plan N: A computes block b, b registered at the end of the plan][plan N+1: B admitted, reuses b]
-    device              [......... step N: writes b .........][ step N+1: B reads b ]
+    planner  [plan N: A computes block b][launch N][b registered][plan N+1: B admitted, reuses b]
+    device                                  [... step N: writes b ...][ step N+1: B reads b ]
 
 Two moments satisfy (a) and (b):
 
-- at the end of ``schedule``, for the blocks filled by this plan's prefill
-  chunks (prompt tokens, or a recompute's known outputs): registering them at
-  the end, not as each chunk is planned, keeps requests admitted later in the
-  same plan from reading a block the same step writes;
+- once the plan is final, for the blocks filled by its prefill chunks (prompt
+  tokens, or a recompute's known outputs): ``register_planned``, called by
+  ``Scheduler.release_drained`` (the core: after the launch, while the step
+  runs) or else at the start of the next ``schedule``; not as each chunk is
+  planned, which keeps requests admitted later in the same plan from reading a
+  block the same step writes;
 - when a request gives back its row (finish, abort, drain, preemption), for
   the blocks its decode steps filled: the outputs received so far are known,
   and every launched step that wrote them precedes any later reader. An

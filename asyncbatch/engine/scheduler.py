@@ -32,7 +32,6 @@ until the planner has written this step's metadata and calls
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from typing import NamedTuple
 
@@ -139,6 +138,7 @@ class Scheduler:
 
     # -- planning ------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
+        self.prefix.register_planned()  # normally done by ``release_drained`` of the last plan
         if self._unreleased:
             self._release_all(self._unreleased)
         if self.prefix.num_pending and (self.waiting or self._short_of_blocks()):
@@ -152,10 +152,8 @@ class Scheduler:
         admitted_before, admit_s = self.admitter.num_admissions, self.admitter.seconds
         budget = self.admitter.admit(prefill, budget, drained)
         num_admitted = self.admitter.num_admissions - admitted_before
-        registered = time.perf_counter()
-        self.prefix.register_planned()
         if num_admitted:
-            admit_s = self.admitter.seconds - admit_s + time.perf_counter() - registered
+            admit_s = self.admitter.seconds - admit_s
         for request in drained:  # no later step includes them; their rows go once the metadata is written
             del self.running[request.arrival_seq]
             if self.rows.decoding[request.token_row]:
@@ -254,7 +252,10 @@ class Scheduler:
 
     # -- leaving -------------------------------------------------------------
     def release_drained(self, plan: StepPlan) -> None:
-        """Free what drained requests hold, once the step's metadata is written."""
+        """Once ``plan``'s metadata is written (the core: once the step is launched, while it runs): register
+        the full blocks its prefill chunks fill (``PrefixSharer.register_planned``), then free what drained
+        requests hold. Both must happen before the next ``schedule`` (which does them itself otherwise)."""
+        self.prefix.register_planned()
         self._release_all(plan.drained)
 
     def _release_all(self, requests: list[Request]) -> None:

@@ -46,7 +46,7 @@ CAUSES: dict[str, str] = {
     "h2d": "H2D copy",
     "planning": "planning (schedule, metadata, launch)",
     "gc": "Python GC pauses",
-    "release": "registering released requests' blocks (after a launch)",
+    "release": "registering blocks and releasing requests (after a launch)",
     "apply": "applying results",
     "d2h": "D2H copy",
     "output": "output processing",
