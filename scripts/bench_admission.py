@@ -15,7 +15,8 @@ the machine hits both alike; medians are shown, with every repeat in the JSON (`
   the same for the 64 admitted into a scheduler that decodes 192 (a burst as the token budget meters
   it out: the steps after the first). Per admitted request, wall clock and the thread's CPU time
   (``thread_time_ns``: what the work costs when the machine's other load preempts the process); best
-  of 7 in each process.
+  of 7 in each process; ``*_launch_cpu_us``: the part before the launch (the critical path; a tree whose
+  core calls ``release_drained`` after the launch leaves it out).
 - ``burst``: the issue's workload through ``LLM`` (engine process, overlap): 256 requests at once,
   32-token prompts, 400-token outputs (ignore_eos), ``max_num_seqs`` 256, sim 1 ms per step; whole-run
   busy fraction from the gap report (first device start to last device end), its largest gap, the idle
@@ -45,13 +46,14 @@ from harness.common import COMMON, ROOT, cpu_seconds, ref_worktree, run_in_tree
 PROMPT_LEN = 32
 
 
-def planner_case(burst: int, decoding: int) -> tuple[float, float]:
-    """us per admitted request of the planner's work for one admission step: (wall, thread CPU), best of 7."""
+def planner_case(burst: int, decoding: int) -> tuple[float, float, float]:
+    """us per admitted request of the planner's work for one admission step: (wall, thread CPU, thread CPU
+    before the launch), best of 7."""
     runs = [_admission_step(burst, decoding, seed) for seed in range(7)]
-    return min(r[0] for r in runs), min(r[1] for r in runs)
+    return min(r[0] for r in runs), min(r[1] for r in runs), min(r[2] for r in runs)
 
 
-def _admission_step(burst: int, decoding: int, seed: int) -> tuple[float, float]:
+def _admission_step(burst: int, decoding: int, seed: int) -> tuple[float, float, float]:
     import numpy as np
 
     from asyncbatch.engine.block_manager import BlockManager
@@ -102,12 +104,16 @@ def _admission_step(burst: int, decoding: int, seed: int) -> tuple[float, float]
     t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
     plan = scheduler.schedule()
     writer.write(plan, staging.next_buffer())
+    c1 = time.thread_time_ns()
     scheduler.release_drained(plan)
     elapsed, cpu = time.perf_counter_ns() - t0, time.thread_time_ns() - c0
     gc.unfreeze()
     if plan.num_prefill != burst:
         raise RuntimeError(f"admitted {plan.num_prefill} of {burst}")
-    return elapsed / 1e3 / burst, cpu / 1e3 / burst
+    # What delays the launch: trees whose core releases drained requests after the launch (it has
+    # ``settle_released``) launch after schedule + write; older ones after release_drained too.
+    launch_path = (c1 - c0) if hasattr(scheduler, "settle_released") else cpu
+    return elapsed / 1e3 / burst, cpu / 1e3 / burst, launch_path / 1e3 / burst
 
 
 def engine_case(num_requests: int, output_len: int, skip_tokenizer_init: bool) -> dict:
@@ -158,9 +164,11 @@ def engine_case(num_requests: int, output_len: int, skip_tokenizer_init: bool) -
 
 def child(args: argparse.Namespace) -> dict:
     if args.child == "planner":
-        (idle, idle_cpu), (metered, metered_cpu) = planner_case(args.burst, 0), planner_case(64, 192)
-        return {"idle_burst_us": idle, "idle_burst_cpu_us": idle_cpu, "metered_burst_us": metered,
-                "metered_burst_cpu_us": metered_cpu}
+        (idle, idle_cpu, idle_launch), (metered, metered_cpu, metered_launch) = (planner_case(args.burst, 0),
+                                                                               planner_case(64, 192))
+        return {"idle_burst_us": idle, "idle_burst_cpu_us": idle_cpu, "idle_burst_launch_cpu_us": idle_launch,
+                "metered_burst_us": metered, "metered_burst_cpu_us": metered_cpu,
+                "metered_burst_launch_cpu_us": metered_launch}
     if args.child == "burst":
         return engine_case(256, 400, False)
     return engine_case(1024, 400, args.child == "running-ids")
