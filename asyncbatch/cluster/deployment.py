@@ -3,7 +3,8 @@
 Each replica owns one engine (its own engine-core process and device). It streams one request's deltas per
 ``generate`` call, and publishes its ``CacheSummary`` through Ray Serve's ``record_routing_stats`` hook, which
 the controller calls every ``request_routing_stats_period_s`` and forwards to every router of the deployment.
-``check_health`` fails once the engine died, so Ray replaces the replica (its KV cache, and so its published
+The routing stats also carry the replica's ``ReplicaMetrics`` (``replica_metrics``), which the ingress's
+``/metrics`` reports per replica. ``check_health`` fails once the engine died, so Ray replaces the replica (its KV cache, and so its published
 keys, start empty).
 """
 
@@ -14,12 +15,17 @@ import os
 import time
 from collections.abc import AsyncIterator
 
+from ray import serve
+
 from asyncbatch.cluster.cache_summary import CacheSummary
+from asyncbatch.cluster.replica_metrics import STATS_KEY, ReplicaMetrics
 from asyncbatch.cluster.request import ReplicaRequest
 from asyncbatch.frontend.engine_client import EngineClient
 from asyncbatch.frontend.input_processor import ProcessedRequest
 from asyncbatch.outputs import StreamDelta
+from asyncbatch.profiling.timeline import summarize
 from asyncbatch.serve.async_llm import AsyncLLM
+from asyncbatch.serve.metrics import RECENT_STEPS
 
 
 class EngineReplica:
@@ -34,6 +40,7 @@ class EngineReplica:
         self._block_size = self.client.config.block_size
         self._usable_blocks = self.client.num_usable_blocks
         self._served = 0
+        self._label = _replica_label()
 
     async def generate(self, request: ReplicaRequest) -> AsyncIterator[StreamDelta]:
         """Stream one choice's deltas (the last has ``finish_reason`` and ``output``). Cancelling the call
@@ -46,8 +53,10 @@ class EngineReplica:
             yield delta
 
     async def record_routing_stats(self) -> dict:
-        """Ray Serve's hook: this replica's ``CacheSummary`` as a plain dict (``CacheSummary.to_stats``)."""
-        return (await asyncio.to_thread(self.summary)).to_stats()
+        """Ray Serve's hook: this replica's ``CacheSummary`` as a plain dict (``CacheSummary.to_stats``), with
+        its ``ReplicaMetrics`` under ``replica_metrics.STATS_KEY``."""
+        summary, metrics = await asyncio.to_thread(lambda: (self.summary(), self.metrics()))
+        return {**summary.to_stats(), STATS_KEY: metrics.to_stats()}
 
     def summary(self) -> CacheSummary:
         client = self.client
@@ -56,6 +65,20 @@ class EngineReplica:
         unfinished, waiting = self.engine.num_requests()
         return CacheSummary(self._block_size, frozenset(keys), unfinished - waiting, waiting,
                             min(1.0, free / max(1, self._usable_blocks)), time.time())
+
+    def metrics(self) -> ReplicaMetrics:
+        client = self.client
+        recent = client.timeline.recent(RECENT_STEPS)
+        newest = recent[-1] if recent else None
+        unfinished, waiting = self.engine.num_requests()
+        usage = newest.kv_blocks_used / newest.kv_blocks_usable if newest and newest.kv_blocks_usable else 0.0
+        prefix = client.prefix_cache_stats(timeout=5.0)
+        enabled = bool(prefix.get("enabled"))
+        return ReplicaMetrics(self._label, unfinished - waiting, waiting, usage if unfinished else 0.0,
+                              summarize(recent)["device_busy_fraction"], client.timeline.busy_s_total,
+                              client.timeline.span_s_total, int(prefix["prompt_tokens"]) if enabled else 0,
+                              int(prefix["cached_tokens"]) if enabled else 0,
+                              int(prefix["cached_blocks"]) if enabled else 0, time.time())
 
     async def stats(self) -> dict:
         """For studies and tests: prefix-cache counters, device busy, requests served, and the process id."""
@@ -90,3 +113,12 @@ class EngineReplica:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.close()
+
+
+def _replica_label() -> str:
+    """The replica's rank in its deployment (stable across restarts, see ``replica_metrics``); its unique id
+    where Ray gives no rank."""
+    context = serve.get_replica_context()
+    rank = getattr(context, "rank", None)
+    rank = getattr(rank, "rank", rank)
+    return str(rank) if isinstance(rank, int) else context.replica_id.unique_id

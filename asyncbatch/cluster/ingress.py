@@ -9,7 +9,8 @@ The application is ``serve.app.build_app`` with a ``ClusterEngine`` in place of 
 API key (``--api-key``), body limit (``--max-request-bytes``) and admission bound (``--max-waiting``, counted
 as the requests this ingress sent that have no token yet), so a client sees the same API as with one engine.
 It is built when the replica starts (Ray Serve's ``__serve_build_asgi_app__``), after a replica told it the
-engines' usable context; ``/health`` also asks a replica.
+engines' usable context; ``/health`` also asks a replica. ``/metrics`` carries one set of engine series per
+replica (``cluster_metrics``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import asyncio
 
 from ray import serve
 
+from asyncbatch.cluster.cluster_metrics import ClusterCollector
 from asyncbatch.cluster.frontend import ClusterEngine, FrontendModel
 from asyncbatch.config import EngineConfig
 from asyncbatch.engine.builder import resolve_model
@@ -43,9 +45,10 @@ class Ingress:
         info = await self._replicas.info.remote()
         model = FrontendModel(self._resolved.tokenizer, self._resolved.spec, info["usable_tokens"])
         engine = ClusterEngine(self._replicas, model, self._max_retries)
-        # The replicas' prefix caches are reported by the replicas themselves (their stats), not here.
+        # The engine series come from the replicas (through the router's view of their stats), not from here.
         guard, _state = build_app(engine, self._settings, unhealthy=self._no_replica_answers,
-                                  prefix_stats=lambda: None)
+                                  engine_metrics=ClusterCollector(self._settings.served_model_names[0],
+                                                                  engine.num_requests))
         return guard
 
     async def _no_replica_answers(self) -> str | None:

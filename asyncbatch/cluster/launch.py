@@ -63,17 +63,17 @@ def router_config(spec: ClusterSpec, block_size: int) -> RequestRouterConfig:
     if spec.router == "cache-aware":
         kwargs = {"block_size": block_size, "max_age_s": spec.max_age_s, **spec.router_kwargs}
         return RequestRouterConfig(request_router_class=CacheAwareRouter, request_router_kwargs=kwargs, **period)
+    from asyncbatch.cluster.observed_routers import ObservedPow2Router, ObservedPrefixRouter
+
     if spec.router == "ray-prefix":
         # Ray's own (ray.serve.llm.request_router.PrefixCacheAffinityRouter; imported from its defining
         # module because ray.serve.llm's package import needs pyarrow). It matches the text of the argument's
         # ``prompt`` attribute against a tree of what it routed before, not the replicas' caches.
-        from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
-            PrefixCacheAffinityRouter,
-        )
         kwargs = {"imbalanced_threshold": 8, **spec.router_kwargs}
-        return RequestRouterConfig(request_router_class=PrefixCacheAffinityRouter, request_router_kwargs=kwargs,
+        return RequestRouterConfig(request_router_class=ObservedPrefixRouter, request_router_kwargs=kwargs,
                                    **period)
-    return RequestRouterConfig(**period)  # Ray Serve's default: power of two choices
+    # Ray Serve's default: power of two choices
+    return RequestRouterConfig(request_router_class=ObservedPow2Router, **period)
 
 
 def replica_deployment(spec: ClusterSpec, model: str | None, engine_kwargs: dict, name: str = REPLICA_DEPLOYMENT):

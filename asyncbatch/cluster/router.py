@@ -9,6 +9,9 @@ replica's queue is full (``max_ongoing_requests``) or it died.
     router: prompt ids ─chain keys─► match vs (summary keys if age <= max_age_s) ∪ (keys it routed there < ttl)
             load = max(requests this router has in flight there, running + waiting in the fresh summary)
 
+Decisions are counted by reason (``router_registry.CACHE_HIT``: it went to a replica holding at least
+``min_match_blocks`` of its prompt; ``LOAD``: otherwise), read by the ingress's ``/metrics``.
+
 Staleness: a summary older than ``max_age_s`` contributes no keys (its blocks may have been evicted since);
 the keys this router itself just sent somewhere count for ``recent_ttl_s`` (the replica caches them within a
 step, and its next summary confirms them). Load from this router's own in-flight count is exact at once.
@@ -19,15 +22,18 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from asyncbatch.cluster.cache_summary import CacheSummary, prompt_keys
 from asyncbatch.cluster.request import ReplicaRequest
+from asyncbatch.cluster.router_registry import CACHE_HIT, LOAD, RegisteredRouter
 from asyncbatch.cluster.routing_policy import CacheAwarePolicy, Either, RecentRoutes, ReplicaView
 
 log = logging.getLogger("asyncbatch.cluster")
+
+_MAX_PENDING = 65536
 
 
 def _request_of(pending: PendingRequest | None) -> ReplicaRequest | None:
@@ -36,7 +42,7 @@ def _request_of(pending: PendingRequest | None) -> ReplicaRequest | None:
     return next((a for a in pending.args if isinstance(a, ReplicaRequest)), None)
 
 
-class CacheAwareRouter(RequestRouter):
+class CacheAwareRouter(RegisteredRouter, RequestRouter):
     """Longest cached prefix (the replicas' own block hashes), balanced against load; see the module docstring."""
 
     def initialize_state(self, block_size: int = 16, max_age_s: float = 2.0, recent_ttl_s: float = 3.0,
@@ -55,6 +61,10 @@ class CacheAwareRouter(RequestRouter):
         self._routed_to: dict[str, str] = {}  # internal request id -> replica id
         # The newest summary of each replica, parsed once (the stats dict is replaced when a new one arrives).
         self._parsed: dict[str, tuple[dict, CacheSummary | None]] = {}
+        # Replicas preferred for a cache hit, per internal request id, until the request is routed.
+        self._hits: dict[str, frozenset[str]] = {}
+        self.decisions: Counter = Counter()  # reason -> requests routed (router_registry.decisions)
+        super().initialize_state()
 
     def _view(self, replica: RunningReplica, now: float) -> ReplicaView:
         rid = replica.replica_id.to_full_id_str()
@@ -87,15 +97,21 @@ class CacheAwareRouter(RequestRouter):
         keys = prompt_keys(request.prompt_token_ids, self._block_size)
         now = time.time()
         by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
-        ranked = self._policy.rank(keys, [self._view(r, now) for r in candidate_replicas], self._rng)
-        return [[by_id[v.replica_id]] for v in ranked]
+        ranking = self._policy.choose(keys, [self._view(r, now) for r in candidate_replicas], self._rng)
+        if pending_request is not None:
+            self._hits[pending_request.metadata.internal_request_id] = ranking.hits
+            if len(self._hits) > _MAX_PENDING:  # requests cancelled before they were routed never pop theirs
+                del self._hits[next(iter(self._hits))]
+        return [[by_id[v.replica_id]] for v in ranking.order]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         rid = replica_id.to_full_id_str()
         self._in_flight[rid] += 1
         self._routed_to[pending_request.metadata.internal_request_id] = rid
+        hits = self._hits.pop(pending_request.metadata.internal_request_id, None)
         request = _request_of(pending_request)
         if request is not None:  # where the prefix really went (the first choice may have been full)
+            self.decisions[CACHE_HIT if hits and rid in hits else LOAD] += 1
             self._recent.add(rid, prompt_keys(request.prompt_token_ids, self._block_size))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:

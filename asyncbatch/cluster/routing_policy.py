@@ -27,6 +27,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +38,11 @@ class ReplicaView:
     keys: Container[int]  # chain keys it is trusted to hold (empty if its summary is stale)
     load: float  # requests running + waiting, including those routed to it since its summary
     num_cached: int = 0  # blocks it caches (tie-break for new prefixes)
+
+
+class Ranking(NamedTuple):
+    order: list[ReplicaView]  # every candidate, most preferred first
+    hits: frozenset[str]  # ids of the eligible replicas holding >= min_match_blocks of the prompt
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,20 +62,29 @@ class CacheAwarePolicy:
     def rank(self, prompt_keys: Sequence[int], replicas: Sequence[ReplicaView],
              rng: random.Random | None = None) -> list[ReplicaView]:
         """``replicas`` in preference order for a prompt with these chain keys (see the module docstring)."""
+        return self.choose(prompt_keys, replicas, rng).order
+
+    def choose(self, prompt_keys: Sequence[int], replicas: Sequence[ReplicaView],
+               rng: random.Random | None = None) -> Ranking:
+        """``rank``, plus which replicas were preferred for a cache hit (to tell routing by cache from
+        routing by load)."""
         if not replicas:
-            return []
+            return Ranking([], frozenset())
         order = list(replicas)
         (rng or random).shuffle(order)  # the last tie-break: random, so equal replicas share the work
         floor = min(r.load for r in order)
         slack = max(self.balance_abs, self.balance_rel * floor)
-        matches = {r.replica_id: matched_blocks(prompt_keys, r.keys) for r in order}
+        hits: dict[str, int] = {}
+        for r in order:
+            matched = matched_blocks(prompt_keys, r.keys)
+            if r.load <= floor + slack and matched >= self.min_match_blocks:
+                hits[r.replica_id] = matched
 
         def preference(r: ReplicaView) -> tuple:
-            eligible = r.load <= floor + slack
-            hit = matches[r.replica_id] if eligible and matches[r.replica_id] >= self.min_match_blocks else 0
-            return (not eligible, -hit, r.load, r.num_cached)
+            return (r.load > floor + slack, -hits.get(r.replica_id, 0), r.load, r.num_cached)
 
-        return sorted(order, key=preference)  # stable: the shuffle breaks the remaining ties
+        # stable: the shuffle breaks the remaining ties
+        return Ranking(sorted(order, key=preference), frozenset(hits))
 
 
 def matched_blocks(prompt_keys: Sequence[int], cached: Container[int]) -> int:

@@ -18,6 +18,7 @@ import time
 from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
+from prometheus_client.registry import Collector
 from starlette.responses import JSONResponse, Response
 
 import asyncbatch
@@ -51,15 +52,17 @@ def _prefix_stats(engine: AsyncEngineClient):
 
 def build_app(engine: AsyncEngineClient, settings: ServeSettings, *,
               unhealthy: Callable[[], Awaitable[str | None]] | None = None,
-              prefix_stats: Callable[[], dict | None] | None = None) -> tuple[ASGIGuard, ServerState]:
+              prefix_stats: Callable[[], dict | None] | None = None,
+              engine_metrics: Collector | None = None) -> tuple[ASGIGuard, ServerState]:
     """The ASGI application serving ``engine`` (the caller owns and closes the engine), and its state.
 
     ``engine`` is an ``AsyncEngineClient``: an ``AsyncLLM``, or the cluster ingress's ``ClusterEngine``;
     ``unhealthy`` (a coroutine returning why the server cannot serve, or None) adds to
-    ``/health``'s own checks, ``prefix_stats`` replaces the engine's prefix-cache figures in ``/metrics``.
+    ``/health``'s own checks, ``prefix_stats`` replaces the engine's prefix-cache figures in ``/metrics``,
+    ``engine_metrics`` replaces all of its engine series (``ServeMetrics``).
     """
     metrics = ServeMetrics(settings.served_model_names[0], engine.timeline, engine.num_requests,
-                           prefix_stats or _prefix_stats(engine))
+                           prefix_stats or _prefix_stats(engine), engine_metrics)
     state = ServerState(engine, settings, metrics)
     app = FastAPI(title="asyncbatch", version=asyncbatch.__version__)
     install_error_handlers(app)

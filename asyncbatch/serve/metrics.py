@@ -8,7 +8,8 @@ fraction over an interval = Δ``device_busy_seconds_total`` / Δ``device_span_se
 idle-for-lack-of-work gaps excluded) and as a gauge over the last
 ``RECENT_STEPS`` steps, with the mean idle gap between those steps. Prefix-cache
 figures appear when the engine reports them. Each server owns its registry, so
-several can run in one process (tests).
+several can run in one process (tests). A server in front of several engines (the
+cluster's ingress) passes its own ``engine_collector`` instead (per-replica series).
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ class ServeMetrics:
     """The server's metrics registry: request histograms and counters, plus the engine collector."""
 
     def __init__(self, model_name: str, timeline: Timeline, num_requests: Callable[[], tuple[int, int]],
-                 prefix_stats: Callable[[], dict | None]) -> None:
+                 prefix_stats: Callable[[], dict | None], engine_collector: Collector | None = None) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         self._model = model_name
@@ -113,7 +114,7 @@ class ServeMetrics:
                                 ["model_name", "finished_reason"], registry=r)
         self._rejected = Counter("asyncbatch:requests_rejected", "Requests refused before reaching the engine, "
                                  "by HTTP status.", ["model_name", "status"], registry=r)
-        r.register(_EngineCollector(timeline, model_name, num_requests, prefix_stats))
+        r.register(engine_collector or _EngineCollector(timeline, model_name, num_requests, prefix_stats))
 
     def observe(self, output: RequestOutput) -> None:
         """A finished request (one choice)."""
