@@ -7,7 +7,8 @@
 
 Binds 127.0.0.1 unless ``--host`` says otherwise. ``--api-key`` (or the
 ``ASYNCBATCH_API_KEY`` environment variable) requires ``Authorization: Bearer
-<key>`` on ``/v1``. SIGTERM drains (see ``serve.server``) and exits 0.
+<key>`` on ``/v1``. SIGTERM (or SIGINT) drains (see ``serve.server``; with ``--replicas N``,
+``cluster.lifecycle``) and exits 0.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ def add_serve_command(subparsers) -> None:
     p.add_argument("--skip-tokenizer-init", action="store_true",
                    help="load no tokenizer: token-id prompts in, token ids out (return_token_ids)")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (cpu backend)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run each engine's core in its own process (default); --no-engine-process runs it in the "
+                        "server's (with --replicas, the replica's) process: half the processes to start, for "
+                        "debugging and tests")
     p.add_argument("--sim-step-ms", type=float, default=_SIM.step_fixed_ms, help="sim: fixed cost per step")
     p.add_argument("--sim-per-token-us", type=float, default=_SIM.per_token_us)
     p.add_argument("--sim-per-context-ns", type=float, default=_SIM.per_context_token_ns)
@@ -99,7 +104,8 @@ def _model_settings_kwargs(args: argparse.Namespace, settings_cls) -> tuple[str 
                             log_requests=not args.disable_log_requests)
     kwargs = engine_kwargs(args, overlap=not args.no_overlap)
     kwargs.update(max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
-                  skip_tokenizer_init=args.skip_tokenizer_init, num_threads=args.num_threads)
+                  skip_tokenizer_init=args.skip_tokenizer_init, num_threads=args.num_threads,
+                  engine_process=args.engine_process)
     if args.device == "sim":
         kwargs["sim"] = SimConfig(step_fixed_ms=args.sim_step_ms, per_token_us=args.sim_per_token_us,
                                   per_context_token_ns=args.sim_per_context_ns)
@@ -109,8 +115,9 @@ def _model_settings_kwargs(args: argparse.Namespace, settings_cls) -> tuple[str 
 def _serve_cluster(args: argparse.Namespace) -> int:
     """``--replicas N``: N engines as Ray Serve replicas behind one OpenAI ingress (``asyncbatch.cluster``)."""
     try:
-        from asyncbatch.cluster import (
-            launch,  # layering: the CLI starts the cluster only when asked (ray is optional)
+        from asyncbatch.cluster import (  # layering: the CLI starts the cluster only when asked (ray is optional)
+            launch,
+            lifecycle,
         )
         from asyncbatch.serve.settings import ServeSettings
     except ImportError as exc:
@@ -120,11 +127,5 @@ def _serve_cluster(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     spec = launch.ClusterSpec(num_replicas=args.replicas, router=args.router,
                               replica_num_gpus=1.0 if args.device == "cuda" else 0.0)
-    try:
-        launch.run(spec, model, {k: v for k, v in kwargs.items() if v is not None}, settings, args.host, args.port,
-                   address=args.address, blocking=True)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        launch.shutdown()
-    return 0
+    return lifecycle.serve_until_stopped(spec, model, {k: v for k, v in kwargs.items() if v is not None}, settings,
+                                         args.host, args.port, address=args.address)

@@ -11,6 +11,10 @@ Faults. A replica that dies before a choice received any delta is retried on ano
 were streamed cannot be resumed: the choice fails with ``RequestFailedError`` naming the replica's death,
 which the routes turn into a 500 (JSON) or an ``{"error"}`` event and ``[DONE]`` (SSE). No path waits on a
 dead replica: Ray fails its calls once the actor is gone.
+
+Shutdown. ``ClusterEngine.abort_all`` (the drain's timeout) cancels every call and ends each choice with a
+last delta of ``finish_reason="abort"`` holding what was streamed so far, as an engine's abort does: the
+client sees a finished choice and ``[DONE]``, not a cut stream.
 """
 
 from __future__ import annotations
@@ -57,6 +61,9 @@ class RemoteRequest(RequestStream):
         self._response = engine.send(request)
         self._output: RequestOutput | None = None
         self._done = False
+        self._ending = False  # abort_with_finish: the iteration ends with an "abort" delta
+        self._text: list[str] = []  # what was streamed, for that delta's output
+        self._token_ids: list[int] = []
         self.started = False  # a delta arrived: it left the queues (the router's, the engine's waiting one)
         engine.track(self)
 
@@ -75,8 +82,21 @@ class RemoteRequest(RequestStream):
             self._done = True
             self._response.cancel()
 
+    def abort_with_finish(self) -> None:
+        """Cancel the call, and end the iteration with a ``finish_reason="abort"`` delta (shutdown)."""
+        if not self._done and not self._ending:
+            self._ending = True
+            self._response.cancel()
+
     async def final_output(self) -> RequestOutput | None:
         return self._output  # a cancelled remote call reports nothing more
+
+    def _abort_delta(self) -> StreamDelta:
+        request = self._request
+        self._output = RequestOutput(self.request_id, request.prompt_text, request.prompt_token_ids,
+                                     "".join(self._text), list(self._token_ids), "abort")
+        self._done = True
+        return StreamDelta(self.request_id, "", [], "abort", output=self._output)
 
     async def deltas(self) -> AsyncIterator[StreamDelta]:
         retries = 0
@@ -84,14 +104,21 @@ class RemoteRequest(RequestStream):
             streamed = 0
             try:
                 async for delta in self._response:
+                    if self._ending:
+                        break
                     streamed += 1
                     self.started = True
                     if delta.finish_reason is not None:
                         self._output = delta.output
                         self._done = True
+                    self._text.append(delta.text)
+                    self._token_ids += delta.token_ids
                     yield delta
                     if self._done:
                         return
+                if self._ending:
+                    yield self._abort_delta()
+                    return
                 raise RequestFailedError(f"request {self.request_id}: the replica ended its stream without "
                                          "a finish")
             except _REPLICA_GONE as exc:
@@ -104,6 +131,8 @@ class RemoteRequest(RequestStream):
                             "replica", self.request_id, type(exc).__name__, retries)
                 self._response = self._engine.send(self._request)
             except RequestCancelledError:
+                if self._ending:
+                    yield self._abort_delta()
                 return
 
 
@@ -164,9 +193,10 @@ class ClusterEngine(AsyncEngineClient):
         return len(live), sum(not r.started for r in live)
 
     def abort_all(self) -> int:
+        """End every unfinished choice with ``finish_reason="abort"`` (see the module docstring)."""
         live = list(self._live)
         for request in live:
-            request.abort()
+            request.abort_with_finish()
         return len(live)
 
     def prefix_cache_stats(self, timeout: float = 60.0) -> dict | None:

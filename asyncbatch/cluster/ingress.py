@@ -11,11 +11,22 @@ as the requests this ingress sent that have no token yet), so a client sees the 
 It is built when the replica starts (Ray Serve's ``__serve_build_asgi_app__``), after a replica told it the
 engines' usable context; ``/health`` also asks a replica. ``/metrics`` carries one set of engine series per
 replica (``cluster_metrics``).
+
+``drain`` is the stop signal's work, called by ``asyncbatch serve``'s process (``lifecycle``), as
+``serve.server``'s drain is for one engine:
+
+    drain(timeout) ─► draining: /health 503, new requests 503 (shutting_down)
+                      in-flight requests go on ─────────────► all done: returns
+                                    └─ timeout passes first: abort them (streams end with
+                                       finish_reason "abort" and [DONE]), then returns
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
+from dataclasses import asdict, dataclass
 
 from ray import serve
 
@@ -25,8 +36,22 @@ from asyncbatch.config import EngineConfig
 from asyncbatch.engine.builder import resolve_model
 from asyncbatch.serve.app import build_app
 from asyncbatch.serve.settings import ServeSettings
+from asyncbatch.serve.state import ServerState
+
+log = logging.getLogger("asyncbatch.cluster")
 
 HEALTH_TIMEOUT_S = 5.0
+ABORTED_END_S = 10.0  # how long aborted streams may take to send their last frames
+
+
+@dataclass(frozen=True, slots=True)
+class DrainReport:
+    in_flight: int  # requests unfinished when the drain began
+    aborted: int  # of those, aborted at the timeout
+    unfinished: int  # still not ended after the abort (0 unless a replica stopped answering)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 @serve.ingress()
@@ -40,16 +65,44 @@ class Ingress:
         self._settings = settings
         self._resolved = resolve_model(EngineConfig.from_kwargs(model=model, **engine_kwargs))
         self._max_retries = max_retries
+        self._engine: ClusterEngine | None = None
+        self._state: ServerState | None = None
+        self._abort_requested = False
 
     async def __serve_build_asgi_app__(self):
         info = await self._replicas.info.remote()
         model = FrontendModel(self._resolved.tokenizer, self._resolved.spec, info["usable_tokens"])
         engine = ClusterEngine(self._replicas, model, self._max_retries)
         # The engine series come from the replicas (through the router's view of their stats), not from here.
-        guard, _state = build_app(engine, self._settings, unhealthy=self._no_replica_answers,
-                                  engine_metrics=ClusterCollector(self._settings.served_model_names[0],
-                                                                  engine.num_requests))
+        guard, self._state = build_app(engine, self._settings, unhealthy=self._no_replica_answers,
+                                       engine_metrics=ClusterCollector(self._settings.served_model_names[0],
+                                                                       engine.num_requests))
+        self._engine = engine
         return guard
+
+    async def drain(self, timeout_s: float) -> dict:
+        """Stop admitting, let in-flight requests finish for up to ``timeout_s`` (or until ``abort_now``),
+        then abort the rest; returns a ``DrainReport`` as a dict once every stream has ended."""
+        engine, state = self._engine, self._state
+        if engine is None or state is None:  # never served: nothing in flight
+            return DrainReport(0, 0, 0).to_dict()
+        state.draining = True
+        in_flight = engine.num_requests()[0]
+        log.info("draining %d in-flight requests (up to %.0f s)", in_flight, timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while engine.num_requests()[0] and time.monotonic() < deadline and not self._abort_requested:
+            await asyncio.sleep(0.05)
+        aborted = engine.abort_all() if engine.num_requests()[0] else 0
+        if aborted:
+            log.warning("shutdown timeout: aborting %d in-flight requests", aborted)
+        deadline = time.monotonic() + ABORTED_END_S
+        while engine.num_requests()[0] and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return DrainReport(in_flight, aborted, engine.num_requests()[0]).to_dict()
+
+    async def abort_now(self) -> None:
+        """A second stop signal: end the drain's wait now (its requests are aborted)."""
+        self._abort_requested = True
 
     async def _no_replica_answers(self) -> str | None:
         try:

@@ -25,7 +25,9 @@ from asyncbatch.cluster.router import CacheAwareRouter
 from asyncbatch.serve.settings import ServeSettings
 
 ROUTERS = ("cache-aware", "pow2", "ray-prefix")
+APP_NAME = "asyncbatch"
 REPLICA_DEPLOYMENT = "EngineReplica"
+INGRESS_DEPLOYMENT = "Ingress"
 
 
 @dataclass(slots=True)
@@ -89,29 +91,37 @@ def replica_deployment(spec: ClusterSpec, model: str | None, engine_kwargs: dict
 def build_app(spec: ClusterSpec, model: str | None, engine_kwargs: dict, settings: ServeSettings):
     """The application: ``Ingress`` (HTTP, OpenAI API) bound to ``num_replicas`` ``EngineReplica``s."""
     replicas = replica_deployment(spec, model, engine_kwargs)
-    ingress = serve.deployment(Ingress, name="Ingress", num_replicas=1, max_ongoing_requests=4096,
+    ingress = serve.deployment(Ingress, name=INGRESS_DEPLOYMENT, num_replicas=1, max_ongoing_requests=4096,
                                ray_actor_options={"num_cpus": 0})
     return ingress.bind(replicas, model, engine_kwargs, settings)
 
 
-def start_ray(address: str | None, num_replicas: int, replica_num_cpus: float) -> None:
+def start_ray(address: str | None, num_replicas: int, replica_num_cpus: float) -> bool:
     """Connect to ``address`` ("auto": the cluster ``ray start`` made), or start a local one sized so that
-    every replica is placed (Ray's CPU count is a scheduling budget, not a thread limit)."""
+    every replica is placed (Ray's CPU count is a scheduling budget, not a thread limit). True if this call
+    started a local Ray (so its caller owns it and shuts it down: ``ray_processes.shutdown_owned_ray``)."""
     if ray.is_initialized():
-        return
+        return False
     if address is not None:
         ray.init(address=address)
-        return
+        return False
     cpus = max(os.cpu_count() or 1, int(num_replicas * replica_num_cpus + 1))
     ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+    return True
 
 
 def run(spec: ClusterSpec, model: str | None, engine_kwargs: dict, settings: ServeSettings, host: str, port: int,
         address: str | None = None, blocking: bool = True):
     """Start (or join) Ray, deploy the application behind Serve's HTTP proxy on ``host:port``."""
     start_ray(address, spec.num_replicas, spec.replica_num_cpus)
+    return deploy(spec, model, engine_kwargs, settings, host, port, blocking)
+
+
+def deploy(spec: ClusterSpec, model: str | None, engine_kwargs: dict, settings: ServeSettings, host: str,
+           port: int, blocking: bool = False):
+    """Deploy the application on the Ray this process is connected to; returns once it runs."""
     serve.start(http_options={"host": host, "port": port})
-    return serve.run(build_app(spec, model, engine_kwargs, settings), name="asyncbatch", route_prefix="/",
+    return serve.run(build_app(spec, model, engine_kwargs, settings), name=APP_NAME, route_prefix="/",
                      blocking=blocking)
 
 
