@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -87,9 +88,12 @@ def client(server: ServerThread, **kwargs) -> httpx.Client:
 
 
 class ServeProcess:
-    """``python -m asyncbatch serve --device sim ARGS`` on a free port, healthy when constructed."""
+    """``python -m asyncbatch serve --device sim ARGS`` on a free port, healthy when constructed.
+    ``new_session``: the server leads its own session, so every process it starts can be found by its
+    session id (``session_pids``) and ``kill`` ends them all."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, health_timeout_s: float = 60.0, new_session: bool = False,
+                 ready_line: str | None = None) -> None:
         # Imported here: fake_openai_server.py, run as a script, imports this module without scripts/ on
         # the path.
         from harness.common import free_port
@@ -99,28 +103,90 @@ class ServeProcess:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         # A file, not a pipe: a pipe nobody reads fills up with request log lines and blocks the server.
         self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed by kill(), after the process
+        self.new_session = new_session
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "asyncbatch", "serve", "--device", "sim", "--port", str(self.port),
              "--max-model-len", "8192", *args],
-            cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 60
+            cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, text=True, start_new_session=new_session)
+        deadline = time.monotonic() + health_timeout_s
         while True:
             if self.proc.poll() is not None:
                 raise AssertionError(f"serve exited early:\n{self.kill()}")
             try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200 and (
+                        ready_line is None or ready_line in self.output()):
                     break
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
-                self.kill()
-                raise AssertionError("serve did not become healthy within 60 s")
+                out = self.kill()
+                raise AssertionError(f"serve did not become ready within {health_timeout_s:.0f} s:\n{out[-4000:]}")
             time.sleep(0.1)
 
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
     def kill(self) -> str:
-        """Stop the server (if it still runs) and return everything it printed."""
+        """Stop the server (if it still runs; with ``new_session``, everything in its session) and return
+        everything it printed."""
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(timeout=10)
-        self.log.seek(0)
-        return self.log.read()
+        if self.new_session:
+            for pid in session_pids(self.proc.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, 9)
+        return self.output()
+
+
+def session_pids(sid: int) -> list[int]:
+    """Live (not zombie) processes of session ``sid``, from /proc."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state ppid pgrp session ...
+        if fields[0] != "Z" and int(fields[3]) == sid:
+            out.append(int(entry))
+    return out
+
+
+def stream_ids(url: str, body: dict, out: list, headers: dict | None = None) -> None:
+    """POST a streamed completion; append (token ids, finish reasons, whether [DONE] came) to ``out``."""
+    finishes, ids, done = [], [], False
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers=headers, timeout=120) as response:
+        for line in response.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                for choice in json.loads(line[6:]).get("choices", []):
+                    ids += choice.get("token_ids", [])
+                    if choice["finish_reason"]:
+                        finishes.append(choice["finish_reason"])
+    out.append((ids, finishes, done))
+
+
+def refuses_new_requests(url: str, within_s: float) -> bool:
+    """Once the drain began (``/health`` stops answering 200), a new request is refused: 503 while the
+    listening socket closes, or no connection at all."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code != 200:
+                break
+        except httpx.HTTPError:
+            break
+        time.sleep(0.02)  # the signal may not have been handled yet
+    else:
+        return False
+    try:
+        response = httpx.post(url + "/v1/completions", json={"prompt": [1], "max_tokens": 1}, timeout=2)
+    except httpx.HTTPError:
+        return True
+    return response.status_code == 503

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -15,21 +14,7 @@ import pytest
 pytest.importorskip("uvicorn", reason="the serve extra is not installed (pip install -e '.[serve]')")
 
 from asyncbatch.serve.server import bind_socket
-from tests.serve_harness import ROOT, ServeProcess
-
-
-def stream_ids(url: str, body: dict, out: list) -> None:
-    finishes, ids, done = [], [], False
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
-        for line in response.iter_lines():
-            if line == "data: [DONE]":
-                done = True
-            elif line.startswith("data: "):
-                for choice in json.loads(line[6:])["choices"]:
-                    ids += choice.get("token_ids", [])
-                    if choice["finish_reason"]:
-                        finishes.append(choice["finish_reason"])
-    out.append((ids, finishes, done))
+from tests.serve_harness import ROOT, ServeProcess, refuses_new_requests, stream_ids
 
 
 def run_streams(server: ServeProcess, n: int, max_tokens: int) -> tuple[list, list[threading.Thread]]:
@@ -40,26 +25,6 @@ def run_streams(server: ServeProcess, n: int, max_tokens: int) -> tuple[list, li
     for t in threads:
         t.start()
     return results, threads
-
-
-def refuses_new_requests(server: ServeProcess, within_s: float) -> bool:
-    """Once the drain began (``/health`` stops answering 200), a new request is refused: 503 while the
-    listening socket closes, or no connection at all."""
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(server.url + "/health", timeout=2).status_code != 200:
-                break
-        except httpx.HTTPError:
-            break
-        time.sleep(0.02)  # the signal may not have been handled yet
-    else:
-        return False
-    try:
-        response = httpx.post(server.url + "/v1/completions", json={"prompt": [1], "max_tokens": 1}, timeout=2)
-    except httpx.HTTPError:
-        return True
-    return response.status_code == 503
 
 
 def wait_running(server: ServeProcess, n: int, within_s: float = 20) -> None:
@@ -81,7 +46,7 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0() -> None:
         results, threads = run_streams(server, 3, max_tokens=300)
         wait_running(server, 3)
         server.proc.send_signal(signal.SIGTERM)
-        assert refuses_new_requests(server, within_s=10)
+        assert refuses_new_requests(server.url, within_s=10)
         for t in threads:
             t.join(30)
         assert server.proc.wait(timeout=30) == 0
