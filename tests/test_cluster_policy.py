@@ -172,3 +172,48 @@ def test_serve_replicas_must_be_at_least_one(capsys):
 
     assert main(["serve", "--device", "sim", "--replicas", "0"]) == 2
     assert "--replicas: replicas must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_choose_names_the_replicas_preferred_for_a_cache_hit():
+    policy = CacheAwarePolicy(balance_abs=2, balance_rel=0)
+    ranking = policy.choose(prompt_keys(TENANT_A, BS), [view("a", TENANT_A, load=1), view("b", TENANT_A, load=9),
+                                                        view("c", load=0)], random.Random(0))
+    assert [v.replica_id for v in ranking.order] == ["a", "c", "b"]
+    assert ranking.hits == {"a"}  # b holds the prefix too, but is beyond the slack: not a cache decision
+    assert policy.choose(prompt_keys(TENANT_B, BS), [view("a", TENANT_A)]).hits == frozenset()
+
+
+def test_the_ingress_reports_each_replicas_metrics_and_the_routers_decisions():
+    pytest.importorskip("prometheus_client", reason="the serve extra is not installed")
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from asyncbatch.cluster import router_registry
+    from asyncbatch.cluster.cluster_metrics import ClusterCollector
+    from asyncbatch.cluster.replica_metrics import STATS_KEY, ReplicaMetrics
+
+    def replica(uid: str, label: str, hits: int) -> SimpleNamespace:
+        m = ReplicaMetrics(label, 2, 1, 0.5, 0.9, 3.0, 4.0, 256, hits, 8, 0.0)
+        return SimpleNamespace(replica_id=SimpleNamespace(unique_id=uid),
+                               routing_stats={"keys": [], STATS_KEY: m.to_stats()})
+
+    class Router:  # what the collector reads of a Ray router: curr_replicas, and decisions if cache-aware
+        def __init__(self) -> None:
+            self.curr_replicas = {r.replica_id.unique_id: r for r in (replica("x1", "0", 128), replica("y2", "1", 0))}
+            self.decisions = {router_registry.CACHE_HIT: 5, router_registry.LOAD: 2}
+
+    router = Router()
+    router_registry.register(router)
+    registry = CollectorRegistry()
+    registry.register(ClusterCollector("m", lambda: (3, 1)))
+    text = generate_latest(registry).decode()
+    assert 'asyncbatch:prefix_cache_hits_total{model_name="m",replica="0"} 128.0' in text
+    assert 'asyncbatch:prefix_cache_hit_rate{model_name="m",replica="0"} 0.5' in text
+    assert 'asyncbatch:num_requests_running{model_name="m",replica="1"} 2.0' in text
+    assert 'asyncbatch:router_decisions_total{model_name="m",reason="cache_hit"} 5.0' in text
+    assert 'asyncbatch:ingress_requests_waiting{model_name="m"} 1.0' in text
+    assert 'asyncbatch:num_replicas{model_name="m"} 2.0' in text
+    assert ReplicaMetrics.from_stats({"keys": []}) is None  # a replica that published no metrics yet
+    del router  # registered weakly: a router Ray drops is not kept
+    assert not router_registry.routers()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 # Ray Serve's default router is not exported under a public name (ray.serve.request_router exports the base
 # classes only); pinned Ray (the cluster extra).
-from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (  # private-name: see launch
+from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (  # private-name: Ray's prefix router (ray.serve.llm needs pyarrow)
     PrefixCacheAffinityRouter,
 )
 from ray.serve._private.request_router.pow_2_router import (  # private-name: Ray's default router, not exported

@@ -40,8 +40,8 @@ def replica_stats() -> dict[str, dict]:
                 continue
         else:
             continue
-        for replica_id, replica in replicas:
-            out.setdefault(replica_id.unique_id, replica.routing_stats or {})
+        for _, replica in replicas:
+            out.setdefault(replica.replica_id.unique_id, replica.routing_stats or {})
     return out
 
 
