@@ -99,12 +99,17 @@ def drain(signals: StopSignals, timeout_s: float) -> dict | None:
 
 def teardown(owned: bool) -> None:
     """Owned Ray: shut Serve and Ray down and end what remains. Joined: remove our application only."""
+    start = time.monotonic()
     if owned:  # also after a stop inside ray.init: what it started is in this process's tree
         _stop_serve(serve.shutdown)
+        serve_s = time.monotonic() - start
         shutdown_owned_ray()
+        log.info("Serve stopped in %.1f s, the local Ray in %.1f s more", serve_s, time.monotonic() - start - serve_s)
     elif ray.is_initialized():
         _stop_serve(lambda: serve.delete(launch.APP_NAME))
         ray.shutdown()  # disconnects this driver; the cluster and its other applications keep running
+        log.info("application %r deleted in %.1f s; the Ray cluster keeps running", launch.APP_NAME,
+                 time.monotonic() - start)
 
 
 def _stop_serve(stop) -> None:
