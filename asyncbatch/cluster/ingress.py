@@ -47,7 +47,7 @@ ABORTED_END_S = 10.0  # how long aborted streams may take to send their last fra
 @dataclass(frozen=True, slots=True)
 class DrainReport:
     in_flight: int  # requests unfinished when the drain began
-    aborted: int  # of those, aborted at the timeout
+    aborted: int  # of those, aborted (the timeout passed, or a second signal came)
     unfinished: int  # still not ended after the abort (0 unless a replica stopped answering)
 
     def to_dict(self) -> dict:

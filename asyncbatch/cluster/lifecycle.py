@@ -65,7 +65,7 @@ def serve_until_stopped(spec: launch.ClusterSpec, model: str | None, engine_kwar
         log.info("stop signal %s: draining (up to %.0f s)", signals.last, settings.shutdown_timeout_s)
         report = drain(signals, settings.shutdown_timeout_s)
         if report is not None:
-            log.info("drained: %d in flight, %d aborted at the timeout, %d not ended", report["in_flight"],
+            log.info("drained: %d in flight, %d aborted, %d not ended", report["in_flight"],
                      report["aborted"], report["unfinished"])
     finally:
         signals.interrupt = None  # a signal during the teardown must not break it off
