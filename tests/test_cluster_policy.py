@@ -183,8 +183,9 @@ def test_choose_names_the_replicas_preferred_for_a_cache_hit():
     assert policy.choose(prompt_keys(TENANT_B, BS), [view("a", TENANT_A)]).hits == frozenset()
 
 
-def test_the_ingress_reports_each_replicas_metrics_and_the_routers_decisions():
+def test_the_ingress_reports_each_replicas_metrics_and_the_routers_decisions(monkeypatch):
     pytest.importorskip("prometheus_client", reason="the serve extra is not installed")
+    import weakref
     from types import SimpleNamespace
 
     from prometheus_client import CollectorRegistry, generate_latest
@@ -203,6 +204,8 @@ def test_the_ingress_reports_each_replicas_metrics_and_the_routers_decisions():
             self.curr_replicas = {r.replica_id.unique_id: r for r in (replica("x1", "0", 128), replica("y2", "1", 0))}
             self.decisions = {router_registry.CACHE_HIT: 5, router_registry.LOAD: 2}
 
+    # Only this test's router (a Ray driver in this process, as test_cluster_ray's, registers its own).
+    monkeypatch.setattr(router_registry, "_ROUTERS", weakref.WeakSet())
     router = Router()
     router_registry.register(router)
     registry = CollectorRegistry()
