@@ -62,3 +62,19 @@ def test_leftovers_get_sigterm_then_sigkill_if_they_ignore_it():
         for p in (polite, stubborn):
             p.kill()
             p.wait()
+
+
+def test_a_joined_cluster_loses_only_our_application_an_owned_ray_everything(monkeypatch):
+    from asyncbatch.cluster import lifecycle
+
+    calls: list = []
+    monkeypatch.setattr(lifecycle.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(lifecycle.ray, "shutdown", lambda: calls.append("ray.shutdown"))
+    monkeypatch.setattr(lifecycle.serve, "delete", lambda name: calls.append(("serve.delete", name)))
+    monkeypatch.setattr(lifecycle.serve, "shutdown", lambda: calls.append("serve.shutdown"))
+    monkeypatch.setattr(lifecycle, "shutdown_owned_ray", lambda: calls.append("end the Ray this server started"))
+    lifecycle.teardown(owned=False)  # --address: the cluster and its other applications keep running
+    assert calls == [("serve.delete", "asyncbatch"), "ray.shutdown"]
+    calls.clear()
+    lifecycle.teardown(owned=True)
+    assert calls == ["serve.shutdown", "end the Ray this server started"]
