@@ -5,8 +5,10 @@ process behind.
 A Ray server start costs most of a minute on 2 cores, so each start checks as much as it can: the SIGTERM
 start covers requests, the metrics changing as they arrive, a stream that finishes and streams aborted at the
 timeout, refusal while draining and the processes; the SIGINT start covers the other signal sent twice
-(Ctrl-C twice: the second aborts at once), the pow2 router's per-replica series and the processes. ``--no-engine-process`` halves the processes to start (the
-engine core in the replica's process; the replica code is the same).
+(Ctrl-C twice: the second aborts at once), the pow2 router's per-replica series and the processes. The SIGTERM
+start runs each replica's engine core in its own process, as users run it (the most processes to leave
+behind); the SIGINT start uses ``--no-engine-process``, which halves the processes to start (the engine core in
+the replica's process; the replica code is the same).
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ START_S = 240  # a loaded 2-core machine has taken 80 s
 GONE_S = 20  # after the server's exit, its processes must be gone within this
 
 
-def cluster_server(*args: str) -> ServeProcess:
-    return ServeProcess("--replicas", "2", "--no-engine-process", "--max-model-len", "2048", "--num-kv-blocks",
-                        "256", "--sim-step-ms", "10", *args, health_timeout_s=START_S, new_session=True,
+def cluster_server(*args: str, step_ms: int = 10) -> ServeProcess:
+    return ServeProcess("--replicas", "2", "--max-model-len", "2048", "--num-kv-blocks",
+                        "256", "--sim-step-ms", str(step_ms), *args, health_timeout_s=START_S, new_session=True,
                         ready_line=READY)
 
 
@@ -140,7 +142,7 @@ def stop_and_check(server: ServeProcess, watch: ProcessWatch, sig: int, exit_wit
 
 @pytest.mark.slow
 def test_sigterm_drains_reports_replica_and_cache_metrics_and_leaves_no_process() -> None:
-    server = cluster_server("--shutdown-timeout", "6")
+    server = cluster_server("--shutdown-timeout", "12", step_ms=20)
     watch = ProcessWatch(server)
     try:
         url = server.url
@@ -163,9 +165,10 @@ def test_sigterm_drains_reports_replica_and_cache_metrics_and_leaves_no_process(
         assert after[("asyncbatch:router_decisions_total", (("model_name", MODEL), ("reason", "cache_hit")))] \
             >= by_cache0 + 2
 
-        # In flight at the signal: one stream that ends within --shutdown-timeout, two that cannot (2,000
-        # tokens at 10 ms a step) and are aborted at it.
-        short, short_threads = start_streams(url, 1, 150, [5, 6, 7])
+        # In flight at the signal: one stream that ends within --shutdown-timeout (300 tokens at 20 ms a step:
+        # 6 s, long enough to be seen running beside the others while a loaded machine starts streams and
+        # answers scrapes in seconds), two that cannot (2,000 tokens: 40 s) and are aborted at it.
+        short, short_threads = start_streams(url, 1, 300, [5, 6, 7])
         long, long_threads = start_streams(url, 2, 2000, [8, 9, 10])
         ingress = (("model_name", MODEL),)
         wait_metrics(url, "3 requests in flight, all started", lambda m: m[(
@@ -183,7 +186,7 @@ def test_sigterm_drains_reports_replica_and_cache_metrics_and_leaves_no_process(
         server.kill()
     assert time.monotonic() - start < 60
     (ids, finishes, done), = short
-    assert len(ids) == 150 and finishes == ["length"] and done, (len(ids), finishes, done)
+    assert len(ids) == 300 and finishes == ["length"] and done, (len(ids), finishes, done)
     assert len(long) == 2
     for ids, finishes, done in long:  # ended properly: an abort finish and [DONE], not a cut connection
         assert 0 < len(ids) < 2000 and finishes == ["abort"] and done, (len(ids), finishes, done)
@@ -193,7 +196,7 @@ def test_sigterm_drains_reports_replica_and_cache_metrics_and_leaves_no_process(
 @pytest.mark.slow
 def test_sigint_twice_aborts_at_once_and_leaves_no_process_with_the_pow2_router() -> None:
     # A drain that would wait 120 s for the stream; the second Ctrl-C ends it at once.
-    server = cluster_server("--shutdown-timeout", "120", "--router", "pow2")
+    server = cluster_server("--shutdown-timeout", "120", "--router", "pow2", "--no-engine-process")
     watch = ProcessWatch(server)
     try:
         url = server.url
