@@ -227,8 +227,10 @@ def test_loaded_model_is_cast_frozen_and_materialised(llama_dir: Path, monkeypat
     stored = load_file(str(llama_dir / "model.safetensors"))
     head = model.lm_head.weight if emulation == "0" else model.emulated_lm_head.weight
     assert torch.equal(head, stored["lm_head.weight"].to(torch.bfloat16).to(head.dtype))
-    q = params["model.layers.0.self_attn.q_proj.weight"]
-    assert torch.equal(q, stored["model.layers.0.self_attn.q_proj.weight"].to(torch.bfloat16).to(q.dtype))
+    # q, k and v are one linear after loading (``fused_projections``): q's checkpoint rows come first.
+    stored_q = stored["model.layers.0.self_attn.q_proj.weight"]
+    q = params["model.layers.0.self_attn.qkv_proj.weight"][:stored_q.shape[0]]
+    assert torch.equal(q, stored_q.to(torch.bfloat16).to(q.dtype))
 
 
 def test_sharded_checkpoint_loads_like_single_file(tmp_path: Path) -> None:

@@ -9,6 +9,8 @@ tokens agree with it.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,23 +18,44 @@ from transformers import PretrainedConfig
 
 from asyncbatch.model.forward_batch import ForwardBatch
 from asyncbatch.model.host_zeros import host_zeros
-from asyncbatch.model.paged_attention import paged_attention
-from asyncbatch.model.rope import apply_rope, rope_cos_sin
+from asyncbatch.model.paged_attention import AttentionPlan, paged_attention, plan_attention
+from asyncbatch.model.rope import RopeTables, apply_rope, rope_cos_sin, signed_sin, step_tables
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
+class StepContext(NamedTuple):
+    """What every layer of one forward reads besides its own weights and cache, built once per forward."""
+
+    batch: ForwardBatch
+    rope: RopeTables
+    attention: AttentionPlan | None  # the torch reference's masks and block lists; None on Triton
+
+
 class RMSNorm(nn.Module):
+    """transformers' RMSNorm, bit for bit: the variance in float32, the normalised value rounded to the
+    input's dtype, then multiplied by the weight in that dtype.
+
+    ``torch.rms_norm`` runs the same decomposition (pow, mean, add, rsqrt, mul) in C++ instead of eight
+    Python-dispatched ops. In float32 it is the whole norm; in bfloat16 its fused weight product would
+    round once where transformers rounds twice, so the weight is applied after the cast (checked equal
+    element for element in ``tests/test_lean_step.py``)."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.to(torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        if x.dtype == torch.float32:
+            return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return self.weight * torch.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
+
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm without the weight, in ``x``'s dtype (the caller multiplies by its weight)."""
+        if x.dtype == torch.float32:
+            return torch.rms_norm(x, self.weight.shape, None, self.eps)
+        return torch.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -49,29 +72,42 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden,
                                 bias=bool(getattr(config, "attention_bias", False)) and arch != "Qwen2ForCausalLM")
-        # Set by ``quantization.quantize_model``: q, k and v as one linear (q_proj, k_proj, v_proj removed).
+        # Set by ``fused_projections.fuse_projections`` (at load): q, k and v as one linear (q_proj, k_proj,
+        # v_proj removed).
         self.qkv_proj: nn.Module | None = None
         self.qk_norm = arch == "Qwen3ForCausalLM"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: StepContext, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
+        h, kvh = self.num_heads, self.num_kv_heads
         if self.qkv_proj is not None:
-            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(t, self.num_heads, self.head_dim)  # [T, heads, head_dim]
-        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, kv_heads, head_dim]
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = paged_attention(q, k, v, k_cache, v_cache, batch, self.scale)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+            qkv = self.qkv_proj(x).view(t, h + 2 * kvh, self.head_dim)  # [T, heads + 2 kv_heads, head_dim]
+            qk, v = qkv[:, :h + kvh], qkv[:, h + kvh:]  # q and k side by side: normed and rotated together
+            if self.qk_norm:
+                qk = self._qk_norm(qk)
+            qk = apply_rope(qk, step.rope)
+            q, k = qk[:, :h], qk[:, h:]
+        else:  # separate projections (``load_model(fuse=False)``: the fusion's reference)
+            q = self.q_proj(x).view(t, h, self.head_dim)  # [T, heads, head_dim]
+            k = self.k_proj(x).view(t, kvh, self.head_dim)  # [T, kv_heads, head_dim]
+            v = self.v_proj(x).view(t, kvh, self.head_dim)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, step.rope), apply_rope(k, step.rope)
+        out = paged_attention(q, k, v, k_cache, v_cache, step.batch, self.scale, step.attention)
+        return self.o_proj(out.reshape(t, h * self.head_dim))
+
+    def _qk_norm(self, qk: torch.Tensor) -> torch.Tensor:
+        """Qwen3's per-head norms of q and k (``[T, heads + kv_heads, head_dim]``): one normalisation, then
+        each part times its own weight, in place (the normalised tensor is new)."""
+        h = self.num_heads
+        qk = self.q_norm.normalize(qk)
+        qk[:, :h].mul_(self.q_norm.weight)
+        qk[:, h:].mul_(self.k_norm.weight)
+        return qk
 
 
 class MLP(nn.Module):
@@ -81,11 +117,11 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.gate_up_proj: nn.Module | None = None  # set by ``quantization.quantize_model``, like ``qkv_proj``
+        self.gate_up_proj: nn.Module | None = None  # set by ``fused_projections.fuse_projections``, like ``qkv_proj``
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # views of one [T, 2 * intermediate] product
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -98,8 +134,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, batch):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, batch)
+    def forward(self, x: torch.Tensor, step: StepContext, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), step, k_cache, v_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -134,7 +170,7 @@ class CausalLM(nn.Module):
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         cos, sin = rope_cos_sin(config, attn.head_dim, max_positions)
         self.register_buffer("rope_cos", cos, persistent=False)  # [max_positions, head_dim]
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("rope_sin_signed", signed_sin(sin), persistent=False)
 
     @property
     def lm_head_reads_embedding(self) -> bool:
@@ -163,10 +199,12 @@ class CausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Returns logits ``[R, vocab]`` in float32 for ``batch.logits_indices``."""
         x = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
-        cos = self.rope_cos[batch.positions].to(x.dtype)  # [T, head_dim]
-        sin = self.rope_sin[batch.positions].to(x.dtype)
+        # What every layer shares is computed once here: the rotary rows and the attention's masks and
+        # block lists (``paged_attention.plan_attention``; None on Triton).
+        step = StepContext(batch, step_tables(self.rope_cos, self.rope_sin_signed, batch.positions, x.dtype),
+                           plan_attention(batch, kv_caches[0][0].shape[1], x.device, x.dtype))
         for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches):
-            x = layer(x, cos, sin, k_cache, v_cache, batch)
+            x = layer(x, step, k_cache, v_cache)
         return self.compute_logits(self.model.norm(x[batch.logits_indices]))  # [R, hidden] -> [R, vocab]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

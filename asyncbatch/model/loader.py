@@ -23,6 +23,7 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
 from asyncbatch.model.cpu_features import choose_cpu_dtype
 from asyncbatch.model.default_model import DEFAULT_MODEL_ALIASES, default_gguf_path, is_default_model
 from asyncbatch.model.emulated_bf16 import emulate_bf16_linears, emulates_bf16
+from asyncbatch.model.fused_projections import fuse_projections
 from asyncbatch.model.gguf_cache import convert_gguf
 from asyncbatch.model.llama import SUPPORTED_ARCHITECTURES, CausalLM
 from asyncbatch.model.quantization import check_quantization, quantize_model
@@ -116,13 +117,17 @@ def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
 
 
 def load_model(path: str | os.PathLike[str], dtype: torch.dtype, device: torch.device | str,
-               max_positions: int, quantization: str | None = None) -> CausalLM:
+               max_positions: int, quantization: str | None = None, fuse: bool = True) -> CausalLM:
     """Build ``CausalLM`` from the directory's weights, in ``dtype`` on ``device``, frozen, in eval mode.
 
     Floating-point weights are cast to ``dtype``; the rotary tables stay float32
     (the model casts the rows it gathers). Missing or unexpected weights raise a
     ``ValueError`` listing them. ``quantization`` (CPU only: ``"int8"``, ``"int4"``, ``"w8a8"``) then swaps
     the projections and the LM head for quantized ones (``quantization.quantize_model``).
+
+    q/k/v and gate/up are loaded under their checkpoint names, then fused into one linear each
+    (``fused_projections``); ``fuse=False`` keeps them separate (the tests' reference for the fusion; a
+    quantized model is fused either way).
     """
     try:
         from accelerate import init_empty_weights
@@ -146,6 +151,9 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype, device: torch.d
         state.pop("lm_head.weight", None)  # some tied checkpoints store the alias as well
     _check_keys(path, expected, set(state))
     model.load_state_dict(state, strict=True, assign=True)
+    del state  # the model holds the weights now: fusing below frees the separate q/k/v and gate/up ones
+    if fuse:
+        fuse_projections(model)
     model.to(device)  # moves the rotary buffers; parameters are already there
     model = model.eval().requires_grad_(False)
     if quantization is not None:

@@ -1,7 +1,7 @@
 """Int8 / int4 weights on the CPU: the ``quantization=`` engine argument, applied as a module swap after loading.
 
-Every projection of the decoder layers (q, k, v, o, gate, up, down) and the LM
-head is replaced by a ``QuantizedLinear`` holding its weight in one of these
+Every projection of the decoder layers (q/k/v and gate/up fused at load by ``fused_projections``, o,
+down) and the LM head is replaced by a ``QuantizedLinear`` holding its weight in one of these
 forms (the embedding table stays in the model's dtype: a lookup reads only the
 step's rows of it; with tied embeddings the LM head gets its own quantized copy):
 
@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncbatch.config import QUANTIZATIONS
+from asyncbatch.model.fused_projections import fuse_projections
 
 INT4_GROUP_SIZE = 32
 W8A8_REDUCE_RANGE = True
@@ -302,6 +303,7 @@ def quantize_model(model: nn.Module, scheme: str, model_path: str | os.PathLike[
     (in place; returns the model). ``w8a8`` first measures the inputs' ranges on the calibration text
     (tokenized with the tokenizer in ``model_path``, if any)."""
     check_quantization(scheme, "cpu")
+    fuse_projections(model)  # a no-op after ``load_model``, which fuses every model
     stats: dict[str, torch.Tensor] = {}
     if scheme == "w8a8":
         n = min(512, int(model.rope_cos.shape[0]))
@@ -309,18 +311,13 @@ def quantize_model(model: nn.Module, scheme: str, model_path: str | os.PathLike[
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         where = f"model.layers.{i}"
-        # q, k and v read the same input, and so do gate and up: one fused linear each (one call instead of
-        # three and two; per-output-row scales make it the same arithmetic as separate ones).
-        attn.qkv_proj = _fused(scheme, [attn.q_proj, attn.k_proj, attn.v_proj],
-                               stats.get(f"{where}.self_attn.q_proj"))
-        mlp.gate_up_proj = _fused(scheme, [mlp.gate_proj, mlp.up_proj], stats.get(f"{where}.mlp.gate_proj"))
-        for parent, names in ((attn, ("q_proj", "k_proj", "v_proj")), (mlp, ("gate_proj", "up_proj"))):
-            for name in names:
-                delattr(parent, name)
-        attn.o_proj = QuantizedLinear(attn.o_proj.weight, attn.o_proj.bias, scheme,
-                                      stats.get(f"{where}.self_attn.o_proj"))
-        mlp.down_proj = QuantizedLinear(mlp.down_proj.weight, mlp.down_proj.bias, scheme,
-                                        stats.get(f"{where}.mlp.down_proj"))
+        # q/k/v and gate/up are already one linear each (``fused_projections``, at load); per-output-row scales
+        # make a quantized fused linear the same arithmetic as separate ones.
+        for parent, name, part in ((attn, "qkv_proj", "self_attn"), (attn, "o_proj", "self_attn"),
+                                   (mlp, "gate_up_proj", "mlp"), (mlp, "down_proj", "mlp")):
+            linear = getattr(parent, name)
+            setattr(parent, name, QuantizedLinear(linear.weight, linear.bias, scheme,
+                                                  stats.get(f"{where}.{part}.{name}")))
         # The fused linears' inputs are RMSNorm outputs: their smoothing divides the norms' weights instead.
         _fold_smoothing(attn.qkv_proj, layer.input_layernorm)
         _fold_smoothing(mlp.gate_up_proj, layer.post_attention_layernorm)
@@ -330,15 +327,6 @@ def quantize_model(model: nn.Module, scheme: str, model_path: str | os.PathLike[
         del model.lm_head  # its float weight is no longer read
     model.quantization = scheme
     return model
-
-
-def _fused(scheme: str, linears: list[nn.Linear], absmax: torch.Tensor | None) -> QuantizedLinear:
-    weight = torch.cat([lin.weight.detach() for lin in linears])
-    bias = None
-    if any(lin.bias is not None for lin in linears):
-        bias = torch.cat([lin.bias.detach() if lin.bias is not None else lin.weight.new_zeros(lin.out_features)
-                          for lin in linears])
-    return QuantizedLinear(weight, bias, scheme, absmax)
 
 
 def _fold_smoothing(linear: QuantizedLinear, norm: nn.Module) -> None:

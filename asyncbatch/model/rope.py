@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from transformers import PretrainedConfig
 
@@ -41,8 +43,31 @@ def rope_cos_sin(config: PretrainedConfig, head_dim: int, max_positions: int) ->
     return emb.cos() * scaling, emb.sin() * scaling
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos/sin: [T, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``sin`` with its first half negated: ``rotate_half(x) * sin == swap_halves(x) * signed_sin(sin)``
+    exactly (a negation is exact), so the rotation needs no ``neg`` and no ``cat`` per call."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+class RopeTables(NamedTuple):
+    """One step's rows of the tables in the activations' dtype, ``[T, 1, head_dim]``: gathered once per
+    forward and broadcast over the heads of every layer."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor  # ``signed_sin``'s sign folded in
+
+
+def step_tables(cos: torch.Tensor, sin_signed: torch.Tensor, positions: torch.Tensor,
+                dtype: torch.dtype) -> RopeTables:
+    """``RopeTables`` of ``positions`` from the float32 ``[P, head_dim]`` tables (cast as transformers casts
+    them: after the gather, to the activations' dtype)."""
+    return RopeTables(cos[positions].to(dtype)[:, None, :], sin_signed[positions].to(dtype)[:, None, :])
+
+
+def apply_rope(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
+    """x: [T, heads, head_dim], any heads (q and k together) → a new rotated tensor.
+
+    transformers' ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``: here the
+    halves are swapped by one ``roll`` and the sign sits in the table, the same products and sum."""
+    return x * tables.cos + x.roll(x.shape[-1] // 2, dims=-1) * tables.sin

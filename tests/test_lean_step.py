@@ -1,0 +1,169 @@
+"""The lean decode step: fused projections give the unfused model's logits, the norms and the rotation keep
+transformers' arithmetic bit for bit, and a decode step dispatches a bounded number of torch ops.
+
+The op count is the regression guard of issue 24's "as few ops per layer as the math needs": ops are
+counted with a ``TorchDispatchMode`` (what reaches the kernels' dispatcher after composite ops decompose,
+the same every run), per decoder layer and for the whole step, and compared with a bound that has slack
+for a few ops, not for a return of the per-layer masks, separate projections or the eight-op norm (the
+unfused step of the same model is counted beside it and must stay well above).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import save_tiny_model
+from torch.utils._python_dispatch import TorchDispatchMode  # private-name: the op counter's base class
+
+from asyncbatch.model.forward_batch import ForwardBatch, PrefillRow
+from asyncbatch.model.fused_projections import is_fused
+from asyncbatch.model.llama import RMSNorm
+from asyncbatch.model.loader import load_model
+from asyncbatch.model.rope import RopeTables, apply_rope, signed_sin
+
+CPU = torch.device("cpu")
+BLOCK = 4
+ARCHS = {"llama": ("LlamaForCausalLM", {"tie_word_embeddings": True}), "mistral": ("MistralForCausalLM", {}),
+         "qwen2": ("Qwen2ForCausalLM", {"tie_word_embeddings": True}), "qwen3": ("Qwen3ForCausalLM", {})}
+# Measured per decoder layer of a one-row float32 decode step: 34 (Llama, Mistral, Qwen2), 40 (Qwen3: its q/k
+# norms); before the lean step (separate projections, the eight-op norm, rotary and mask per layer) 70.
+# Outside the layers (embedding, rotary rows, attention plan, final norm, LM head): 18.
+MAX_OPS_PER_LAYER = 44
+MAX_OPS_OUTSIDE_LAYERS = 30
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lean")
+    return {name: save_tiny_model(root / name, arch, with_tokenizer=False, seed=2, **kwargs)
+            for name, (arch, kwargs) in ARCHS.items()}
+
+
+def _prefill_then_decode(model) -> torch.Tensor:
+    """Logits of a 9-token prefill (every position) and of 3 decode rows continuing copies of it."""
+    gen = torch.Generator().manual_seed(0)
+    kv = model.new_kv_caches(16, BLOCK)
+    ids = torch.randint(3, 250, (9,), generator=gen)
+    outs = []
+    with torch.inference_mode():
+        for row in range(3):
+            table = 1 + row * 4 + torch.arange(4)
+            pos = torch.arange(9)
+            batch = ForwardBatch(ids, pos, table[pos // BLOCK] * BLOCK + pos % BLOCK, 0,
+                                 torch.zeros(0, 1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
+                                 [PrefillRow(0, 9, 9, table[:3])], torch.arange(9))
+            logits = model(batch, kv)
+            if row == 0:
+                outs.append(logits)
+        tables = 1 + torch.arange(3)[:, None] * 4 + torch.arange(4)[None, :]
+        pos = torch.full((3,), 9)
+        outs.append(model(ForwardBatch(torch.randint(3, 250, (3,), generator=gen), pos,
+                                       tables[:, 2] * BLOCK + 1, 3, tables, torch.full((3,), 10), [],
+                                       torch.arange(3)), kv))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("name", list(ARCHS))
+def test_fused_projections_give_the_unfused_logits(tiny_dirs, name):
+    fused = load_model(tiny_dirs[name], torch.float32, CPU, max_positions=32)
+    separate = load_model(tiny_dirs[name], torch.float32, CPU, max_positions=32, fuse=False)
+    assert is_fused(fused) and not is_fused(separate)
+    attn = fused.model.layers[0].self_attn
+    assert not hasattr(attn, "q_proj") and not hasattr(fused.model.layers[0].mlp, "up_proj")
+    # No weight is held twice: the fused model holds as many parameters as the checkpoint.
+    assert sum(p.numel() for p in fused.parameters()) == sum(p.numel() for p in separate.parameters())
+    a, b = _prefill_then_decode(fused), _prefill_then_decode(separate)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _transformers_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' ``LlamaRMSNorm.forward``, step for step."""
+    dtype = x.dtype
+    x = x.to(torch.float32)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_is_transformers_arithmetic_bit_for_bit(dtype):
+    gen = torch.Generator().manual_seed(0)
+    norm = RMSNorm(576, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(576, generator=gen))
+    norm = norm.to(dtype)
+    for scale in (1e-3, 1.0, 300.0):
+        x = (torch.randn(5, 3, 576, generator=gen) * scale).to(dtype)
+        with torch.inference_mode():
+            assert torch.equal(norm(x), _transformers_rms_norm(x, norm.weight, 1e-5))
+            assert torch.equal(norm.normalize(x) * norm.weight, _transformers_rms_norm(x, norm.weight, 1e-5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotation_is_transformers_arithmetic_bit_for_bit(dtype):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(6, 7, 64, generator=gen).to(dtype)  # [T, heads, head_dim]
+    angles = torch.rand(6, 32, generator=gen) * 100
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    rotate_half = torch.cat((-x[..., 32:], x[..., :32]), dim=-1)
+    want = x * cos[:, None, :] + rotate_half * sin[:, None, :]
+    got = apply_rope(x, RopeTables(cos[:, None, :], signed_sin(sin)[:, None, :]))
+    assert torch.equal(got, want)
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    @property
+    def count(self) -> int:
+        return len(self.ops)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def count_decode_ops(model) -> tuple[list[str], list[int]]:
+    """(the ops of a whole one-row decode step, how many ran inside each decoder layer)."""
+    kv = model.new_kv_caches(8, BLOCK)
+    table = torch.tensor([[1, 2, 3]])
+    batch = ForwardBatch(torch.tensor([5]), torch.tensor([9]), torch.tensor([3 * BLOCK + 1]), 1, table,
+                         torch.tensor([10]), [], torch.arange(1))
+    counter = _OpCounter()
+    starts, per_layer = {}, []
+
+    def pre(module, args):
+        starts[module] = counter.count
+
+    def post(module, args, out):
+        per_layer.append(counter.count - starts[module])
+
+    hooks = [h for layer in model.model.layers
+             for h in (layer.register_forward_pre_hook(pre), layer.register_forward_hook(post))]
+    try:
+        with torch.inference_mode():
+            model(batch, kv)  # warm-up: lazy initialisations are not the step's ops
+            per_layer.clear()
+            with counter:
+                model(batch, kv)
+    finally:
+        for h in hooks:
+            h.remove()
+    return counter.ops, per_layer
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
+def test_a_decode_step_dispatches_a_bounded_number_of_ops(tiny_dirs, name):
+    model = load_model(tiny_dirs[name], torch.float32, CPU, max_positions=32)
+    ops, per_layer = count_decode_ops(model)
+    layers = len(model.model.layers)
+    assert len(per_layer) == layers
+    assert max(per_layer) <= MAX_OPS_PER_LAYER, per_layer
+    assert len(ops) <= layers * MAX_OPS_PER_LAYER + MAX_OPS_OUTSIDE_LAYERS, ops
+    # Per layer: four linears (q/k/v fused, o, gate/up fused, down) and two one-op norms; one rotation, one
+    # mask for the whole step.
+    assert ops.count("linear") == 4 * layers + 1  # + the LM head
+    assert ops.count("rms_norm") == 2 * layers + 1 + (layers if model.model.layers[0].self_attn.qk_norm else 0)
+    assert ops.count("roll") == layers and ops.count("arange") == 1 and ops.count("masked_fill_") == 1
