@@ -171,6 +171,7 @@ def profile_rows(bench: DecodeStepBench, rows: int, steps: int, trace: Path | No
     return {"rows": rows, "context": bench.context, "step_ms_median": timing.median_ms, "step_ms_min": timing.min_ms,
             "step_cpu_ms_median": timing.cpu_median_ms,
             "step_ms_samples": timing.samples_ms, "profiled_step_ms": profiled_ms,
+            "aten_ops_per_step": sum(e.name.startswith("aten::") for e in events) / steps,
             "parts": {k: parts[k] for k in sorted(parts, key=lambda k: ORDER.index(k) if k in ORDER else 99)},
             "top_ops": top_ops(events, steps)}
 
@@ -187,7 +188,7 @@ def markdown(doc: dict) -> str:
                   (f"Step without the profiler: median {r['step_ms_median']:.1f} ms "
                    f"(min {r['step_ms_min']:.1f}), CPU time {r['step_cpu_ms_median']:.1f} ms; under the profiler "
                    f"{r['profiled_step_ms']:.1f} ms (wall clock: the table's times include waits for the cores "
-                   "on a shared machine)."), "",
+                   f"on a shared machine); {r['aten_ops_per_step']:.0f} aten ops per step (every level)."), "",
                   "| part | torch ops ms | python ms | share |", "|---|---|---|---|"]
         total = r["profiled_step_ms"] or 1.0
         for name, p in r["parts"].items():

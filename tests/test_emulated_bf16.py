@@ -61,9 +61,9 @@ def test_a_loaded_model_is_emulated_throughout_and_agrees_with_torchs_bfloat16(t
     native = load_model(path, torch.bfloat16, CPU, max_positions=64)
     exact = load_model(path, torch.float32, CPU, max_positions=64)
     assert not any(isinstance(m, nn.Linear) for m in emulated.modules())
-    # Every projection is emulated: per layer q/k/v and gate/up fused at load (``fused_projections``), o and
-    # down, so 4 linears per layer (7 before the fusion), and the head.
-    assert sum(isinstance(m, EmulatedBf16Linear) for m in emulated.modules()) == 2 * 4 + 1
+    # Every projection is emulated: per layer q/k/v fused at load (``fused_projections``), o, gate, up and
+    # down, so 5 linears per layer (7 before the fusion), and the head.
+    assert sum(isinstance(m, EmulatedBf16Linear) for m in emulated.modules()) == 2 * 5 + 1
     assert not emulated.lm_head_reads_embedding and native.emulated_lm_head is None
     logits = {}
     for name, model in (("emulated", emulated), ("native", native), ("float32", exact)):

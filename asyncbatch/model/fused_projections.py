@@ -2,8 +2,8 @@
 
 q, k and v read the same input, and so do gate and up. ``fuse_projections`` replaces each group of a
 loaded ``CausalLM``'s decoder layer by one module, ``qkv_proj`` (outputs ``[q | k | v]``) and
-``gate_up_proj`` (``[gate | up]``), and removes the separate ones: one matmul instead of three and two,
-five fewer calls per layer at one row, where a step is dispatch-bound. Invariants:
+``gate_up_proj`` (``[gate | up]``), and removes the separate ones: one matmul instead of three and two.
+Which groups: ``FLOAT_GROUPS`` at load for every model, ``ALL_GROUPS`` for quantized weights. Invariants:
 
 * Checkpoints keep their names: the model is built and loaded with ``q_proj`` ... ``up_proj`` (what a
   Hugging Face state dict holds), and fusion happens after loading (``loader.load_model``).
@@ -25,6 +25,12 @@ from torch import nn
 # The separate projections of each group, in the fused output's order: (parent module, fused name, parts).
 FUSED_GROUPS = (("self_attn", "qkv_proj", ("q_proj", "k_proj", "v_proj")),
                 ("mlp", "gate_up_proj", ("gate_proj", "up_proj")))
+ALL_GROUPS = ("qkv_proj", "gate_up_proj")
+# Float weights (float32, bfloat16, emulated bfloat16) fuse q/k/v only. A fused gate/up product (576 x 3072
+# for the default model) ran as fast as two at one row but 10-15 % slower at 8-32 rows in float32 on the
+# AMD EPYC (MKL picks another blocking; profiles/lean-decode-step-amd-epyc-2core/), and saves one call
+# per layer; the quantized kernels fuse both (``quantization.quantize_model``).
+FLOAT_GROUPS = ("qkv_proj",)
 
 
 def concat_linears(linears: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -48,19 +54,19 @@ def fused_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     return linear
 
 
-def is_fused(model: nn.Module) -> bool:
-    """Whether ``model``'s decoder layers hold ``qkv_proj`` / ``gate_up_proj`` (``fuse_projections`` ran)."""
-    attn = model.model.layers[0].self_attn
-    return attn.qkv_proj is not None
+def is_fused(model: nn.Module, group: str = "qkv_proj") -> bool:
+    """Whether ``model``'s decoder layers hold the fused linear ``group`` (``qkv_proj`` or ``gate_up_proj``)."""
+    parent = next(p for p, name, _ in FUSED_GROUPS if name == group)
+    return getattr(getattr(model.model.layers[0], parent), group) is not None
 
 
-def fuse_projections(model: nn.Module) -> nn.Module:
-    """Fuse q/k/v and gate/up of every decoder layer of a loaded ``CausalLM`` (in place; returns it).
-    A model already fused is left as it is."""
-    if is_fused(model):
-        return model
-    for layer in model.model.layers:
-        for parent_name, fused_name, parts in FUSED_GROUPS:
+def fuse_projections(model: nn.Module, groups: tuple[str, ...] = FLOAT_GROUPS) -> nn.Module:
+    """Fuse the ``groups`` (names of ``FUSED_GROUPS``' fused linears) of every decoder layer of a loaded
+    ``CausalLM`` (in place; returns it). A group already fused is left as it is."""
+    for parent_name, fused_name, parts in FUSED_GROUPS:
+        if fused_name not in groups or is_fused(model, fused_name):
+            continue
+        for layer in model.model.layers:
             parent = getattr(layer, parent_name)
             weight, bias = concat_linears([getattr(parent, name) for name in parts])
             for name in parts:

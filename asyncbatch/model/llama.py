@@ -117,7 +117,8 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.gate_up_proj: nn.Module | None = None  # set by ``fused_projections.fuse_projections``, like ``qkv_proj``
+        # Set by ``fused_projections.fuse_projections`` for quantized weights (gate_proj, up_proj removed).
+        self.gate_up_proj: nn.Module | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:

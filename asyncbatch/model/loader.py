@@ -125,9 +125,9 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype, device: torch.d
     ``ValueError`` listing them. ``quantization`` (CPU only: ``"int8"``, ``"int4"``, ``"w8a8"``) then swaps
     the projections and the LM head for quantized ones (``quantization.quantize_model``).
 
-    q/k/v and gate/up are loaded under their checkpoint names, then fused into one linear each
-    (``fused_projections``); ``fuse=False`` keeps them separate (the tests' reference for the fusion; a
-    quantized model is fused either way).
+    q/k/v (and gate/up, for quantized weights) are loaded under their checkpoint names, then fused into one
+    linear (``fused_projections``); ``fuse=False`` keeps q/k/v separate (the tests' reference for the fusion;
+    a quantized model is fused either way).
     """
     try:
         from accelerate import init_empty_weights

@@ -1,7 +1,7 @@
 """Int8 / int4 weights on the CPU: the ``quantization=`` engine argument, applied as a module swap after loading.
 
-Every projection of the decoder layers (q/k/v and gate/up fused at load by ``fused_projections``, o,
-down) and the LM head is replaced by a ``QuantizedLinear`` holding its weight in one of these
+Every projection of the decoder layers (q/k/v and gate/up fused into one linear each by
+``fused_projections``, o, down) and the LM head is replaced by a ``QuantizedLinear`` holding its weight in one of these
 forms (the embedding table stays in the model's dtype: a lookup reads only the
 step's rows of it; with tied embeddings the LM head gets its own quantized copy):
 
@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncbatch.config import QUANTIZATIONS
-from asyncbatch.model.fused_projections import fuse_projections
+from asyncbatch.model.fused_projections import ALL_GROUPS, fuse_projections
 
 INT4_GROUP_SIZE = 32
 W8A8_REDUCE_RANGE = True
@@ -303,7 +303,7 @@ def quantize_model(model: nn.Module, scheme: str, model_path: str | os.PathLike[
     (in place; returns the model). ``w8a8`` first measures the inputs' ranges on the calibration text
     (tokenized with the tokenizer in ``model_path``, if any)."""
     check_quantization(scheme, "cpu")
-    fuse_projections(model)  # a no-op after ``load_model``, which fuses every model
+    fuse_projections(model, ALL_GROUPS)  # q/k/v are fused at load already; gate/up are fused here
     stats: dict[str, torch.Tensor] = {}
     if scheme == "w8a8":
         n = min(512, int(model.rope_cos.shape[0]))
@@ -311,8 +311,8 @@ def quantize_model(model: nn.Module, scheme: str, model_path: str | os.PathLike[
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         where = f"model.layers.{i}"
-        # q/k/v and gate/up are already one linear each (``fused_projections``, at load); per-output-row scales
-        # make a quantized fused linear the same arithmetic as separate ones.
+        # q/k/v and gate/up are one linear each (``fused_projections``): one packed-kernel call instead of three and
+        # two; per-output-row scales make a quantized fused linear the same arithmetic as separate ones.
         for parent, name, part in ((attn, "qkv_proj", "self_attn"), (attn, "o_proj", "self_attn"),
                                    (mlp, "gate_up_proj", "mlp"), (mlp, "down_proj", "mlp")):
             linear = getattr(parent, name)
