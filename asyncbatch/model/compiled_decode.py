@@ -1,7 +1,7 @@
 """The decode-only forward compiled with ``torch.compile`` (inductor, C++ on the CPU): the ``compile_decode``
 engine argument.
 
-At one row a CPU decode step is mostly per-op overhead (~2,500 small torch ops: norms, rotation, the
+At one row a CPU decode step is mostly per-op overhead (~1,000 small torch ops at the top level: norms, rotation, the
 paged-attention gather and mask, residuals, the ``w8a8`` wrapper's row scaling) rather than weight
 reads. Inductor fuses those ops into a few C++ loops and runs the step as one graph, the linears staying
 library calls (``mm`` for float weights, fbgemm through ``asyncbatch::w8a8_linear`` for ``w8a8``).
