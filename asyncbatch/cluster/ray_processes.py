@@ -59,20 +59,21 @@ def end_processes(procs: list[psutil.Process], grace_s: float = 5.0, term_s: flo
     then SIGKILL what remains. Returns who needed which."""
     _, alive = psutil.wait_procs(_alive(procs), timeout=grace_s)
     terminated = [_label(p) for p in alive]
-    for p in alive:
-        try:
-            p.terminate()
-        except psutil.Error:
-            pass
+    _send(alive, psutil.Process.terminate)
     _, alive = psutil.wait_procs(alive, timeout=term_s)
     killed = [_label(p) for p in alive]
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
+    _send(alive, psutil.Process.kill)
     psutil.wait_procs(alive, timeout=5.0)
     return Leftovers(terminated, killed)
+
+
+def _send(procs: list[psutil.Process], signal_one) -> None:
+    """``signal_one(p)`` (``terminate`` or ``kill``) for each of ``procs``; one that is gone already is skipped."""
+    for p in procs:
+        try:
+            signal_one(p)
+        except psutil.Error:
+            pass
 
 
 def shutdown_owned_ray(grace_s: float = 5.0, term_s: float = 5.0) -> Leftovers:
