@@ -91,7 +91,7 @@ class ControlHandler:
     @answer.register
     def _num_free_blocks(self, call: NumFreeBlocks) -> int:
         scheduler = self._core.scheduler
-        scheduler.settle_released()  # released requests' parked blocks count as free, however soon one asks
+        scheduler.settle_if_idle()  # while requests run, parked blocks count as used until settled
         return int(scheduler.blocks.num_free_blocks)
 
     @answer.register

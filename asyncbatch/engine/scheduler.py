@@ -57,6 +57,7 @@ _RUNNING = RequestStatus.RUNNING
 # may need those blocks. 0.25 ms: ~25 blocks of 16 tokens, a 400-token output per step on a 2-core VM.
 SETTLE_BUDGET_S = 0.00025
 
+
 class _DecodePart(NamedTuple):
     rows: np.ndarray  # [D] int64 token rows, admission order
     seqs: np.ndarray  # [D] int64
@@ -319,13 +320,20 @@ class Scheduler:
         request.token_row = None
 
     # -- prefix cache (``PrefixSharer``) -------------------------------------
-    # Parked releases are settled first, so what callers see does not depend on when the planner settles them.
+    # While requests run, observers see parked releases as they are (blocks held, not yet cached): settling
+    # for them would stall the planner whenever a replica reports its stats. Idle, everything is settled first
+    # (``settle_if_idle``), so what an observer of an idle engine sees does not depend on when it asked. A
+    # reset settles first, so that no parked block becomes cached after it.
+    def settle_if_idle(self) -> None:
+        if not self.has_work():
+            self.prefix.settle()
+
     def prefix_cache_stats(self) -> dict:
-        self.prefix.settle()
+        self.settle_if_idle()
         return self.prefix.stats()
 
     def prefix_cache_keys(self, max_blocks: int) -> list[int]:
-        self.prefix.settle()
+        self.settle_if_idle()
         return self.prefix.keys(max_blocks)
 
     def reset_prefix_cache(self) -> bool:
