@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator
 
 from ray import serve
+from ray.serve.exceptions import RayServeException
 
 from asyncbatch.cluster.cache_summary import CacheSummary
 from asyncbatch.cluster.replica_metrics import STATS_KEY, ReplicaMetrics
@@ -117,8 +118,11 @@ class EngineReplica:
 
 def _replica_label() -> str:
     """The replica's rank in its deployment (stable across restarts, see ``replica_metrics``); its unique id
-    where Ray gives no rank."""
-    context = serve.get_replica_context()
+    where Ray gives no rank; "0" for a replica built outside a Serve deployment (tests, direct use)."""
+    try:
+        context = serve.get_replica_context()
+    except RayServeException:
+        return "0"
     rank = getattr(context, "rank", None)
     rank = getattr(rank, "rank", rank)
     return str(rank) if isinstance(rank, int) else context.replica_id.unique_id
