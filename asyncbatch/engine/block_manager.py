@@ -216,11 +216,8 @@ class BlockManager:
         whose content is cached already stays uncached (the chain takes the existing record); a key owned by
         other content (a collision) stops the chain.
         """
-        if num_full > self.num_row_blocks[row]:
-            raise IntegrityError(f"row {row} registers {num_full} blocks but lists {self.num_row_blocks[row]}")
-        chain = self.chains[row]
-        if num_full > len(chain):
-            self._extend_chain(chain, self.block_table[row, :num_full].tolist(), keys, contents, num_full)
+        self._register_listed(f"row {row}", self.block_table[row, :self.num_row_blocks[row]], self.chains[row],
+                              keys, contents, num_full)
 
     def register_rows(self, rows: np.ndarray, requests: Sequence[Request], num_full: np.ndarray) -> None:
         """``register`` for each of ``rows`` ([Q] int64) with its request's chain keys and token tuples
@@ -283,10 +280,16 @@ class BlockManager:
     def register_parked(self, parked: ParkedBlocks, keys: Sequence[int], contents: Sequence[tuple[int, ...]],
                         num_full: int) -> None:
         """``register`` for a parked record's first ``num_full`` blocks."""
-        if num_full > len(parked.blocks):
-            raise IntegrityError(f"a parked record registers {num_full} blocks but lists {len(parked.blocks)}")
-        if num_full > len(parked.chain):
-            self._extend_chain(parked.chain, parked.blocks[:num_full].tolist(), keys, contents, num_full)
+        self._register_listed("a parked record", parked.blocks, parked.chain, keys, contents, num_full)
+
+    def _register_listed(self, holder: str, listed: np.ndarray, chain: list[int], keys: Sequence[int],
+                         contents: Sequence[tuple[int, ...]], num_full: int) -> None:
+        """``register`` for a holder (a row, or a parked record) listing ``listed`` ([n] block ids) with
+        ``chain``."""
+        if num_full > len(listed):
+            raise IntegrityError(f"{holder} registers {num_full} blocks but lists {len(listed)}")
+        if num_full > len(chain):
+            self._extend_chain(chain, listed[:num_full].tolist(), keys, contents, num_full)
 
     def _drop(self, blocks: np.ndarray, holder: str) -> None:
         """One reference fewer to each of ``blocks`` ([n], a holder's list in order); blocks nobody holds any more
