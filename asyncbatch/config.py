@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from asyncbatch.speculative.config import SpeculativeConfig
+
 OUTPUT_LENGTH_DISTRIBUTIONS = ("uniform", "geometric", "fixed")
 
 
@@ -125,6 +127,9 @@ class EngineConfig:
     # (sim, 256 running, 1 ms steps: busy 94.8 % with 0.2 ms, 95.6 % with the default; in-process the
     # same run gave 76.5 % vs 47.5 %).
     switch_interval_s: float | None = 2e-4
+    # Speculative decoding (``docs/speculative.md``): a ``SpeculativeConfig`` or a dict of its fields (vLLM's
+    # ``speculative_config``); None: one token per row and step. cpu device only, for now.
+    speculative_config: SpeculativeConfig | dict | None = None
     sim: SimConfig = field(default_factory=SimConfig)
 
     def __post_init__(self) -> None:
@@ -174,6 +179,16 @@ class EngineConfig:
             raise TypeError(f"enable_prefix_caching must be a bool, got {type(self.enable_prefix_caching).__name__}")
         if not isinstance(self.sim, SimConfig):
             raise TypeError(f"sim must be a SimConfig, got {type(self.sim).__name__}")
+        self.speculative_config = SpeculativeConfig.coerce(self.speculative_config)
+        if self.speculative_config is not None:
+            if self.device in ("cuda", "sim"):
+                raise ValueError(f"speculative_config runs on the cpu device only (for now), got device={self.device!r}")
+            if self.compile_decode:
+                raise ValueError("speculative_config and compile_decode=True cannot be combined (yet): verify steps "
+                                 "run eager")
+            if self.speculative_config.num_speculative_tokens >= self.block_size:
+                raise ValueError(f"speculative_config.num_speculative_tokens must be < block_size ({self.block_size}), "
+                                 f"got {self.speculative_config.num_speculative_tokens}")
         if self.cuda_graph_batch_sizes is not None:
             sizes = tuple(int(s) for s in self.cuda_graph_batch_sizes)
             if not sizes or any(s < 1 for s in sizes):

@@ -28,7 +28,7 @@ LAYERS = {  # longest matching prefix wins
     "asyncbatch": 7, "asyncbatch.errors": 0, "asyncbatch.config": 0, "asyncbatch.sampling_params": 0,
     "asyncbatch.outputs": 0, "asyncbatch.structured_outputs": 0, "cuda_graphs": 0,
     "asyncbatch.profiling": 1,
-    "asyncbatch.model": 2, "asyncbatch.sampling": 2, "asyncbatch.speculative": 2,
+    "asyncbatch.model": 2, "asyncbatch.sampling": 2, "asyncbatch.speculative": 2, "asyncbatch.speculative.config": 0,
     "asyncbatch.engine": 3, "asyncbatch.engine.step_contract": 3,
     "asyncbatch.executors": 4,
     "asyncbatch.engine.core": 5, "asyncbatch.engine.builder": 5, "asyncbatch.engine.core_process": 5,

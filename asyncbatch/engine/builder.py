@@ -165,6 +165,8 @@ def build_core(config: EngineConfig, spec: ModelSpec, send: Callable[[object], N
     hf_config, _arch = load_config(spec.path)
     max_len = spec.max_model_len
     executor: Executor
+    if config.speculative_config is not None and device != "cpu":
+        raise ValueError(f"speculative_config runs on the cpu device only (for now); this engine's device is {device!r}")
     if device == "sim":
         from asyncbatch.executors.sim_executor import SimExecutor
 
@@ -198,10 +200,12 @@ def build_core(config: EngineConfig, spec: ModelSpec, send: Callable[[object], N
                                     cuda_graph_batch_sizes=config.cuda_graph_batch_sizes)
         else:
             executor = TorchExecutor(model, kv_caches, config.max_num_seqs, torch_device, dtype_choice=dtype_choice,
-                                     compile_decode=config.compile_decode)
+                                     compile_decode=config.compile_decode, speculative=config.speculative_config,
+                                     max_model_len=max_len)
     blocks = BlockManager(num_blocks, config.block_size, config.max_num_seqs, spec.max_blocks_per_seq,
                           prefix_caching=config.enable_prefix_caching)
-    scheduler = Scheduler(blocks, config.max_num_batched_tokens, eos_token_id=spec.eos_token_id)
+    scheduler = Scheduler(blocks, config.max_num_batched_tokens, eos_token_id=spec.eos_token_id,
+                          speculative=config.speculative_config)
     return EngineCore(config, executor, scheduler, spec.max_blocks_per_seq, send, vocab_size=spec.vocab_size,
                       make_grammar_compiler=None if config.skip_tokenizer_init else partial(
                           grammar_compiler, config, spec))

@@ -92,7 +92,8 @@ class EngineCore:
         self.scheduler = scheduler
         extras = StepExtrasWriter(scheduler.rows, scheduler.eos_token_id, bitmask_words(vocab_size)) \
             if vocab_size else None
-        self.writer = StepMetadataWriter(scheduler.rows, scheduler.blocks, extras)
+        self.writer = StepMetadataWriter(scheduler.rows, scheduler.blocks, extras,
+                                         speculative=scheduler.speculative is not None)
         self.grammar = GrammarState(make_grammar_compiler) if make_grammar_compiler is not None else None
         self._unfilled: list[GrammarMask] = []  # launched masks not yet filled (released if the planner dies)
         self.staging = StagingPair(config.max_num_batched_tokens, config.max_num_seqs, max_blocks_per_seq,
@@ -262,7 +263,11 @@ class EngineCore:
         record.sample_ms, record.d2h_ms = result.sample_ms, result.d2h_ms
         record.mask_wait_ms, record.mask_wait_start = result.mask_wait_ms, result.mask_wait_start
         with stage(record, None, "apply_end", "apply"):
-            applied = self.scheduler.apply(step.plan, result.token_ids, result.finite)
+            if result.num_emitted is None:
+                applied = self.scheduler.apply(step.plan, result.token_ids, result.finite)
+            else:
+                applied = self.scheduler.apply_verified(step.plan, result.token_ids, result.num_emitted, result.finite)
+                record.spec_drafts, record.spec_draft_tokens, record.spec_accepted_tokens = result.spec_counts
             ended = np.asarray(applied.errored, dtype=np.int64)
             ended_codes = np.full(len(ended), Finish.ERROR, dtype=np.int8)
             applied, ended, ended_codes = self._live.advance_grammars(applied, ended, ended_codes)

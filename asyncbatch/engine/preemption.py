@@ -54,19 +54,20 @@ class Preemptor:
         self.settle = settle
         self.num_preemptions = 0
 
-    def decode_under_pressure(self, rows: np.ndarray, preempted: list[Request]) -> tuple[np.ndarray, np.ndarray]:
-        """The decode pass one row at a time, as blocks run out: returns the kept mask ``[D]`` and the
-        indices (into the kept rows) of those given a block."""
-        st, blocks = self.rows, self.blocks
+    def decode_under_pressure(self, rows: np.ndarray, reach: np.ndarray,
+                              preempted: list[Request]) -> tuple[np.ndarray, np.ndarray]:
+        """The decode pass one row at a time, as blocks run out (``reach`` ``[D]``: the tokens of KV each row
+        needs after the step): returns the kept mask ``[D]`` and the indices (into the kept rows) of those
+        given a block."""
+        blocks = self.blocks
         kept = np.ones(len(rows), dtype=bool)
         grew: list[int] = []
         scheduled: set[int] = set()
-        for i, row in enumerate(rows.tolist()):
+        for i, (row, end) in enumerate(zip(rows.tolist(), reach.tolist())):
             request = self.owners[row]
             if request is None or request.status is not _RUNNING or request.token_row != row:
                 kept[i] = False  # preempted earlier in this pass
                 continue
-            end = int(st.num_computed[row]) + 1
             if end > int(blocks.num_row_blocks[row]) * blocks.block_size:
                 if not self.reserve(request, end, lambda r: r.arrival_seq in scheduled, preempted):
                     kept[i] = False

@@ -39,17 +39,20 @@ class PrefillWrite(NamedTuple):
     meta: list[PrefillRowMeta]
     first_chunk_rows: list[int]
     cached_context: CachedContext | None
+    history_context: CachedContext | None  # every first chunk's reused prefix (speculative engines only)
     sample_rows: np.ndarray  # [P] int64 token rows of the chunks that sample
     sample_steps: np.ndarray  # [P] int64 their sample steps
     logits_indices: np.ndarray  # [P] int64 index of each one's last token in the step
 
 
-NO_PREFILL = PrefillWrite(0, 0, False, [], [], None, NO_ROWS, NO_ROWS, NO_ROWS)
+NO_PREFILL = PrefillWrite(0, 0, False, [], [], None, None, NO_ROWS, NO_ROWS, NO_ROWS)
 
 
-def write_prefill(plan: StepPlan, staging: StagingBuffer, rows: RowState, blocks: BlockManager) -> PrefillWrite:
-    """Write ``plan.prefill`` into ``staging`` after its ``plan.num_decode`` decode tokens."""
-    nd, bs, table = plan.num_decode, blocks.block_size, blocks.block_table
+def write_prefill(plan: StepPlan, staging: StagingBuffer, rows: RowState, blocks: BlockManager,
+                  history: bool = False) -> PrefillWrite:
+    """Write ``plan.prefill`` into ``staging`` after its decode tokens (``plan.num_decode_tokens``).
+    ``history``: also list every reused cached prefix (``PrefillWrite.history_context``)."""
+    nd, bs, table = plan.num_decode_tokens, blocks.block_size, blocks.block_table
     tokens: list[int] = []
     spec = []
     for row in plan.prefill:  # the one Python pass per chunk
@@ -86,8 +89,10 @@ def write_prefill(plan: StepPlan, staging: StagingBuffer, rows: RowState, blocks
     # is not computed, so its tokens travel in the CachedContext.
     reused = (penalised & (c[:, _CACHED] > 0)).nonzero()[0]
     samples = c[:, _SAMPLES] != 0  # [P]
+    cached = (c[:, _CACHED] > 0).nonzero()[0] if history else NO_ROWS
     return PrefillWrite(total, int(ends.sum()), bool(penalised.any()), meta, first.tolist(),
-                        _cached_context(plan, reused.tolist()) if len(reused) else None, token_rows[samples],
+                        _cached_context(plan, reused.tolist()) if len(reused) else None,
+                        _cached_context(plan, cached.tolist()) if len(cached) else None, token_rows[samples],
                         c[samples, _STEP], (token_starts + ns - 1)[samples])
 
 
@@ -101,5 +106,6 @@ def _cached_context(plan: StepPlan, indices: list[int]) -> CachedContext:
         parts.append((row.token_row, reused, prompt_len))
     owners = np.concatenate([np.full(len(tokens), row, dtype=np.int64) for row, tokens, _ in parts])
     ids = np.concatenate([np.asarray(tokens, dtype=np.int64) for _, tokens, _ in parts])
-    is_output = np.concatenate([np.arange(len(tokens)) >= prompt_len for _, tokens, prompt_len in parts])
-    return CachedContext(owners, ids, is_output)
+    positions = np.concatenate([np.arange(len(tokens), dtype=np.int64) for _, tokens, _ in parts])
+    return CachedContext(owners, ids, positions >= np.repeat([p for _, _, p in parts], [len(t) for _, t, _ in parts]),
+                         positions)

@@ -60,6 +60,9 @@ class Request:
     block_contents: list[tuple[int, ...]] = field(default_factory=list)
     # Its parameters as ``RowState.admit_many`` writes them (``RowState.constants_of``), computed on arrival.
     row_constants: tuple = ()
+    # Speculative engines: it needs sampler extras (logprobs, logit_bias, min_tokens, a grammar), so no step
+    # verifies drafts while it is live (``Scheduler.add``).
+    blocks_speculation: bool = False
 
     @property
     def finished(self) -> bool:

@@ -53,6 +53,11 @@ class RowState:
         self.num_scheduled = np.zeros(s, dtype=np.int64)  # [S] outputs received + outputs in flight
         self.num_outputs = np.zeros(s, dtype=np.int64)  # [S] outputs received
         self.max_tokens = np.zeros(s, dtype=np.int64)  # [S]
+        # Speculative decoding: the most tokens the request can ever hold (its prompt + max_tokens), which bounds
+        # the KV the planner reserves for it, and the drafts of planned steps not applied yet (the planner's
+        # ``num_computed`` and ``num_scheduled`` count every draft as accepted until ``apply`` says otherwise).
+        self.token_cap = np.zeros(s, dtype=np.int64)  # [S]
+        self.spec_over = np.zeros(s, dtype=np.int64)  # [S]
         self.ignore_eos = np.zeros(s, dtype=bool)  # [S]
         self.has_stop_ids = np.zeros(s, dtype=bool)  # [S] apply checks stop ids in Python for these rows only
         self.decoding = np.zeros(s, dtype=bool)  # [S] running and past its prefill: a member of the DecodeSet
@@ -106,6 +111,8 @@ class RowState:
         self.num_scheduled[rows] = outputs
         self.num_outputs[rows] = outputs
         self.max_tokens[rows] = i[:, 1]
+        self.token_cap[rows] = prefill_lens - outputs + i[:, 1]
+        self.spec_over[rows] = 0
         self.ignore_eos[rows] = i[:, 2] != 0
         self.has_stop_ids[rows] = i[:, 3] != 0
         self.decoding[rows] = False

@@ -46,6 +46,7 @@ from asyncbatch.engine.request import Request, RequestStatus
 from asyncbatch.engine.row_state import NO_ROWS, NO_SEQ, DecodeSet, RowState
 from asyncbatch.engine.step_apply import StepApplier
 from asyncbatch.engine.step_plan import ScheduledRow, StepPlan
+from asyncbatch.speculative.config import SpeculativeConfig
 
 __all__ = ["ScheduledRow", "Scheduler", "StepPlan"]
 
@@ -65,6 +66,7 @@ class _DecodePart(NamedTuple):
     steps: np.ndarray  # [D] int64
     grew: np.ndarray  # [G] int64 indices into rows
     version: int
+    depth: int = 0  # drafts each row verifies (speculative engines)
 
 
 class RequestRefused(ValueError):
@@ -85,8 +87,12 @@ class Scheduler:
     """
 
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, *,
-                 eos_token_id: int | None = None) -> None:
+                 eos_token_id: int | None = None, speculative: SpeculativeConfig | None = None) -> None:
         self.blocks = block_manager
+        # Speculative decoding (``docs/speculative.md``): every decode row of a verify step gets 1 + depth tokens,
+        # and its counters are upper bounds until ``apply`` reconciles them.
+        self.speculative = speculative
+        self._spec_blockers = 0  # live requests that need sampler extras: no verify step while any is
         self.max_num_seqs = block_manager.max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_id = eos_token_id
@@ -104,7 +110,7 @@ class Scheduler:
         self.num_releases = 0  # token rows given back so far
         self.preemptor = Preemptor(self.rows, block_manager, self.waiting, self.running, self._owners,
                                    self._release_now, self.settle_released)
-        self.applier = StepApplier(self.rows, self._owners, self._off_row, self.finish, eos_token_id)
+        self.applier = StepApplier(self.rows, self._owners, self._off_row, self.finish, eos_token_id, block_manager)
         self.prefix = PrefixSharer(block_manager, self.rows)
         self.admitter = Admitter(self.rows, block_manager, self.prefix, self.decode, self.waiting, self.running,
                                  self._prefilling, self._owners, self._free_rows)
@@ -121,6 +127,9 @@ class Scheduler:
                                  f"{self.blocks.num_usable_blocks} blocks")
         self.prefix.prepare(request)  # arrival-time work, so that admitting a burst only looks things up
         request.row_constants = RowState.constants_of(request)
+        if self.speculative is not None and _needs_extras(request):
+            request.blocks_speculation = True
+            self._spec_blockers += 1
         self.waiting.append(request)
 
     @property
@@ -147,7 +156,7 @@ class Scheduler:
         preempted: list[Request] = []
         drained: list[Request] = []
         decode = self._schedule_decode(preempted, drained)
-        budget = self.max_num_batched_tokens - len(decode.rows)
+        budget = self.max_num_batched_tokens - len(decode.rows) * (decode.depth + 1)
         prefill: list[ScheduledRow] = []
         budget = self._schedule_prefills(prefill, budget, preempted, drained)
         admitted_before, admit_s = self.admitter.num_admissions, self.admitter.seconds
@@ -173,36 +182,60 @@ class Scheduler:
                                                                    np.int64)])
         return StepPlan(self._step_id, decode.rows, decode.seqs, decode.positions, decode.steps, decode.grew,
                         decode.version, prefill, self.max_num_batched_tokens - budget, sample_rows, sample_seqs,
-                        self.num_releases, preempted, drained, num_admitted, admit_s if num_admitted else 0.0)
+                        self.num_releases, preempted, drained, num_admitted, admit_s if num_admitted else 0.0,
+                        decode.depth)
 
     def _schedule_decode(self, preempted: list[Request], drained: list[Request]) -> _DecodePart:
-        """One token for every request in the decode phase: array operations over the cached decode rows."""
+        """One token for every request in the decode phase (1 + depth in a verify step): array operations over
+        the cached decode rows."""
         st, blocks = self.rows, self.blocks
         self.decode.refresh(st)
         rows, seqs, version = self.decode.rows, self.decode.seqs, self.decode.version
         if not len(rows):
             return _DecodePart(rows, seqs, NO_ROWS, NO_ROWS, NO_ROWS, version)
-        positions = st.num_computed[rows]  # [D] the input token's position, i.e. its KV slot
-        grew = (positions >= blocks.num_row_blocks[rows] * blocks.block_size).nonzero()[0]  # [G] need a block
+        depth = self._verify_depth(len(rows))
+        width = depth + 1
+        positions = st.num_computed[rows]  # [D] the input token's position, i.e. its KV slot (speculative: at most)
+        # [D] tokens of KV the row holds once this step ran: one more, or (speculative) up to 1 + depth more,
+        # never past the most it can ever need (a verify step's drafts past it are not checked).
+        reach = positions + 1 if self.speculative is None else np.minimum(positions + width, st.token_cap[rows])
+        grew = (reach > blocks.num_row_blocks[rows] * blocks.block_size).nonzero()[0]  # [G] need a block
         if len(grew) > blocks.num_free_blocks and blocks.num_parked_blocks:
             self.prefix.settle()
         if len(grew) > blocks.num_free_blocks:
-            kept, grew = self.preemptor.decode_under_pressure(rows, preempted)
-            rows, seqs, positions = rows[kept], seqs[kept], positions[kept]
+            kept, grew = self.preemptor.decode_under_pressure(rows, reach, preempted)
+            rows, seqs, positions, reach = rows[kept], seqs[kept], positions[kept], reach[kept]
             self.decode.mark_removed()  # rebuild next time, whatever this pass kept
             version = self.decode.new_version()
         elif len(grew):
             blocks.append_block(rows[grew])
-        st.num_computed[rows] = positions + 1
+        st.num_computed[rows] = positions + width
         steps = st.num_scheduled[rows]  # [D] outputs scheduled before this one
-        scheduled = steps + 1  # [D]
+        scheduled = steps + width  # [D]
         st.num_scheduled[rows] = scheduled
-        ends = (scheduled >= st.max_tokens[rows]).nonzero()[0]  # [E] their last output
+        if self.speculative is None:
+            ends = (scheduled >= st.max_tokens[rows]).nonzero()[0]  # [E] their last output
+        else:
+            # Every step gives at least one token: drained once the tokens it is sure to get reach max_tokens.
+            over = st.spec_over[rows] + depth  # [D]
+            st.spec_over[rows] = over
+            ends = (scheduled - over >= st.max_tokens[rows]).nonzero()[0]
+            positions = reach - 1  # what the metadata writer reads: the last reserved position
         for row in rows[ends].tolist():
             request = self._owners[row]
             request.status = RequestStatus.DRAINING
             drained.append(request)
-        return _DecodePart(rows, seqs, positions, steps, grew, version)
+        return _DecodePart(rows, seqs, positions, steps, grew, version, depth)
+
+    def _verify_depth(self, num_decode: int) -> int:
+        """Drafts each decode row verifies in this step: 0 without speculation, when a live request needs sampler
+        extras, or when the batch is larger than ``disable_by_batch_size``; and what the token budget allows."""
+        spec = self.speculative
+        if spec is None or self._spec_blockers:
+            return 0
+        if spec.disable_by_batch_size is not None and num_decode > spec.disable_by_batch_size:
+            return 0
+        return max(0, min(spec.num_speculative_tokens, self.max_num_batched_tokens // num_decode - 1))
 
     def _schedule_prefills(self, prefill: list[ScheduledRow], budget: int, preempted: list[Request],
                            drained: list[Request]) -> int:
@@ -251,6 +284,12 @@ class Scheduler:
         """Step ``plan``'s sampled tokens (``StepApplier.apply``)."""
         return self.applier.apply(plan, token_ids, finite, self.num_releases)
 
+    def apply_verified(self, plan: StepPlan, token_ids: np.ndarray, num_emitted: np.ndarray,
+                       finite: np.ndarray) -> AppliedStep:
+        """A speculative engine's step: ``token_ids`` ``[R, 1 + depth]``, the first ``num_emitted[i]`` of row ``i``
+        emitted (``StepApplier.apply_verified``)."""
+        return self.applier.apply_verified(plan, token_ids, num_emitted, finite, self.num_releases)
+
     # -- leaving -------------------------------------------------------------
     def release_drained(self, plan: StepPlan) -> None:
         """Once ``plan``'s metadata is written (the core: once the step is launched, while it runs): register
@@ -275,6 +314,8 @@ class Scheduler:
             self.waiting.remove(request)
         if request.token_row is not None:
             self._release(request)
+        if request.blocks_speculation:
+            self._spec_blockers -= 1
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
@@ -356,7 +397,8 @@ class Scheduler:
             row = request.token_row
             if self._owners[row] is not request or st.seq[row] != request.arrival_seq:
                 raise IntegrityError(f"row {row} does not record its request {request.request_id}")
-            if self.blocks.num_row_blocks[row] != self.blocks.blocks_for(int(st.num_computed[row])):
+            if self.blocks.num_row_blocks[row] != self.blocks.blocks_for(min(int(st.num_computed[row]),
+                                                                               int(st.token_cap[row]))):
                 raise IntegrityError(f"request {request.request_id} holds blocks for other than its computed tokens")
         if any(r.token_row is not None or r.status is not RequestStatus.WAITING for r in self.waiting):
             raise IntegrityError("a waiting request holds a token row")
@@ -365,3 +407,10 @@ class Scheduler:
             expected = expected[np.argsort(st.admit_key[expected])]
             if not np.array_equal(expected, self.decode.rows):
                 raise IntegrityError("the cached decode rows differ from the decoding rows in admission order")
+
+
+def _needs_extras(request: Request) -> bool:
+    """Whether ``request`` needs more of the sampler than tokens: logprobs, logit_bias, min_tokens, a grammar."""
+    p = request.params
+    return (p.logprobs is not None or p.prompt_logprobs is not None or bool(p.logit_bias) or p.min_tokens > 0
+            or p.structured_outputs is not None)

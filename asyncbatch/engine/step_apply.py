@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from asyncbatch.engine.block_manager import BlockManager
 from asyncbatch.engine.messages import AppliedStep, Finish
 from asyncbatch.engine.request import Request, RequestStatus
 from asyncbatch.engine.row_state import RowState
@@ -58,8 +59,9 @@ class StepApplier:
     """
 
     def __init__(self, rows: RowState, owners: list[Request | None], off_row: dict[int, Request],
-                 finish: Callable[..., None], eos_token_id: int | None) -> None:
+                 finish: Callable[..., None], eos_token_id: int | None, blocks: BlockManager | None = None) -> None:
         self.rows = rows
+        self.blocks = blocks  # speculative engines give back blocks reserved for rejected drafts
         self.owners = owners
         self.off_row = off_row
         self.finish = finish
@@ -70,15 +72,20 @@ class StepApplier:
         token id, ``max_tokens`` or non-finite logits. Returns the kept rows (plan order) with their finish
         codes, and the seqs ended by errors. ``num_releases``: token rows the scheduler has given back so far
         (rows change hands only when released)."""
+        return self._apply(plan.sample_rows, plan.sample_seqs, token_ids, finite, num_releases == plan.release_epoch)
+
+    def _apply(self, rows: np.ndarray, seqs: np.ndarray, token_ids: np.ndarray, finite: np.ndarray,
+               unreleased: bool) -> AppliedStep:
+        """``apply`` for sampled rows ``rows``/``seqs`` ([R] each) and their tokens; ``unreleased``: no row was
+        released since they were planned (so every row still holds its request)."""
         st = self.rows
-        rows, seqs = plan.sample_rows, plan.sample_seqs  # [R]
         r = len(rows)
         if not r:
             return AppliedStep(_EMPTY_I64, _EMPTY_I64, _EMPTY_I8, [])
         tokens = np.asarray(token_ids, dtype=np.int64)  # [R]
         good = np.asarray(finite, dtype=bool)  # [R]
         # Rows change hands only when released: without a release since the plan, every row is still its own.
-        on_row = None if num_releases == plan.release_epoch else st.seq[rows] == seqs  # [R]
+        on_row = None if unreleased else st.seq[rows] == seqs  # [R]
         fast = good if on_row is None else on_row & good  # [R]
         all_fast = np.count_nonzero(fast) == r
         fast_rows, fast_tokens = (rows, tokens) if all_fast else (rows[fast], tokens[fast])  # [F]
@@ -128,6 +135,57 @@ class StepApplier:
         if keep is None:
             return AppliedStep(seqs, tokens, codes, errored)
         return AppliedStep(seqs[keep], tokens[keep], codes[keep], errored, keep.nonzero()[0])
+
+    def apply_verified(self, plan: StepPlan, token_ids: np.ndarray, num_emitted: np.ndarray, finite: np.ndarray,
+                       num_releases: int) -> AppliedStep:
+        """A speculative engine's step: row ``i`` emitted ``token_ids[i, :num_emitted[i]]`` (``[R, 1 + depth]`` and
+        ``[R]``; a prefill row, and a row with non-finite logits, one).
+
+        First the planner's upper bounds are reconciled (``_reconcile``); then the tokens are applied one
+        position at a time, each position through ``apply``'s rules, so a request that ends at one position
+        (EOS, a stop id, ``max_tokens``) drops the tokens after it, as overlap mode drops a finished request's
+        next token. The result lists a request's tokens in order (position-major across requests)."""
+        tokens = np.asarray(token_ids, dtype=np.int64).reshape(len(plan.sample_rows), -1)  # [R, W]
+        if plan.spec_depth == 0:
+            return self.apply(plan, tokens[:, 0], finite, num_releases)
+        emitted = np.asarray(num_emitted, dtype=np.int64)  # [R]
+        self._reconcile(plan, emitted)
+        rows, seqs = plan.sample_rows, plan.sample_seqs
+        parts = [self._apply(rows, seqs, tokens[:, 0], finite, False)]
+        for j in range(1, int(emitted.max())):
+            live = emitted > j  # [R]
+            parts.append(self._apply(rows[live], seqs[live], tokens[live, j], np.ones(int(live.sum()), dtype=bool),
+                                     False))
+        if len(parts) == 1:
+            return parts[0]
+        return AppliedStep(np.concatenate([p.seqs for p in parts]), np.concatenate([p.token_ids for p in parts]),
+                           np.concatenate([p.finish for p in parts]), [seq for p in parts for seq in p.errored])
+
+    def _reconcile(self, plan: StepPlan, emitted: np.ndarray) -> None:
+        """The planner counted every draft of ``plan``'s decode rows as accepted; ``emitted`` says how many tokens
+        each row really got. A row still held takes back the difference from its computed and scheduled counts
+        (and gives back blocks reserved past what it now needs); a request that left its row expects that many
+        fewer tokens in flight."""
+        nd, depth = plan.num_decode, plan.spec_depth
+        if not nd:
+            return
+        st = self.rows
+        rows, seqs = plan.decode_rows, plan.decode_seqs  # [D]
+        over = depth + 1 - emitted[:nd]  # [D] drafts counted but not accepted
+        held = st.seq[rows] == seqs  # [D]
+        if held.any():
+            mine, less = rows[held], over[held]
+            st.num_computed[mine] -= less
+            st.num_scheduled[mine] -= less
+            st.spec_over[mine] -= depth
+            blocks = self.blocks
+            need = -(-np.minimum(st.num_computed[mine], st.token_cap[mine]) // blocks.block_size)  # [H]
+            shrink = need < blocks.num_row_blocks[mine]
+            if shrink.any():
+                blocks.truncate(mine[shrink], need[shrink])
+        for i in np.flatnonzero(~held & (over > 0)).tolist():
+            request = self.off_row[int(seqs[i])]
+            request.num_pending -= int(over[i])
 
     def _apply_off_row(self, request: Request, token: int, good: bool, errored: list[int]) -> Finish | None:
         """A token for a request that left its row after the plan; returns its code, or None if dropped."""

@@ -147,6 +147,7 @@ class CachedContext:
     rows: np.ndarray  # [K] int64 token row of each token
     token_ids: np.ndarray  # [K] int64
     is_output: np.ndarray  # [K] bool: a former output of a recomputed request
+    positions: np.ndarray  # [K] int64 each token's position in its request
 
 
 @dataclass(slots=True)
@@ -237,3 +238,15 @@ class StepMeta:
     first_chunk_rows: list[int]  # token rows whose request (re)starts its prefill in this step
     cached_context: CachedContext | None = None  # penalised first chunks after a prefix-cache hit
     extras: SamplerExtras | None = None  # logit bias, min_tokens, logprobs, grammar masks
+    # Speculative engines (``docs/speculative.md``): drafts each decode row verifies; its tokens are the
+    # ``1 + spec_depth`` first of the step, row after row, and the device derives their ids, positions and slots
+    # from what it holds. ``decode_context_lens`` is then each row's reserved KV (positions past it are not
+    # written) and ``sample_step`` of decode rows is not read. Extras never meet a verify step (depth > 0).
+    spec_depth: int = 0
+    # Speculative engines: the reused cached prefixes of this step's first chunks (every row, penalised or not),
+    # for the device's token history, which the n-gram proposer reads.
+    history_context: CachedContext | None = None
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decode * (self.spec_depth + 1)

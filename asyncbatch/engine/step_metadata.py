@@ -50,8 +50,10 @@ class _DecodeFlags:
 class StepMetadataWriter:
     """Fills staging buffers from plans of one scheduler; every plan must be written, in order."""
 
-    def __init__(self, rows: RowState, blocks: BlockManager, extras: StepExtrasWriter | None = None) -> None:
+    def __init__(self, rows: RowState, blocks: BlockManager, extras: StepExtrasWriter | None = None,
+                 speculative: bool = False) -> None:
         self.rows = rows
+        self.speculative = speculative  # list reused cached prefixes for the device's token history
         self.extras = extras
         self.blocks = blocks
         self.block_size = blocks.block_size
@@ -83,10 +85,10 @@ class StepMetadataWriter:
         prefill = NO_PREFILL
         if plan.prefill:
             prefill_start = time.perf_counter()
-            prefill = write_prefill(plan, staging, st, self.blocks)
+            prefill = write_prefill(plan, staging, st, self.blocks, self.speculative)
             if plan.num_admitted:  # the staging writes of an admission step count as admission cost
                 plan.admit_s += time.perf_counter() - prefill_start
-        t = nd + prefill.num_tokens
+        t = plan.num_decode_tokens + prefill.num_tokens
         context_tokens += prefill.context_tokens
         any_penalty = any_penalty or prefill.any_penalty
         ss = prefill.sample_rows  # [P] token rows of the prefill rows that sample, plan order
@@ -115,6 +117,8 @@ class StepMetadataWriter:
             any_penalty=any_penalty,
             first_chunk_rows=prefill.first_chunk_rows,
             cached_context=prefill.cached_context,
+            spec_depth=plan.spec_depth,
+            history_context=prefill.history_context,
             extras=None if self.extras is None else self.extras.build(
                 plan, np.concatenate([plan.decode_rows, ss]) if len(ss) else plan.decode_rows, staging.sample_step[:r]),
         )

@@ -53,10 +53,18 @@ class StepPlan:
     # Planner seconds spent admitting them: the scheduler's admission and block registration, then the metadata
     # writer's prefill rows (added when it writes the plan). ``admission_us_per_request`` in ``stats()``.
     admit_s: float = 0.0
+    # Speculative engines: drafts each decode row verifies in this step (its tokens: 1 + spec_depth, the input
+    # token and the drafts); ``decode_positions`` is then the last position reserved for each row.
+    spec_depth: int = 0
 
     @property
     def num_decode(self) -> int:
         return len(self.decode_rows)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        """The decode rows' tokens: one each, or ``1 + spec_depth`` each in a verify step."""
+        return len(self.decode_rows) * (self.spec_depth + 1)
 
     @property
     def num_prefill(self) -> int:

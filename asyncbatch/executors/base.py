@@ -45,6 +45,10 @@ class StepResult:
     mask_wait_start: float = 0.0
     logprobs: TokenLogprobs | None = None  # numpy, one entry per ``SamplerExtras.logprobs`` row
     prompt_logprobs: TokenLogprobs | None = None  # numpy, one entry per ``PromptLogprobRows`` position
+    # Speculative engines: ``token_ids`` is ``[R, 1 + depth]`` and row ``i`` emitted its first ``num_emitted[i]``;
+    # ``spec_counts``: rows that verified drafts, draft tokens, accepted drafts (the metrics).
+    num_emitted: np.ndarray | None = None
+    spec_counts: tuple[int, int, int] = (0, 0, 0)
 
 
 class StepHandle:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from asyncbatch.engine.step_contract import GrammarMask, StepMeta
+from asyncbatch.engine.step_contract import DUMMY_BLOCK, GrammarMask, StepMeta
 from asyncbatch.executors.base import StepHandle, StepResult
 from asyncbatch.executors.device_thread import DeviceThread, ThreadedExecutor
 from asyncbatch.model.compiled_decode import CompiledDecode, is_pure_decode
@@ -35,6 +35,15 @@ from asyncbatch.sampling.logprobs import TokenLogprobs, token_logprobs
 from asyncbatch.sampling.penalties import PenaltyState
 from asyncbatch.sampling.sampler import SamplingTensors, sample
 from asyncbatch.sampling.token_bitmask import apply_bitmask_
+from asyncbatch.speculative.config import SpeculativeConfig
+from asyncbatch.speculative.device_state import DecodeInputs, SpeculativeState, Verified
+
+
+def _expand_decode(num_decode: int, width: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``[R]`` per-row values -> ``[D * W + R - D]``: each decode row's repeated for its ``W`` positions."""
+    def expand(values: torch.Tensor) -> torch.Tensor:
+        return torch.cat([values[:num_decode].repeat_interleave(width), values[num_decode:]])
+    return expand
 
 
 @dataclass(slots=True)
@@ -69,19 +78,26 @@ class DeviceStep:
     sample_rows: torch.Tensor  # [R] int64, token-buffer rows the sampled tokens go to
     penalty: PenaltyInputs | None
     extras: ExtrasInputs | None = None
+    token_owner_row: torch.Tensor | None = None  # [T] int64 (speculative engines: the token history's rows)
+    verify: DecodeInputs | None = None  # speculative engines: the decode rows' tokens, derived on the device
 
 
 @dataclass(slots=True)
 class StepOutcome:
-    """What ``TorchStep.compute`` produced, on the device (``*_logprobs`` None unless asked for)."""
+    """What ``TorchStep.compute`` produced, on the device (``*_logprobs`` None unless asked for).
 
-    token_ids: torch.Tensor  # [R] int64
+    A speculative engine's step (``num_emitted`` not None): ``token_ids`` is ``[R, 1 + depth]``, row ``i``
+    emitted its first ``num_emitted[i]``; the draft counts are for the metrics."""
+
+    token_ids: torch.Tensor  # [R] int64, or [R, W] (speculative)
     finite: torch.Tensor  # [R] bool
     sample_start: float  # host clock when the forward was done (sampling began, or its mask wait)
     mask_wait_ms: float = 0.0
     mask_wait_start: float = 0.0  # host clock when the wait for the grammar mask began
     logprobs: TokenLogprobs | None = None
     prompt_logprobs: TokenLogprobs | None = None
+    num_emitted: torch.Tensor | None = None  # [R] int64 (speculative)
+    spec_counts: tuple[int, int, int] = (0, 0, 0)  # rows that verified drafts, draft tokens, accepted tokens
 
 
 class TorchStep:
@@ -95,7 +111,8 @@ class TorchStep:
     """
 
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_num_seqs: int,
-                 device: torch.device, *, non_blocking_uploads: bool = False, paged: bool = False) -> None:
+                 device: torch.device, *, non_blocking_uploads: bool = False, paged: bool = False,
+                 speculative: SpeculativeConfig | None = None, max_model_len: int = 0) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.device = torch.device(device)
@@ -108,6 +125,10 @@ class TorchStep:
         # Set by ``TorchExecutor(compile_decode=True)``: the compiled forward of pure decode steps.
         self.decode_forward: CompiledDecode | None = None
         self.compiled_steps = 0
+        # Speculative engines: every decode row's inputs come from this state (``docs/speculative.md``).
+        self.spec = None if speculative is None else SpeculativeState(speculative, max_num_seqs, max_model_len,
+                                                                       self.device)
+        self.block_size = kv_caches[0][0].shape[1] if kv_caches else 1
 
     # -- host → device ------------------------------------------------------------------
     def upload(self, array: np.ndarray) -> torch.Tensor:
@@ -153,11 +174,14 @@ class TorchStep:
             logits_indices = torch.cat([logits_indices, up(meta.extras.prompt_logprobs.token_index)])
         sample_rows = up(s.sample_token_rows[:r])
         penalty = None
+        if self.spec is not None:  # the prefill tokens' rows, for the device's token history
+            token_owner = up(s.token_owner_row[:t])
         if meta.any_penalty:
             cached = meta.cached_context
             penalty = PenaltyInputs(presence=up(s.sample_presence[:r]), frequency=up(s.sample_frequency[:r]),
                                     repetition=up(s.sample_repetition[:r]), token_is_output=up(s.token_is_output[:t]),
-                                    token_owner_row=up(s.token_owner_row[:t]),
+                                    token_owner_row=token_owner if self.spec is not None else up(
+                                        s.token_owner_row[:t]),
                                     first_chunk_rows=up(s.first_chunk_token_rows[:len(meta.first_chunk_rows)]),
                                     cached_context=None if cached is None else (
                                         up(cached.rows), up(cached.token_ids), up(cached.is_output)))
@@ -166,7 +190,8 @@ class TorchStep:
         batch = self._make_batch(meta, prefill_tables, input_ids=input_ids, positions=positions,
                                  slot_mapping=slot_mapping, num_decode=nd, decode_block_tables=decode_tables,
                                  decode_context_lens=decode_lens, prefill_rows=rows, logits_indices=logits_indices)
-        return DeviceStep(batch, sampling, decode_rows, sample_rows, penalty, extras)
+        return DeviceStep(batch, sampling, decode_rows, sample_rows, penalty, extras,
+                          token_owner if self.spec is not None else None)
 
     def _extras_in(self, meta: StepMeta) -> ExtrasInputs | None:
         extras = meta.extras
@@ -189,13 +214,17 @@ class TorchStep:
         t_sample = time.perf_counter()
         if sample_event is not None:
             sample_event.record()
+        if self.spec is not None:
+            return self.sample_verified(meta, step, logits, t_sample)
         return self.sample(meta, step, logits, t_sample)
 
     def forward(self, meta: StepMeta, step: DeviceStep,
                 forward_hook: Callable[[StepMeta], None] | None = None) -> torch.Tensor:
         """The model over the step's tokens: logits ``[R (+ P prompt positions), vocab]`` float32."""
         batch, nd = step.batch, meta.num_decode
-        if nd:
+        if self.spec is not None:
+            self._verify_inputs(meta, step)
+        elif nd:
             # The token sampled last step feeds this one without visiting the host.
             batch.input_ids[:nd] = self.token_buffer[step.decode_rows]
         compiled = self.decode_forward is not None and is_pure_decode(batch)
@@ -206,6 +235,28 @@ class TorchStep:
                 self.compiled_steps += 1
                 return self.decode_forward(batch)  # [R, vocab]
             return self.model(batch, self.kv_caches)
+
+    def _verify_inputs(self, meta: StepMeta, step: DeviceStep) -> None:
+        """A speculative engine's step: the decode rows' tokens (input token and drafts), positions, slots and
+        contexts from the device's state; the prefill tokens into the token history."""
+        batch, nd, nt = step.batch, meta.num_decode, meta.num_decode_tokens
+        if nd:
+            dummy_slot = DUMMY_BLOCK * self.block_size
+            v = self.spec.decode_inputs(step.decode_rows, meta.spec_depth, batch.decode_block_tables,
+                                        batch.decode_context_lens, self.token_buffer, self.block_size, dummy_slot)
+            step.verify = v
+            batch.input_ids[:nt] = v.input_ids
+            batch.positions[:nt] = v.positions
+            batch.slot_mapping[:nt] = v.slot_mapping
+            batch.num_decode = nt
+            batch.decode_block_tables, batch.decode_context_lens = v.block_tables, v.context_lens
+            if nt != nd:  # every decode token is sampled; the prefill rows' indices already count them
+                batch.logits_indices = torch.cat([torch.arange(nt, device=self.device), batch.logits_indices[nd:]])
+        if meta.history_context is not None:  # reused cached prefixes: their tokens were not computed here
+            up, cached = self.upload, meta.history_context
+            self.spec.write_prefill(up(cached.rows), up(cached.positions), up(cached.token_ids))
+        if meta.num_tokens > nt:
+            self.spec.write_prefill(step.token_owner_row[nt:], batch.positions[nt:], batch.input_ids[nt:])
 
     def sample(self, meta: StepMeta, step: DeviceStep, logits: torch.Tensor, t_sample: float,
                wait_for_mask: bool = True) -> StepOutcome:
@@ -248,6 +299,77 @@ class TorchStep:
                                         extras.logprobs.max_k)
         return StepOutcome(result.token_ids, result.finite, t_sample, mask_wait_ms, mask_wait_start, chosen, prompt)
 
+    def sample_verified(self, meta: StepMeta, step: DeviceStep, logits: torch.Tensor, t_sample: float) -> StepOutcome:
+        """A speculative engine's sampling: every position of every decode row is sampled (its penalties seeing
+        the drafts before it), the confirmed drafts are kept (``SpeculativeState.accept``), the rows that ended
+        their prefill start, and every sampled row drafts its next step's tokens."""
+        nd, width, r = meta.num_decode, meta.spec_depth + 1, meta.num_sampled
+        spec, verify = self.spec, step.verify
+        if width == 1:  # one token a row: the plain sampler (extras included), then the bookkeeping
+            if nd:
+                step.sampling.step[:nd] = verify.sample_steps
+            out = self.sample(meta, step, logits, t_sample)
+            tokens, finite = out.token_ids, out.finite
+            counts = (0, 0, 0)
+            if nd:
+                counts = self._spec_counts(spec.accept(step.decode_rows, tokens[:nd, None], finite[:nd, None],
+                                                       verify.usable_drafts))
+            self._start_and_propose(meta, step, tokens[nd:])
+            out.token_ids, out.spec_counts = tokens[:, None], counts
+            out.num_emitted = torch.ones(r, dtype=torch.int64, device=self.device)
+            return out
+        nt = meta.num_decode_tokens
+        rows, expand = step.decode_rows, _expand_decode(nd, width)
+        st = step.sampling
+        sampling = SamplingTensors(temperature=expand(st.temperature), top_k=expand(st.top_k), top_p=expand(st.top_p),
+                                   min_p=expand(st.min_p), seed=expand(st.seed),
+                                   step=torch.cat([verify.sample_steps, st.step[nd:]]))
+        logits = logits[:nt + r - nd]
+        drafts = spec.drafts.index_select(0, rows)[:, :width - 1]  # [D, W - 1]
+        with mark("sample", meta.step_id):
+            penalty = step.penalty
+            if penalty is not None:
+                self._update_penalty_context(meta, step.batch, penalty)
+                logits = torch.cat([
+                    self.penalties.apply_with_drafts(logits[:nt], rows, drafts, expand(penalty.presence)[:nt],
+                                                     expand(penalty.frequency)[:nt], expand(penalty.repetition)[:nt]),
+                    self.penalties.apply(logits[nt:], step.sample_rows[nd:], penalty.presence[nd:],
+                                         penalty.frequency[nd:], penalty.repetition[nd:])])
+            result = sample(logits, sampling, all_greedy=meta.all_greedy, any_top_k_top_p_min_p=meta.any_filter)
+            verified = spec.accept(rows, result.token_ids[:nt].view(nd, width), result.finite[:nt].view(nd, width),
+                                   verify.usable_drafts)
+            emitted = verified.num_emitted
+            prefill_tokens = result.token_ids[nt:]
+            if penalty is not None:
+                kept = torch.arange(width, device=self.device)[None, :] < emitted[:, None]  # [D, W]
+                self.penalties.record(rows.repeat_interleave(width), verified.tokens.reshape(-1), kept.reshape(-1))
+                self.penalties.record(step.sample_rows[nd:], prefill_tokens)
+            self.token_buffer[rows] = verified.tokens.gather(1, (emitted - 1)[:, None]).squeeze(1)
+            self.token_buffer[step.sample_rows[nd:]] = prefill_tokens
+            self._start_and_propose(meta, step, prefill_tokens)
+            tokens = torch.zeros(r, width, dtype=torch.int64, device=self.device)
+            tokens[:nd] = verified.tokens
+            tokens[nd:, 0] = prefill_tokens
+            num_emitted = torch.cat([emitted, torch.ones(r - nd, dtype=torch.int64, device=self.device)])
+        return StepOutcome(tokens, torch.cat([verified.finite, result.finite[nt:]]), t_sample,
+                           num_emitted=num_emitted, spec_counts=self._spec_counts(verified))
+
+    def _start_and_propose(self, meta: StepMeta, step: DeviceStep, prefill_tokens: torch.Tensor) -> None:
+        """The rows whose prefill ended start decoding (``prefill_tokens``: their first outputs, in sample order
+        after the decode rows); then every sampled row drafts its next step (the planner thread does not wait:
+        this runs on the device's side of the step)."""
+        nd, nt, r = meta.num_decode, meta.num_decode_tokens, meta.num_sampled
+        batch = step.batch
+        if r > nd:
+            last = batch.logits_indices[nt:nt + r - nd]  # [P] each prefill row's last token
+            self.spec.start_rows(step.sample_rows[nd:], batch.positions.index_select(0, last) + 1,
+                                 step.sampling.step[nd:r] + 1, prefill_tokens)
+        self.spec.propose(step.sample_rows)
+
+    @staticmethod
+    def _spec_counts(verified: Verified) -> tuple[int, int, int]:
+        return verified.num_drafts, verified.num_draft_tokens, verified.num_accepted
+
     @staticmethod
     def _wait_for_mask(meta: StepMeta) -> tuple[float, float]:
         """Block until the step's grammar mask is filled; (when the wait began, milliseconds waited)."""
@@ -272,7 +394,7 @@ class TorchStep:
             self.penalties.reset_rows(penalty.first_chunk_rows)
         if penalty.cached_context is not None:  # after the reset: these rows' first chunks are in this step
             self.penalties.add_context(*penalty.cached_context)
-        nd = meta.num_decode
+        nd = meta.num_decode_tokens
         if meta.num_tokens > nd:
             self.penalties.add_context(penalty.token_owner_row[nd:], batch.input_ids[nd:],
                                        penalty.token_is_output[nd:])
@@ -295,12 +417,14 @@ class TorchExecutor(ThreadedExecutor):
     is_cuda = False
 
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_num_seqs: int,
-                 device: torch.device, dtype_choice: str | None = None, compile_decode: bool = False) -> None:
+                 device: torch.device, dtype_choice: str | None = None, compile_decode: bool = False,
+                 speculative: SpeculativeConfig | None = None, max_model_len: int = 0) -> None:
         device = torch.device(device)
         self.dtype_choice = dtype_choice
         if device.type != "cpu":
             raise ValueError(f"TorchExecutor runs on the CPU; use CudaExecutor for {device}")
-        self._torch_step = TorchStep(model, kv_caches, max_num_seqs, device)
+        self._torch_step = TorchStep(model, kv_caches, max_num_seqs, device, speculative=speculative,
+                                     max_model_len=max_model_len)
         self.compile_seconds: float | None = None
         if compile_decode:
             self._torch_step.decode_forward = CompiledDecode(model, kv_caches)
@@ -329,6 +453,7 @@ class TorchExecutor(ThreadedExecutor):
         t2 = time.perf_counter()
         with mark("d2h", meta.step_id):
             out_tokens, out_finite = out.token_ids.numpy().copy(), out.finite.numpy().copy()
+            num_emitted = None if out.num_emitted is None else out.num_emitted.numpy().copy()
             logprobs = None if out.logprobs is None else out.logprobs.to_host()
             prompt = None if out.prompt_logprobs is None else out.prompt_logprobs.to_host()
         t3 = time.perf_counter()
@@ -336,7 +461,8 @@ class TorchExecutor(ThreadedExecutor):
                           h2d_ms=(t1 - t0) * 1e3, forward_ms=(out.sample_start - t1) * 1e3,
                           sample_ms=(t2 - out.sample_start) * 1e3 - out.mask_wait_ms, d2h_ms=(t3 - t2) * 1e3,
                           mask_wait_ms=out.mask_wait_ms, mask_wait_start=out.mask_wait_start,
-                          logprobs=logprobs, prompt_logprobs=prompt)
+                          logprobs=logprobs, prompt_logprobs=prompt, num_emitted=num_emitted,
+                          spec_counts=out.spec_counts)
 
     def describe(self) -> dict:
         return {**super().describe(), **self._torch_step.memory_info(), "dtype_choice": self.dtype_choice,

@@ -123,7 +123,10 @@ class OutputProcessor:
         """``_accept`` each of ``rows`` (output row index, handle, token, finish code); a request whose processing
         raises fails alone, one that a stop string ends is reported in ``ended``."""
         with_logprobs = _by_row(out.logprobs)
+        stopped_here: set[int] = set()  # a speculative step lists several tokens of a request: none after its stop
         for i, handle, token, code in rows:
+            if handle.seq in stopped_here:
+                continue
             try:
                 logprobs = with_logprobs(i, token) if with_logprobs is not None else None
                 stopped = self._accept(handle, token, code, now, finishes, logprobs)
@@ -131,8 +134,10 @@ class OutputProcessor:
                 self._fail(handle, exc, now)
                 ended.append(handle.seq)
                 ended_codes.append(Finish.ERROR)
+                stopped_here.add(handle.seq)
                 continue
             if stopped:
+                stopped_here.add(handle.seq)
                 ended.append(handle.seq)
                 ended_codes.append(Finish.STOP_STRING)
 

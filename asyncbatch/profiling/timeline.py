@@ -55,6 +55,10 @@ class StepRecord:
     mask_wait_start: float = 0.0
     mask_fill_ms: float = 0.0
     grammar_rows: int = 0
+    # Speculative decoding (vLLM's counters): rows that verified drafts, draft tokens, and drafts accepted.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     # The engine's load when the step was planned (the server's gauges read them from the newest record).
     num_running: int = 0
     num_waiting: int = 0
@@ -218,7 +222,21 @@ def summarize(records: list[StepRecord]) -> dict:
         "mask_fill_ms_per_step": float(np.mean([r.mask_fill_ms for r in records])),
         "mask_fill_us_per_row": _fill_us_per_row(records),
         "output_tokens_per_s": output_tokens / span if span > 0 else 0.0,
+        **speculative_counts(records),
     }
+
+
+def speculative_counts(records: list[StepRecord]) -> dict:
+    """vLLM's speculative decoding metrics over ``records``: drafts (rows that verified at least one draft),
+    draft tokens, accepted tokens, acceptance rate (accepted / draft tokens) and mean acceptance length (tokens
+    a draft-verifying row emits per step: 1 + accepted / drafts)."""
+    drafts = sum(r.spec_drafts for r in records)
+    draft_tokens = sum(r.spec_draft_tokens for r in records)
+    accepted = sum(r.spec_accepted_tokens for r in records)
+    return {"spec_decode_num_drafts": drafts, "spec_decode_num_draft_tokens": draft_tokens,
+            "spec_decode_num_accepted_tokens": accepted,
+            "spec_decode_acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+            "spec_decode_mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0}
 
 
 def _fill_us_per_row(records: list[StepRecord]) -> float:

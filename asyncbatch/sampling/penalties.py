@@ -105,9 +105,35 @@ class PenaltyState:
         _, counts = self._state()
         row_seen = self.seen.index_select(0, rows)  # [R, V] bool
         row_counts = counts.index_select(0, rows).to(logits.dtype)  # [R, V]
-        rep = repetition.to(logits.dtype)[:, None]  # [R, 1]
-        penalised = torch.where(logits > 0, logits / rep, logits * rep)  # [R, V]
-        out = torch.where(row_seen, penalised, logits)
-        out -= frequency.to(logits.dtype)[:, None] * row_counts
-        out -= presence.to(logits.dtype)[:, None] * (row_counts > 0).to(logits.dtype)
-        return out
+        return _penalise(logits, row_seen, row_counts, presence, frequency, repetition)
+
+    def apply_with_drafts(
+        self, logits: torch.Tensor, rows: torch.Tensor, drafts: torch.Tensor, presence: torch.Tensor,
+        frequency: torch.Tensor, repetition: torch.Tensor,
+    ) -> torch.Tensor:
+        """``apply`` for a verify step: ``logits`` ``[D * W, V]`` are row ``i``'s ``W`` positions (``rows`` ``[D]``),
+        and position ``j`` sees drafts ``drafts[i, :j]`` (``[D, W - 1]``) as outputs, as non-speculative
+        decoding would have seen them had they been sampled. ``presence`` etc. are ``[D * W]``."""
+        _, counts = self._state()
+        num_rows, width = drafts.shape[0], drafts.shape[1] + 1
+        row_seen = self.seen.index_select(0, rows).repeat_interleave(width, 0)  # [D * W, V]
+        row_counts = counts.index_select(0, rows).to(logits.dtype).repeat_interleave(width, 0)  # [D * W, V]
+        if width > 1:
+            positions = torch.arange(width, device=rows.device)
+            sees = positions[:, None] > positions[None, :-1]  # [W, W - 1]: position j sees draft m < j
+            i, j, m = sees.expand(num_rows, -1, -1).nonzero(as_tuple=True)  # [N] each
+            flat, token = i * width + j, drafts[i, m]
+            row_counts.index_put_((flat, token), torch.ones_like(flat, dtype=logits.dtype), accumulate=True)
+            row_seen[flat, token] = True
+        return _penalise(logits, row_seen, row_counts, presence, frequency, repetition)
+
+
+def _penalise(logits: torch.Tensor, row_seen: torch.Tensor, row_counts: torch.Tensor, presence: torch.Tensor,
+              frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
+    """The penalties of rows with ``row_seen`` ([R, V] bool) and ``row_counts`` ([R, V] in the logits' dtype)."""
+    rep = repetition.to(logits.dtype)[:, None]  # [R, 1]
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)  # [R, V]
+    out = torch.where(row_seen, penalised, logits)
+    out -= frequency.to(logits.dtype)[:, None] * row_counts
+    out -= presence.to(logits.dtype)[:, None] * (row_counts > 0).to(logits.dtype)
+    return out
