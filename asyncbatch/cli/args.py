@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from asyncbatch.config import DEVICES, DTYPES, GRAMMAR_BACKENDS, QUANTIZATIONS
 from asyncbatch.sampling_params import SamplingParams
@@ -26,6 +27,9 @@ def add_engine_args(parser: argparse.ArgumentParser, run_options: bool = True) -
                         help="reuse the KV blocks of shared prompt prefixes (default: on)")
     parser.add_argument("--structured-outputs-backend", default="auto", choices=["auto", *GRAMMAR_BACKENDS],
                         help="grammar library for structured outputs (pip install .[structured]); auto: xgrammar")
+    parser.add_argument("--speculative-config", type=_json_object, default=None,
+                        help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                             "(cpu only; docs/speculative.md)")
     if run_options:
         parser.add_argument("--no-overlap", action="store_true", help="synchronous mode (the ablation)")
         parser.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the run to this path")
@@ -38,7 +42,16 @@ def engine_kwargs(args: argparse.Namespace, overlap: bool) -> dict:
             "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed, "overlap": overlap,
             "tokenizer": args.tokenizer, "chat_template": args.chat_template,
             "enable_prefix_caching": args.enable_prefix_caching,
-            "structured_outputs_backend": args.structured_outputs_backend}
+            "structured_outputs_backend": args.structured_outputs_backend,
+            "speculative_config": args.speculative_config}
+
+
+def _json_object(text: str) -> dict:
+    """A JSON object option (argparse turns the ValueError into a usage error naming the option)."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

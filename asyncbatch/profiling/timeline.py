@@ -119,6 +119,9 @@ class Timeline:
     max_records: int = 200_000
     busy_s_total: float = 0.0
     span_s_total: float = 0.0
+    # Speculative decoding since the start, for counters that outlive dropped records: rows that verified
+    # drafts, draft tokens, accepted tokens.
+    spec_totals: list[int] = field(default_factory=lambda: [0, 0, 0])
     _window_start: int = 0
     _last_end: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -126,6 +129,11 @@ class Timeline:
     def add(self, record: StepRecord) -> None:
         with self._lock:
             self.records.append(record)
+            if record.spec_drafts:
+                totals = self.spec_totals
+                totals[0] += record.spec_drafts
+                totals[1] += record.spec_draft_tokens
+                totals[2] += record.spec_accepted_tokens
             if record.device_end > 0:
                 busy = record.busy_s
                 self.busy_s_total += busy

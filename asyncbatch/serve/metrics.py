@@ -76,6 +76,14 @@ class _EngineCollector(Collector):
                             "Wall time while the engine had work (busy plus host-caused gaps).",
                             self._timeline.span_s_total)
         yield self._counter("asyncbatch:steps", "Steps executed.", float(newest.step_id if newest else 0))
+        drafts, draft_tokens, accepted = self._timeline.spec_totals
+        if draft_tokens:  # vLLM's speculative decoding counters (docs/speculative.md)
+            yield self._counter("asyncbatch:spec_decode_num_drafts", "Rows that verified drafts, per step.",
+                                float(drafts))
+            yield self._counter("asyncbatch:spec_decode_num_draft_tokens", "Draft tokens verified.",
+                                float(draft_tokens))
+            yield self._counter("asyncbatch:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                float(accepted))
         stats = self._prefix_stats()
         if stats and stats.get("enabled"):
             yield self._counter("asyncbatch:prefix_cache_queries", "Prompt tokens looked up in the prefix cache "
