@@ -35,8 +35,12 @@ class SimConfig:
     output_len_min: int = 16
     output_len_max: int = 256
     seed: int = 0
+    # Speculative engines: the chance that each draft is accepted (the run stops at the first rejection).
+    spec_acceptance: float = 0.7
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.spec_acceptance <= 1.0:
+            raise ValueError(f"SimConfig.spec_acceptance must be in [0, 1], got {self.spec_acceptance!r}")
         for name in ("step_fixed_ms", "per_token_us", "per_context_token_ns"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:
@@ -128,7 +132,7 @@ class EngineConfig:
     # same run gave 76.5 % vs 47.5 %).
     switch_interval_s: float | None = 2e-4
     # Speculative decoding (``docs/speculative.md``): a ``SpeculativeConfig`` or a dict of its fields (vLLM's
-    # ``speculative_config``); None: one token per row and step. cpu device only, for now.
+    # ``speculative_config``); None: one token per row and step. cpu and sim devices, for now.
     speculative_config: SpeculativeConfig | dict | None = None
     sim: SimConfig = field(default_factory=SimConfig)
 
@@ -181,8 +185,9 @@ class EngineConfig:
             raise TypeError(f"sim must be a SimConfig, got {type(self.sim).__name__}")
         self.speculative_config = SpeculativeConfig.coerce(self.speculative_config)
         if self.speculative_config is not None:
-            if self.device in ("cuda", "sim"):
-                raise ValueError(f"speculative_config runs on the cpu device only (for now), got device={self.device!r}")
+            if self.device == "cuda":
+                raise ValueError("speculative_config runs on the cpu and sim devices only (for now), got "
+                                 f"device={self.device!r}")
             if self.compile_decode:
                 raise ValueError("speculative_config and compile_decode=True cannot be combined (yet): verify steps "
                                  "run eager")

@@ -20,7 +20,7 @@ from engine_checks import assert_idle_and_clean
 from tiny_models import save_tiny_model
 
 from asyncbatch import LLM, SamplingParams
-from asyncbatch.config import EngineConfig
+from asyncbatch.config import EngineConfig, SimConfig
 from asyncbatch.speculative.config import SpeculativeConfig
 
 SPEC = {"num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
@@ -158,10 +158,49 @@ def test_bad_speculative_config_is_a_value_error_naming_the_field(field, value):
 
 def test_speculation_is_refused_where_it_does_not_run():
     with pytest.raises(ValueError, match="speculative_config"):
-        EngineConfig(device="sim", speculative_config=SPEC)
+        EngineConfig(device="cuda", speculative_config=SPEC)
     with pytest.raises(ValueError, match="compile_decode"):
         EngineConfig(device="cpu", compile_decode=True, speculative_config=SPEC)
     with pytest.raises(ValueError, match="block_size"):
         EngineConfig(device="cpu", block_size=4, speculative_config=SPEC)
     with pytest.raises(ValueError, match="unknown field"):
         EngineConfig(device="cpu", speculative_config={"num_spec_tokens": 3})
+
+
+@pytest.mark.parametrize("num_kv_blocks", [400, 40], ids=["roomy", "preempting"])
+def test_sim_verify_steps_give_the_plain_tokens_under_overlap_and_preemption(make_llm, num_kv_blocks):
+    """The simulated device models a verify step (each draft accepted with ``SimConfig.spec_acceptance``): 200
+    requests at 64 running, with and without speculation, overlap and sync, integrity checked every step."""
+    sim = SimConfig(step_fixed_ms=0.2, per_token_us=0, per_context_token_ns=0, output_len_min=8, output_len_max=120)
+    prompts = [[5 + (i % 50)] * (10 + i % 30) for i in range(200)]
+    params = [SamplingParams(max_tokens=100, temperature=0.0, seed=i, min_tokens=20 if i == 7 else 0)
+              for i in range(200)]
+    runs = {}
+    for name, spec, overlap in [("plain", None, True), ("overlap", SPEC, True), ("sync", SPEC, False)]:
+        llm = make_llm(device="sim", engine_process=False, overlap=overlap, debug_check_integrity=True,
+                       num_kv_blocks=num_kv_blocks, max_num_seqs=64, sim=sim, speculative_config=spec)
+        runs[name] = (run(llm, prompts, params), llm.stats())
+    plain, plain_stats = runs["plain"]
+    for name in ("overlap", "sync"):
+        got, stats = runs[name]
+        assert got == plain, name
+        assert stats["spec_decode_mean_acceptance_length"] > 2.0  # 0.7 per draft: 2.8 expected of 4 drafts
+        assert stats["steps"] < plain_stats["steps"]
+        if num_kv_blocks == 40:
+            assert stats["preemptions"] > 0
+
+
+def test_speculative_counters_reach_the_metrics_endpoint():
+    """``/metrics`` carries vLLM's three counters, cumulative over every step ever recorded."""
+    from asyncbatch.profiling.timeline import StepRecord, Timeline
+    from asyncbatch.serve.metrics import ServeMetrics
+
+    timeline = Timeline(max_records=8)
+    for step in range(20):
+        record = StepRecord(step + 1)
+        record.spec_drafts, record.spec_draft_tokens, record.spec_accepted_tokens = 2, 8, 3
+        timeline.add(record)
+    text = ServeMetrics("m", timeline, lambda: (0, 0), lambda: None).render().decode()
+    assert 'asyncbatch:spec_decode_num_draft_tokens_total{model_name="m"} 160.0' in text
+    assert 'asyncbatch:spec_decode_num_accepted_tokens_total{model_name="m"} 60.0' in text
+    assert 'asyncbatch:spec_decode_num_drafts_total{model_name="m"} 40.0' in text

@@ -165,13 +165,15 @@ def build_core(config: EngineConfig, spec: ModelSpec, send: Callable[[object], N
     hf_config, _arch = load_config(spec.path)
     max_len = spec.max_model_len
     executor: Executor
-    if config.speculative_config is not None and device != "cpu":
-        raise ValueError(f"speculative_config runs on the cpu device only (for now); this engine's device is {device!r}")
+    if config.speculative_config is not None and device == "cuda":
+        raise ValueError(f"speculative_config runs on the cpu and sim devices only (for now); this engine's device is "
+                         f"{device!r}")
     if device == "sim":
         from asyncbatch.executors.sim_executor import SimExecutor
 
         num_blocks = choose_num_blocks(config, device, kv_bytes_per_token(hf_config, torch.bfloat16), max_len)
-        executor = SimExecutor(config.sim, spec.vocab_size, spec.eos_token_id, config.max_num_seqs)
+        executor = SimExecutor(config.sim, spec.vocab_size, spec.eos_token_id, config.max_num_seqs,
+                               speculative=config.speculative_config is not None)
     else:
         from asyncbatch.executors.torch_executor import TorchExecutor
 

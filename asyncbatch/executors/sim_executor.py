@@ -92,13 +92,18 @@ class SimExecutor(ThreadedExecutor):
     simulated = True
 
     def __init__(self, sim: SimConfig, vocab_size: int, eos_token_id: int | None, max_num_seqs: int,
-                 first_token_id: int = 256) -> None:
+                 first_token_id: int = 256, speculative: bool = False) -> None:
         self.sim = sim
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self.first_token_id = min(first_token_id, vocab_size - 1)
         self.token_buffer = np.zeros(max_num_seqs, dtype=np.int64)  # the "device" token buffer
         self._device_free_at = 0.0
+        # Speculative engines: what the device holds per token row (``speculative.device_state``, modelled): the
+        # next input's position and the outputs so far.
+        self.speculative = speculative
+        self.length = np.zeros(max_num_seqs, dtype=np.int64)
+        self.num_outputs = np.zeros(max_num_seqs, dtype=np.int64)
         self.forward_hook = None
         self._thread = DeviceThread("asyncbatch-sim-device", self._run)
 
@@ -133,6 +138,10 @@ class SimExecutor(ThreadedExecutor):
         end = start + self.sim.step_seconds(t, meta.context_tokens)
         if self.forward_hook is not None:
             self.forward_hook(meta)
+        if self.speculative and meta.spec_depth:
+            return self._run_verify(meta, handle, start, end, h2d_ms)
+        if self.speculative:  # decode rows' output counts live on the device (the planner's are upper bounds)
+            steps[:nd] = self.num_outputs[decode_rows]
         input_ids[:nd] = self.token_buffer[decode_rows]
         fed = input_ids[logits_idx]
         h = mix64(seeds.astype(np.uint64) * np.uint64(1_000_003) ^ mix64(steps.astype(np.uint64))
@@ -153,11 +162,63 @@ class SimExecutor(ThreadedExecutor):
             tokens[grammar.index] = allowed_pick(grammar.bitmask, h[grammar.index])
         self._device_free_at = end
         self.token_buffer[sample_rows] = tokens
+        if self.speculative:  # one token a row: advance the modelled device state
+            self.length[decode_rows] += 1
+            self.num_outputs[decode_rows] += 1
+            if r > nd:
+                self.length[sample_rows[nd:]] = s.positions[logits_idx[nd:]] + 1
+                self.num_outputs[sample_rows[nd:]] = steps[nd:] + 1
         result = StepResult(meta.step_id, tokens, np.ones(r, dtype=bool), device_start=start, device_end=end,
                             h2d_ms=h2d_ms, forward_ms=forward_ms, mask_wait_ms=wait_ms, mask_wait_start=wait_start)
         if extras is not None:
             result.logprobs, result.prompt_logprobs = self._pseudo_logprobs(extras, tokens)
         return result
+
+    def _hash(self, seeds: np.ndarray, steps: np.ndarray, fed: np.ndarray) -> np.ndarray:
+        return mix64(seeds.astype(np.uint64) * np.uint64(1_000_003) ^ mix64(steps.astype(np.uint64))
+                     ^ (fed.astype(np.uint64) << np.uint64(20)))
+
+    def _run_verify(self, meta: StepMeta, handle: StepHandle, start: float, end: float, h2d_ms: float) -> StepResult:
+        """A speculative engine's step (no grammar or logprob rows: the scheduler keeps them out of these).
+
+        Each decode row's tokens are the plain chain (output ``n`` = hash(seed, n, output ``n - 1``)) from its
+        device state, ``1 + depth`` of them; of its drafts, each is accepted with probability
+        ``SimConfig.spec_acceptance`` (a hash of the seed and the output index), the run stopping at the first
+        rejection and at the KV the planner reserved. So a speculative run emits exactly a plain run's tokens,
+        more of them per step, and the planner's one-step-late reconciliation runs as on a real device."""
+        s, nd, r, depth = meta.staging, meta.num_decode, meta.num_sampled, meta.spec_depth
+        width = depth + 1
+        rows, seeds = s.sample_token_rows[:r].copy(), s.sample_seed[:r].astype(np.uint64)
+        steps = s.sample_step[:r].copy()  # exact for prefill rows; decode rows' come from the device state
+        tokens = np.zeros((r, width), dtype=np.int64)
+        emitted = np.ones(r, dtype=np.int64)
+        fed = self.token_buffer[rows].copy()
+        if r > nd:  # prefill rows' last token: its pseudo-token's input
+            last = s.logits_indices[nd:r]
+            fed[nd:] = s.input_ids[last]
+            self.length[rows[nd:]] = s.positions[last] + 1
+            self.num_outputs[rows[nd:]] = steps[nd:]
+        steps[:nd] = self.num_outputs[rows[:nd]]
+        usable = np.minimum(depth, np.maximum(s.decode_context_lens[:nd] - self.length[rows[:nd]] - 1, 0))  # [D]
+        accepting = np.ones(nd, dtype=bool)
+        for j in range(width):
+            live = slice(None) if j == 0 else slice(0, nd)
+            h = self._hash(seeds[live], steps[live] + j, fed[live])
+            tokens[live, j] = self._pseudo_tokens(h, steps[live] + j, s.sample_seed[:r][live], None)
+            fed[live] = tokens[live, j]
+            if j < depth and nd:
+                coin = (mix64(seeds[:nd] ^ mix64((steps[:nd] + j).astype(np.uint64) + np.uint64(0x5EC))) >> np.uint64(11))
+                accepting &= (coin.astype(np.float64) / float(1 << 53) < self.sim.spec_acceptance) & (j < usable)
+                emitted[:nd] += accepting
+        drafted = usable > 0
+        self._sleep_until(end, meta.step_id, " sim")
+        self._device_free_at = end
+        self.token_buffer[rows] = tokens[np.arange(r), emitted - 1]
+        self.length[rows[:nd]] += emitted[:nd]
+        self.num_outputs[rows] += emitted
+        return StepResult(meta.step_id, tokens, np.ones(r, dtype=bool), device_start=start, device_end=end,
+                          h2d_ms=h2d_ms, forward_ms=(end - start) * 1e3, num_emitted=emitted,
+                          spec_counts=(int(drafted.sum()), int(usable.sum()), int((emitted[:nd] - 1).sum())))
 
     @staticmethod
     def _sleep_until(t: float, step_id: int, label: str) -> None:
