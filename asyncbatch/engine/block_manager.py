@@ -208,20 +208,6 @@ class BlockManager:
         self.decode_slot_base[rows] = (new - counts) * self.block_size
         self.ref[new] = 1
 
-    def truncate(self, rows: np.ndarray, counts: np.ndarray) -> None:
-        """Shrink each of ``rows`` (distinct, [N] int64) to its first ``counts[i]`` blocks ([N] int64, each at
-        least 1 and at most what the row lists): a speculative row gives back what it reserved for drafts
-        that were not accepted. The blocks dropped were fresh and never cached (a row registers full blocks of
-        known tokens only, which lie before its computed length)."""
-        for row, count in zip(rows.tolist(), counts.tolist()):
-            have = int(self.num_row_blocks[row])
-            if not 1 <= count <= have or len(self.chains[row]) > count:
-                raise IntegrityError(f"row {row} truncated to {count} of its {have} blocks "
-                                     f"({len(self.chains[row])} cached)")
-            self._drop(self.block_table[row, count:have], f"row {row}")
-            self.num_row_blocks[row] = count
-            self.decode_slot_base[row] = (int(self.block_table[row, count - 1]) - (count - 1)) * self.block_size
-
     def register(self, row: int, keys: Sequence[int], contents: Sequence[tuple[int, ...]], num_full: int) -> None:
         """Register ``row``'s first ``num_full`` blocks as cached, past those already in its chain.
 

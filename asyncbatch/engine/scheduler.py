@@ -93,6 +93,7 @@ class Scheduler:
         # and its counters are upper bounds until ``apply`` reconciles them.
         self.speculative = speculative
         self._spec_blockers = 0  # live requests that need sampler extras: no verify step while any is
+        self._reserve_slack = 0 if speculative is None else speculative.num_speculative_tokens + 1
         self.max_num_seqs = block_manager.max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_id = eos_token_id
@@ -110,7 +111,7 @@ class Scheduler:
         self.num_releases = 0  # token rows given back so far
         self.preemptor = Preemptor(self.rows, block_manager, self.waiting, self.running, self._owners,
                                    self._release_now, self.settle_released)
-        self.applier = StepApplier(self.rows, self._owners, self._off_row, self.finish, eos_token_id, block_manager)
+        self.applier = StepApplier(self.rows, self._owners, self._off_row, self.finish, eos_token_id)
         self.prefix = PrefixSharer(block_manager, self.rows)
         self.admitter = Admitter(self.rows, block_manager, self.prefix, self.decode, self.waiting, self.running,
                                  self._prefilling, self._owners, self._free_rows)
@@ -397,8 +398,11 @@ class Scheduler:
             row = request.token_row
             if self._owners[row] is not request or st.seq[row] != request.arrival_seq:
                 raise IntegrityError(f"row {row} does not record its request {request.request_id}")
-            if self.blocks.num_row_blocks[row] != self.blocks.blocks_for(min(int(st.num_computed[row]),
-                                                                               int(st.token_cap[row]))):
+            # A speculative row may keep what it reserved for drafts that were not accepted: up to 1 + k tokens more.
+            computed, cap = int(st.num_computed[row]), int(st.token_cap[row])
+            have, slack = int(self.blocks.num_row_blocks[row]), self._reserve_slack
+            if not self.blocks.blocks_for(min(computed, cap)) <= have <= self.blocks.blocks_for(min(computed + slack,
+                                                                                                    cap)):
                 raise IntegrityError(f"request {request.request_id} holds blocks for other than its computed tokens")
         if any(r.token_row is not None or r.status is not RequestStatus.WAITING for r in self.waiting):
             raise IntegrityError("a waiting request holds a token row")

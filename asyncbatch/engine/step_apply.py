@@ -26,7 +26,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from asyncbatch.engine.block_manager import BlockManager
 from asyncbatch.engine.messages import AppliedStep, Finish
 from asyncbatch.engine.request import Request, RequestStatus
 from asyncbatch.engine.row_state import RowState
@@ -59,9 +58,8 @@ class StepApplier:
     """
 
     def __init__(self, rows: RowState, owners: list[Request | None], off_row: dict[int, Request],
-                 finish: Callable[..., None], eos_token_id: int | None, blocks: BlockManager | None = None) -> None:
+                 finish: Callable[..., None], eos_token_id: int | None) -> None:
         self.rows = rows
-        self.blocks = blocks  # speculative engines give back blocks reserved for rejected drafts
         self.owners = owners
         self.off_row = off_row
         self.finish = finish
@@ -163,9 +161,8 @@ class StepApplier:
 
     def _reconcile(self, plan: StepPlan, emitted: np.ndarray) -> None:
         """The planner counted every draft of ``plan``'s decode rows as accepted; ``emitted`` says how many tokens
-        each row really got. A row still held takes back the difference from its computed and scheduled counts
-        (and gives back blocks reserved past what it now needs); a request that left its row expects that many
-        fewer tokens in flight."""
+        each row really got. A row still held takes back the difference from its computed and scheduled counts;
+        a request that left its row expects that many fewer tokens in flight."""
         nd, depth = plan.num_decode, plan.spec_depth
         if not nd:
             return
@@ -174,15 +171,12 @@ class StepApplier:
         over = depth + 1 - emitted[:nd]  # [D] drafts counted but not accepted
         held = st.seq[rows] == seqs  # [D]
         if held.any():
+            # The row keeps the blocks it reserved (at most one past what it needs, ``Scheduler.check_integrity``):
+            # giving them back here and taking them again at the next plan would churn a block a row a step.
             mine, less = rows[held], over[held]
             st.num_computed[mine] -= less
             st.num_scheduled[mine] -= less
             st.spec_over[mine] -= depth
-            blocks = self.blocks
-            need = -(-np.minimum(st.num_computed[mine], st.token_cap[mine]) // blocks.block_size)  # [H]
-            shrink = need < blocks.num_row_blocks[mine]
-            if shrink.any():
-                blocks.truncate(mine[shrink], need[shrink])
         for i in np.flatnonzero(~held & (over > 0)).tolist():
             request = self.off_row[int(seqs[i])]
             request.num_pending -= int(over[i])
