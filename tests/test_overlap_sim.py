@@ -147,10 +147,13 @@ def test_overlap_hides_most_host_work_at_2ms_steps(make_llm):
     assert sync["device_busy_fraction"] < 0.75, attempts
 
 
-def test_abort_at_each_moment(make_llm):
+@pytest.mark.parametrize("speculative", [None, {"num_speculative_tokens": 3}], ids=["plain", "speculative"])
+def test_abort_at_each_moment(make_llm, speculative):
+    """Speculative: aborted rows have drafts' reservations in flight, which ``apply`` reconciles off their rows."""
     sim = SimConfig(step_fixed_ms=3.0, per_token_us=0.0, per_context_token_ns=0.0, output_len_distribution="fixed",
                     output_len_max=1000)
-    llm = make_llm(device="sim", sim=sim, max_num_seqs=4, max_num_batched_tokens=32, debug_check_integrity=True)
+    llm = make_llm(device="sim", sim=sim, max_num_seqs=4, max_num_batched_tokens=32, debug_check_integrity=True,
+                   speculative_config=speculative)
     params = SamplingParams(max_tokens=200, temperature=0.0)
     # Queued: four long requests fill the token rows, the fifth waits.
     fillers = [llm.stream([300 + i] * 4, params) for i in range(4)]
