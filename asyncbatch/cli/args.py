@@ -47,10 +47,10 @@ def engine_kwargs(args: argparse.Namespace, overlap: bool) -> dict:
 
 
 def _json_object(text: str) -> dict:
-    """A JSON object option (argparse turns the ValueError into a usage error naming the option)."""
+    """A JSON object option (argparse turns the error into a usage error naming the option)."""
     value = json.loads(text)
     if not isinstance(value, dict):
-        raise ValueError(f"expected a JSON object, got {text!r}")
+        raise TypeError(f"expected a JSON object, got {text!r}")
     return value
 
 

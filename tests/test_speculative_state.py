@@ -1,0 +1,71 @@
+"""``SpeculativeState``: a row's verify inputs from what the device holds, acceptance, and the drafting policy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncbatch.speculative.config import SpeculativeConfig
+from asyncbatch.speculative.device_state import SpeculativeState
+
+BLOCK = 4
+
+
+def started(config: SpeculativeConfig, tokens: list[int]) -> SpeculativeState:
+    """Row 0 holds ``tokens`` (its last one the next input, one output so far)."""
+    state = SpeculativeState(config, num_rows=2, max_model_len=64, device=torch.device("cpu"))
+    n = len(tokens)
+    state.write_prefill(torch.zeros(n - 1, dtype=torch.int64), torch.arange(n - 1), torch.tensor(tokens[:-1]))
+    state.start_rows(torch.tensor([0]), torch.tensor([n - 1]), torch.tensor([1]), torch.tensor([tokens[-1]]))
+    return state
+
+
+def test_verify_inputs_follow_the_device_length_and_stop_at_the_reserved_kv():
+    state = started(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1), [7, 8, 9, 7, 8])
+    state.propose(torch.tensor([0]))
+    assert state.drafts[0].tolist() == [9, 7, 8] and int(state.num_drafts[0]) == 3
+    buffer = torch.tensor([8, 0, 0])
+    tables = torch.tensor([[5, 6, 0]])
+    # Positions 4..7; the planner reserved 7 tokens of KV, so position 7 writes the dummy block, and only two
+    # drafts can be checked.
+    v = state.decode_inputs(torch.tensor([0]), 3, tables, torch.tensor([7]), buffer, BLOCK, dummy_slot=0)
+    assert v.input_ids.tolist() == [8, 9, 7, 8]
+    assert v.positions.tolist() == [4, 5, 6, 7]
+    assert v.slot_mapping.tolist() == [6 * BLOCK + 0, 6 * BLOCK + 1, 6 * BLOCK + 2, 0]
+    assert v.context_lens.tolist() == [5, 6, 7, 1]
+    assert int(v.usable_drafts[0]) == 2
+    assert v.sample_steps.tolist() == [1, 2, 3, 4]
+
+
+def test_accept_keeps_the_confirmed_run_and_advances_the_row():
+    state = started(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1), [7, 8, 9, 7, 8])
+    state.propose(torch.tensor([0]))  # drafts 9, 7, 8
+    samples = torch.tensor([[9, 7, 5, 1]])  # confirms 9 and 7, rejects 8 (the target says 5)
+    verified = state.accept(torch.tensor([0]), samples, torch.ones(1, 4, dtype=torch.bool), torch.tensor([3]))
+    assert verified.tokens[0, :3].tolist() == [9, 7, 5] and int(verified.num_emitted[0]) == 3
+    assert (verified.num_drafts, verified.num_draft_tokens, verified.num_accepted) == (1, 3, 2)
+    assert int(state.length[0]) == 7 and int(state.num_outputs[0]) == 4
+    assert state.history[0, :8].tolist() == [7, 8, 9, 7, 8, 9, 7, 5]
+    # Non-finite logits at position 1: nothing from there on is emitted, even a confirmed draft.
+    state.propose(torch.tensor([0]))
+    bad = torch.tensor([[True, False, True, True]])
+    verified = state.accept(torch.tensor([0]), torch.tensor([[1, 2, 3, 4]]), bad, torch.tensor([3]))
+    assert int(verified.num_emitted[0]) == 1
+
+
+def test_a_row_that_keeps_rejecting_stops_drafting_and_retries():
+    config = SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1, min_acceptance=0.5, retry_every=4)
+    state = started(config, [3, 4, 5, 3, 4])
+    row = torch.tensor([0])
+    state.propose(row)
+    assert state.drafts[0].tolist() == [5, 3] and int(state.num_drafts[0]) == 2
+    # Both drafts rejected: the average falls from 1 to 0.7 (one step of ACCEPTANCE_DECAY), then to 0.49.
+    for expected in (0.7, 0.49):
+        state.accept(row, torch.tensor([[9, 9, 9]]), torch.ones(1, 3, dtype=torch.bool), torch.tensor([2]))
+        assert float(state.acceptance[0]) == pytest.approx(expected)
+    state.history[0, :4] = torch.tensor([3, 4, 5, 3])  # a history the lookup matches again
+    state.length[0] = 3
+    for outputs, drafts in ((5, 0), (6, 0), (8, 2)):  # quiet below 0.5, except every 4th output (a retry)
+        state.num_outputs[0] = outputs
+        state.propose(row)
+        assert int(state.num_drafts[0]) == drafts, outputs
