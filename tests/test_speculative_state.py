@@ -22,19 +22,28 @@ def started(config: SpeculativeConfig, tokens: list[int]) -> SpeculativeState:
 
 def test_verify_inputs_follow_the_device_length_and_stop_at_the_reserved_kv():
     state = started(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1), [7, 8, 9, 7, 8])
-    state.propose(torch.tensor([0]))
-    assert state.drafts[0].tolist() == [9, 7, 8] and int(state.num_drafts[0]) == 3
-    buffer = torch.tensor([8, 0, 0])
-    tables = torch.tensor([[5, 6, 0]])
-    # Positions 4..7; the planner reserved 7 tokens of KV, so position 7 writes the dummy block, and only two
-    # drafts can be checked.
-    v = state.decode_inputs(torch.tensor([0]), 3, tables, torch.tensor([7]), buffer, BLOCK, dummy_slot=0)
-    assert v.input_ids.tolist() == [8, 9, 7, 8]
-    assert v.positions.tolist() == [4, 5, 6, 7]
-    assert v.slot_mapping.tolist() == [6 * BLOCK + 0, 6 * BLOCK + 1, 6 * BLOCK + 2, 0]
-    assert v.context_lens.tolist() == [5, 6, 7, 1]
-    assert int(v.usable_drafts[0]) == 2
-    assert v.sample_steps.tolist() == [1, 2, 3, 4]
+    tokens = [7, 8, 9, 7, 8]  # row 1: the same history
+    state.write_prefill(torch.ones(4, dtype=torch.int64), torch.arange(4), torch.tensor(tokens[:-1]))
+    state.start_rows(torch.tensor([1]), torch.tensor([4]), torch.tensor([1]), torch.tensor([8]))
+    rows = torch.tensor([0, 1])
+    state.propose(rows)
+    assert state.drafts[0].tolist() == [9, 7, 8] and state.num_drafts[:2].tolist() == [3, 3]
+    buffer = torch.tensor([8, 8, 0])
+    tables = torch.tensor([[5, 6, 0], [1, 2, 3]])
+    # Positions 4..7. Row 0 has 7 tokens of KV reserved: position 7 writes the dummy block and only two of its
+    # drafts can be checked; row 1 has room for all three, so the step computes four positions a row.
+    v = state.decode_inputs(rows, 3, tables, torch.tensor([7, 12]), buffer, BLOCK, dummy_slot=0)
+    assert v.width == 4 and v.usable_drafts.tolist() == [2, 3]
+    assert v.input_ids.tolist() == [8, 9, 7, 8] * 2
+    assert v.positions.tolist() == [4, 5, 6, 7] * 2
+    assert v.slot_mapping.tolist() == [6 * BLOCK + 0, 6 * BLOCK + 1, 6 * BLOCK + 2, 0,
+                                       2 * BLOCK + 0, 2 * BLOCK + 1, 2 * BLOCK + 2, 2 * BLOCK + 3]
+    assert v.context_lens.tolist() == [5, 6, 7, 1, 5, 6, 7, 8]
+    assert v.sample_steps.tolist() == [1, 2, 3, 4] * 2
+    # Fewer usable drafts everywhere: fewer positions computed; none: a plain decode step.
+    assert state.decode_inputs(rows, 3, tables, torch.tensor([7, 7]), buffer, BLOCK, 0).width == 3
+    state.num_drafts[:2] = 0
+    assert state.decode_inputs(rows, 3, tables, torch.tensor([7, 12]), buffer, BLOCK, 0).width == 1
 
 
 def test_accept_keeps_the_confirmed_run_and_advances_the_row():

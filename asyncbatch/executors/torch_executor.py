@@ -80,6 +80,7 @@ class DeviceStep:
     extras: ExtrasInputs | None = None
     token_owner_row: torch.Tensor | None = None  # [T] int64 (speculative engines: the token history's rows)
     verify: DecodeInputs | None = None  # speculative engines: the decode rows' tokens, derived on the device
+    num_decode_tokens: int = 0  # the decode rows' tokens as computed (speculative: D * verify.width)
 
 
 @dataclass(slots=True)
@@ -238,13 +239,19 @@ class TorchStep:
 
     def _verify_inputs(self, meta: StepMeta, step: DeviceStep) -> None:
         """A speculative engine's step: the decode rows' tokens (input token and drafts), positions, slots and
-        contexts from the device's state; the prefill tokens into the token history."""
-        batch, nd, nt = step.batch, meta.num_decode, meta.num_decode_tokens
+        contexts from the device's state; the prefill tokens into the token history.
+
+        The plan laid out ``1 + spec_depth`` tokens a decode row; when no row can use that many drafts the
+        step computes fewer (``DecodeInputs.width``), and the prefill tokens move up to follow them."""
+        batch, nd, planned = step.batch, meta.num_decode, meta.num_decode_tokens
+        nt = 0
         if nd:
             dummy_slot = DUMMY_BLOCK * self.block_size
             v = self.spec.decode_inputs(step.decode_rows, meta.spec_depth, batch.decode_block_tables,
                                         batch.decode_context_lens, self.token_buffer, self.block_size, dummy_slot)
-            step.verify = v
+            step.verify, nt = v, nd * v.width
+            if nt < planned:
+                self._close_gap(step, planned, nt)
             batch.input_ids[:nt] = v.input_ids
             batch.positions[:nt] = v.positions
             batch.slot_mapping[:nt] = v.slot_mapping
@@ -252,11 +259,32 @@ class TorchStep:
             batch.decode_block_tables, batch.decode_context_lens = v.block_tables, v.context_lens
             if nt != nd:  # every decode token is sampled; the prefill rows' indices already count them
                 batch.logits_indices = torch.cat([torch.arange(nt, device=self.device), batch.logits_indices[nd:]])
+        step.num_decode_tokens = nt
         if meta.history_context is not None:  # reused cached prefixes: their tokens were not computed here
             up, cached = self.upload, meta.history_context
             self.spec.write_prefill(up(cached.rows), up(cached.positions), up(cached.token_ids))
-        if meta.num_tokens > nt:
+        if meta.num_tokens > planned:
             self.spec.write_prefill(step.token_owner_row[nt:], batch.positions[nt:], batch.input_ids[nt:])
+
+    @staticmethod
+    def _close_gap(step: DeviceStep, planned: int, nt: int) -> None:
+        """Move the prefill tokens from ``planned`` (the plan's decode tokens) to ``nt`` (the computed ones):
+        every per-token tensor loses entries ``nt .. planned``, and every index past them shifts down."""
+        shift = planned - nt
+        batch, penalty = step.batch, step.penalty
+
+        def cut(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t[:nt], t[planned:]])
+
+        batch.input_ids, batch.positions, batch.slot_mapping = cut(batch.input_ids), cut(batch.positions), \
+            cut(batch.slot_mapping)
+        step.token_owner_row = cut(step.token_owner_row)
+        if penalty is not None:
+            penalty.token_owner_row, penalty.token_is_output = step.token_owner_row, cut(penalty.token_is_output)
+        nd = len(step.decode_rows)
+        batch.logits_indices = torch.cat([batch.logits_indices[:nd], batch.logits_indices[nd:] - shift])
+        batch.prefill_rows = [PrefillRow(row.token_start - shift, row.q_len, row.ctx_len, row.block_table)
+                              for row in batch.prefill_rows]
 
     def sample(self, meta: StepMeta, step: DeviceStep, logits: torch.Tensor, t_sample: float,
                wait_for_mask: bool = True) -> StepOutcome:
@@ -303,8 +331,9 @@ class TorchStep:
         """A speculative engine's sampling: every position of every decode row is sampled (its penalties seeing
         the drafts before it), the confirmed drafts are kept (``SpeculativeState.accept``), the rows that ended
         their prefill start, and every sampled row drafts its next step's tokens."""
-        nd, width, r = meta.num_decode, meta.spec_depth + 1, meta.num_sampled
+        nd, r = meta.num_decode, meta.num_sampled
         spec, verify = self.spec, step.verify
+        width = verify.width if nd else 1
         if width == 1:  # one token a row: the plain sampler (extras included), then the bookkeeping
             if nd:
                 step.sampling.step[:nd] = verify.sample_steps
@@ -318,7 +347,7 @@ class TorchStep:
             out.token_ids, out.spec_counts = tokens[:, None], counts
             out.num_emitted = torch.ones(r, dtype=torch.int64, device=self.device)
             return out
-        nt = meta.num_decode_tokens
+        nt = step.num_decode_tokens
         rows, expand = step.decode_rows, _expand_decode(nd, width)
         st = step.sampling
         sampling = SamplingTensors(temperature=expand(st.temperature), top_k=expand(st.top_k), top_p=expand(st.top_p),
@@ -329,7 +358,7 @@ class TorchStep:
         with mark("sample", meta.step_id):
             penalty = step.penalty
             if penalty is not None:
-                self._update_penalty_context(meta, step.batch, penalty)
+                self._update_penalty_context(meta, step.batch, penalty, nt)
                 logits = torch.cat([
                     self.penalties.apply_with_drafts(logits[:nt], rows, drafts, expand(penalty.presence)[:nt],
                                                      expand(penalty.frequency)[:nt], expand(penalty.repetition)[:nt]),
@@ -358,7 +387,7 @@ class TorchStep:
         """The rows whose prefill ended start decoding (``prefill_tokens``: their first outputs, in sample order
         after the decode rows); then every sampled row drafts its next step (the planner thread does not wait:
         this runs on the device's side of the step)."""
-        nd, nt, r = meta.num_decode, meta.num_decode_tokens, meta.num_sampled
+        nd, nt, r = meta.num_decode, step.num_decode_tokens, meta.num_sampled
         batch = step.batch
         if r > nd:
             last = batch.logits_indices[nt:nt + r - nd]  # [P] each prefill row's last token
@@ -389,13 +418,14 @@ class TorchStep:
         apply_bitmask_(rows, bitmask)
         logits.index_copy_(0, index, rows)
 
-    def _update_penalty_context(self, meta: StepMeta, batch: ForwardBatch, penalty: PenaltyInputs) -> None:
+    def _update_penalty_context(self, meta: StepMeta, batch: ForwardBatch, penalty: PenaltyInputs,
+                                num_decode_tokens: int | None = None) -> None:
         if meta.first_chunk_rows:
             self.penalties.reset_rows(penalty.first_chunk_rows)
         if penalty.cached_context is not None:  # after the reset: these rows' first chunks are in this step
             self.penalties.add_context(*penalty.cached_context)
-        nd = meta.num_decode_tokens
-        if meta.num_tokens > nd:
+        nd = meta.num_decode if num_decode_tokens is None else num_decode_tokens
+        if len(batch.input_ids) > nd:
             self.penalties.add_context(penalty.token_owner_row[nd:], batch.input_ids[nd:],
                                        penalty.token_is_output[nd:])
 

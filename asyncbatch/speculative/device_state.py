@@ -43,6 +43,11 @@ class DecodeInputs:
     usable_drafts: torch.Tensor  # [D] int64 drafts the step can verify (proposed, and within the reserved KV)
     sample_steps: torch.Tensor  # [D * W] int64 the seeded sampler's step of each position
 
+    @property
+    def width(self) -> int:
+        """Positions computed per row: 1 + the most usable drafts of any row (at most 1 + the planned depth)."""
+        return len(self.sample_steps) // len(self.usable_drafts)
+
 
 @dataclass(slots=True)
 class Verified:
@@ -76,14 +81,21 @@ class SpeculativeState:
     def decode_inputs(self, rows: torch.Tensor, depth: int, tables: torch.Tensor, reserved: torch.Tensor,
                       token_buffer: torch.Tensor, block_size: int, dummy_slot: int) -> DecodeInputs:
         """``rows`` ``[D]`` token rows, ``tables`` ``[D, B]`` their block tables, ``reserved`` ``[D]`` the KV
-        positions the planner reserved for each (positions at or past it are not written)."""
-        width = depth + 1
-        offsets = torch.arange(width, device=rows.device)  # [W]
+        positions the planner reserved for each (positions at or past it are not written).
+
+        The planner planned ``depth`` drafts a row; the step computes only as many positions as the row with
+        the most usable drafts needs (``DecodeInputs.width``): a step where no row has a draft is a plain
+        decode step. Reading that maximum is a host read of a device value (free on the CPU; a GPU would pad
+        to ``depth`` instead)."""
         start = self.length.index_select(0, rows)  # [D]
-        positions = start[:, None] + offsets[None, :]  # [D, W]
-        inside = positions < reserved[:, None]  # [D, W]; position 0 always is (the planner reserved it)
         usable = torch.minimum(self.num_drafts.index_select(0, rows).clamp(max=depth),
                                (reserved - start - 1).clamp(min=0))  # [D]
+        if depth:
+            depth = int(usable.max())
+        width = depth + 1
+        offsets = torch.arange(width, device=rows.device)  # [W]
+        positions = start[:, None] + offsets[None, :]  # [D, W]
+        inside = positions < reserved[:, None]  # [D, W]; position 0 always is (the planner reserved it)
         ids = token_buffer.index_select(0, rows)[:, None].expand(-1, width).clone()  # [D, W]
         if depth:
             ids[:, 1:] = self.drafts.index_select(0, rows)[:, :depth]
