@@ -1,10 +1,16 @@
 """``compile_decode=True``: pure decode steps through ``torch.compile`` give the eager path's greedy tokens.
 
-Compiling takes ~10-40 s per model on the tiny model (2 shared cores; a second engine in the process reuses
-inductor's on-disk graph cache), so the engine test is marked slow and runs in-process engines.
+Compiling takes ~40-55 s per model on the tiny model with a cold cache (2 shared cores), so the engine test is
+marked slow and runs in-process engines. Inductor's on-disk cache serves a graph equal to one compiled before:
+the tests below are built so that it can. A ``w8a8`` graph names each packed weight by the smallest free
+handle (``model.quantization``), so an engine is freed before the next is built (handles then restart at 0,
+layer for layer), and the rows test uses the engine test's block size, cache size and positions (the cache
+tensors' shapes are part of the graph): after the engine test, its graphs are cache hits, not a third compile.
 """
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
@@ -12,9 +18,16 @@ from engine_checks import assert_idle_and_clean
 from tiny_models import save_tiny_model
 from torch._dynamo.utils import counters
 
-from asyncbatch import SamplingParams
+from asyncbatch import LLM, SamplingParams
 from asyncbatch.config import EngineConfig
 from asyncbatch.model.compiled_decode import check_compile_decode, cxx_compiler
+
+# The engine test's KV cache and model shapes, which the rows test shares (the module docstring says why):
+# 64 blocks of 4 tokens hold the engine test's 6 requests (48 blocks at most) without preemption, and 5 rows of
+# 40 tokens (50 blocks) in the rows test; 128 positions is the tiny model's max_position_embeddings.
+BLOCK_SIZE = 4
+NUM_KV_BLOCKS = 64
+MAX_POSITIONS = 128
 
 needs_cxx = pytest.mark.skipif(cxx_compiler() is None,
                                reason="torch.compile's CPU backend needs a C++ compiler (g++); none on PATH")
@@ -50,16 +63,28 @@ def test_unsupported_combinations_raise_value_errors_naming_compile_decode(monke
 @needs_cxx
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", [None, "w8a8"])
-def test_compiled_decode_gives_the_eager_greedy_tokens_in_overlap_and_sync(make_llm, tiny_llama, scheme):
+@pytest.mark.usefixtures("make_llm")  # its teardown: no engine thread or core process left
+def test_compiled_decode_gives_the_eager_greedy_tokens_in_overlap_and_sync(tiny_llama, scheme):
     prompts = [[3 + (i * 31 + j * 7) % 250 for j in range(3 + i * 5)] for i in range(6)]
     params = [SamplingParams(max_tokens=8 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(6)]
     runs = {}
     for compiled, overlap in ((False, True), (True, True), (True, False)):
-        llm = make_llm(tiny_llama, device="cpu", dtype="float32", quantization=scheme, compile_decode=compiled,
-                       overlap=overlap, engine_process=False, max_num_batched_tokens=24, max_num_seqs=6,
-                       block_size=4, num_threads=1, debug_check_integrity=True)
+        runs[compiled, overlap] = _greedy_tokens(tiny_llama, scheme, compiled, overlap, prompts, params)
+        gc.collect()  # the engine is freed, and with it its w8a8 handles (the module docstring says why)
+    assert runs[True, True] == runs[False, True]
+    assert runs[True, False] == runs[False, True]
+    assert [len(t) for t in runs[False, True]] == [8 + 3 * i for i in range(6)]
+
+
+def _greedy_tokens(model: str, scheme: str | None, compiled: bool, overlap: bool, prompts: list[list[int]],
+                   params: list[SamplingParams]) -> list[list[int]]:
+    """One engine's tokens for ``prompts``, after the checks every engine of the test passes; the engine is
+    closed, and nothing outside this call refers to it."""
+    with LLM(model, device="cpu", dtype="float32", quantization=scheme, compile_decode=compiled, overlap=overlap,
+             engine_process=False, max_num_batched_tokens=24, max_num_seqs=6, block_size=BLOCK_SIZE,
+             num_kv_blocks=NUM_KV_BLOCKS, num_threads=1, debug_check_integrity=True) as llm:
         graphs = counters["stats"]["unique_graphs"]
-        runs[compiled, overlap] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        tokens = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         # Warm-up compiled every graph: no step (rows 1-6, block tables growing) compiles another.
         assert counters["stats"]["unique_graphs"] == graphs
         info = llm.executor_info
@@ -69,10 +94,7 @@ def test_compiled_decode_gives_the_eager_greedy_tokens_in_overlap_and_sync(make_
         else:
             assert info["compiled_steps"] == 0
         assert_idle_and_clean(llm)
-        llm.close()
-    assert runs[True, True] == runs[False, True]
-    assert runs[True, False] == runs[False, True]
-    assert [len(t) for t in runs[False, True]] == [8 + 3 * i for i in range(6)]
+    return tokens
 
 
 def test_compile_decode_is_off_by_default(make_llm, tiny_llama):
@@ -94,14 +116,16 @@ def test_compiled_w8a8_rows_are_independent_of_the_batch_and_close_to_eager(tiny
     from asyncbatch.model.compiled_decode import CompiledDecode
     from asyncbatch.model.loader import load_model
 
-    model = load_model(tiny_llama, torch.float32, torch.device("cpu"), max_positions=64, quantization=scheme)
-    kv_caches = model.new_kv_caches(1 + 5 * 3, 16)
+    gc.collect()  # no w8a8 model of an earlier test holds handles: ours are the engine test's
+    model = load_model(tiny_llama, torch.float32, torch.device("cpu"), max_positions=MAX_POSITIONS,
+                       quantization=scheme)
+    kv_caches = model.new_kv_caches(NUM_KV_BLOCKS, BLOCK_SIZE)
     compiled = CompiledDecode(model, kv_caches)
     vocab = int(model.config.vocab_size)
     with torch.inference_mode():
-        eager = model(decode_batch(5, 40, vocab=vocab), kv_caches)
-        five = compiled(decode_batch(5, 40, vocab=vocab))
-        one = compiled(decode_batch(1, 40, vocab=vocab))  # the same first row, alone (the one-row graph)
+        eager = model(decode_batch(5, 40, BLOCK_SIZE, vocab=vocab), kv_caches)
+        five = compiled(decode_batch(5, 40, BLOCK_SIZE, vocab=vocab))
+        one = compiled(decode_batch(1, 40, BLOCK_SIZE, vocab=vocab))  # the same first row, alone (the one-row graph)
     assert one.shape == (1, vocab) and five.shape == (5, vocab)
     assert torch.equal(one[0], five[0])
     torch.testing.assert_close(five, eager, rtol=1e-4, atol=1e-4)

@@ -19,7 +19,12 @@ An import of a higher layer is allowed only with its reason on the same line: ``
 from __future__ import annotations
 
 import ast
+import importlib.util
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("asyncbatch", "cuda_graphs")
@@ -156,3 +161,19 @@ def test_every_module_is_placed_deliberately():
     unplaced = [m for m in all_modules() if m != "asyncbatch" and layer_of(m) == LAYERS["asyncbatch"]
                 and not any(m == p or m.startswith(p + ".") for p in LAYERS if p != "asyncbatch" and LAYERS[p] == 7)]
     assert not unplaced, f"modules without a layer of their own: {unplaced}"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ray") is None or importlib.util.find_spec("fastapi") is None,
+                    reason="the cluster and serve extras are not installed")
+def test_the_cluster_launcher_imports_no_engine():
+    """``asyncbatch serve --replicas N``'s own process starts Ray and deploys the replicas; the replicas and
+    the ingress import the engine (torch, transformers: ~6 s of CPU per process on a 2-core machine), the
+    launching process needs neither, and every cluster start waits for its imports. So ``asyncbatch``,
+    ``asyncbatch.serve``, the CLI and the cluster's Ray side import them on first use only."""
+    code = ("import sys, asyncbatch, asyncbatch.serve, asyncbatch.cli.main, asyncbatch.cluster.launch, "
+            "asyncbatch.cluster.lifecycle; print(sorted({'torch', 'transformers'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out == "[]\n"
+    done = subprocess.run([sys.executable, "-c", "import asyncbatch; print(asyncbatch.LLM.__module__)"], cwd=ROOT,
+                          capture_output=True, text=True, check=True)
+    assert done.stdout == "asyncbatch.llm\n"  # still there, imported when asked for

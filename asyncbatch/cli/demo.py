@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import TYPE_CHECKING
 
 from asyncbatch.bench.workloads import uniform_requests
 from asyncbatch.cli.args import engine_kwargs, precision_text
-from asyncbatch.llm import LLM
 from asyncbatch.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from asyncbatch.llm import LLM
 
 
 def _throughput(llm: LLM, items, label: str) -> dict:
@@ -33,6 +36,8 @@ def _throughput(llm: LLM, items, label: str) -> dict:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    from asyncbatch.llm import LLM  # torch, transformers: not for other commands (asyncbatch/__init__.py)
+
     message = "Write one sentence about why GPUs should never wait for CPUs."
     rows = []
     for overlap in (True, False):

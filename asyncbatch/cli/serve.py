@@ -71,7 +71,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.replicas > 1 or args.address is not None:
         return _serve_cluster(args)
     try:
-        from asyncbatch.serve.async_llm import AsyncLLM
         from asyncbatch.serve.server import bind_socket, run_server
         from asyncbatch.serve.settings import ServeSettings
     except ImportError as exc:
@@ -83,6 +82,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sock = bind_socket(args.host, args.port)  # a busy port fails before the model loads
     try:
+        # The engine (torch, transformers: ~6 s of CPU on 2 cores) is imported after the port check, so a
+        # busy port is reported at once.
+        from asyncbatch.serve.async_llm import AsyncLLM
+
         engine = AsyncLLM(model, **kwargs)
     except BaseException:
         sock.close()

@@ -14,6 +14,7 @@ import asyncio
 import os
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from ray import serve
 from ray.serve.exceptions import RayServeException
@@ -21,12 +22,12 @@ from ray.serve.exceptions import RayServeException
 from asyncbatch.cluster.cache_summary import CacheSummary
 from asyncbatch.cluster.replica_metrics import STATS_KEY, ReplicaMetrics
 from asyncbatch.cluster.request import ReplicaRequest
-from asyncbatch.frontend.engine_client import EngineClient
-from asyncbatch.frontend.input_processor import ProcessedRequest
 from asyncbatch.outputs import StreamDelta
 from asyncbatch.profiling.timeline import summarize
-from asyncbatch.serve.async_llm import AsyncLLM
 from asyncbatch.serve.metrics import RECENT_STEPS
+
+if TYPE_CHECKING:
+    from asyncbatch.frontend.engine_client import EngineClient
 
 
 class EngineReplica:
@@ -35,6 +36,10 @@ class EngineReplica:
     def __init__(self, model: str | None, engine_kwargs: dict, summary_max_blocks: int = 8192) -> None:
         if summary_max_blocks < 0:
             raise ValueError(f"summary_max_blocks must be >= 0, got {summary_max_blocks}")
+        # The engine (torch, transformers) is imported here, in the replica: the process that deploys the
+        # replicas (``asyncbatch serve --replicas N``) imports this module for the class only.
+        from asyncbatch.serve.async_llm import AsyncLLM
+
         self.engine = AsyncLLM(model, **engine_kwargs)
         self.client: EngineClient = self.engine.llm  # stats, health, prefix-cache keys
         self._summary_max_blocks = summary_max_blocks
@@ -46,6 +51,8 @@ class EngineReplica:
     async def generate(self, request: ReplicaRequest) -> AsyncIterator[StreamDelta]:
         """Stream one choice's deltas (the last has ``finish_reason`` and ``output``). Cancelling the call
         (the caller went away) closes the iteration, which aborts the request in the engine."""
+        from asyncbatch.frontend.input_processor import ProcessedRequest  # imported by __init__'s engine
+
         # The ingress validated it against this engine's limits (``info``): taken as it is, not checked again.
         processed = ProcessedRequest(None, request.prompt_token_ids, request.params)
         (handle,) = self.engine.submit_processed([processed], [request.request_id])

@@ -27,16 +27,18 @@ import asyncio
 import logging
 import time
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from ray import serve
 
 from asyncbatch.cluster.cluster_metrics import ClusterCollector
-from asyncbatch.cluster.frontend import ClusterEngine, FrontendModel
 from asyncbatch.config import EngineConfig
-from asyncbatch.engine.builder import resolve_model
 from asyncbatch.serve.app import build_app
 from asyncbatch.serve.settings import ServeSettings
 from asyncbatch.serve.state import ServerState
+
+if TYPE_CHECKING:
+    from asyncbatch.cluster.frontend import ClusterEngine
 
 log = logging.getLogger("asyncbatch.cluster")
 
@@ -63,6 +65,10 @@ class Ingress:
                  max_retries: int = 1) -> None:
         self._replicas = replicas
         self._settings = settings
+        # The tokenizer (transformers, torch) is imported here, in the ingress replica: the process that deploys
+        # it (``asyncbatch serve --replicas N``) imports this module for the class only.
+        from asyncbatch.engine.builder import resolve_model
+
         self._resolved = resolve_model(EngineConfig.from_kwargs(model=model, **engine_kwargs))
         self._max_retries = max_retries
         self._engine: ClusterEngine | None = None
@@ -70,6 +76,8 @@ class Ingress:
         self._abort_requested = False
 
     async def __serve_build_asgi_app__(self):
+        from asyncbatch.cluster.frontend import ClusterEngine, FrontendModel  # torch: see __init__
+
         info = await self._replicas.info.remote()
         model = FrontendModel(self._resolved.tokenizer, self._resolved.spec, info["usable_tokens"])
         engine = ClusterEngine(self._replicas, model, self._max_retries)

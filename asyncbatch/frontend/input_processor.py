@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from asyncbatch.frontend.prompt_validation import (
     check_fits,
@@ -29,6 +28,9 @@ from asyncbatch.frontend.prompt_validation import (
     prompt_token_ids,
 )
 from asyncbatch.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # annotations only: transformers is imported by the tokenizer's owner
+    from transformers import PreTrainedTokenizerBase
 
 Prompt = str | list[int]
 

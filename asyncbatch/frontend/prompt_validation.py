@@ -7,10 +7,12 @@ allowed range; nothing is queued, so other requests are untouched.
 from __future__ import annotations
 
 from numbers import Integral
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
 
 from asyncbatch.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # annotations only: transformers is imported by the tokenizer's owner
+    from transformers import PreTrainedTokenizerBase
 
 
 def prompt_token_ids(prompt: object, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int) -> list[int]:
