@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 import torch
-from harness.common import log
+from harness.common import cpu_seconds, log
 from harness.common import parser as script_parser
 from harness.speculative_report import goals, markdown
 from harness.speculative_workloads import WORKLOADS, cycle, load_workload, prompt_ids, spread
@@ -65,17 +65,25 @@ def build_engines(args) -> dict[str, LLM]:
             for name in SYSTEMS}
 
 
+def engine_pids(llm: LLM) -> list[int]:
+    """This process and the engine's core process: on a machine shared with other jobs, output tokens per
+    CPU-second of these is steadier than per wall second (``bench_cpu_precision.py`` does the same)."""
+    core = getattr(getattr(llm._client, "process", None), "pid", None)
+    return [os.getpid()] + ([core] if core else [])
+
+
 def run_case(llm: LLM, prompts: list[list[int]], max_tokens: int, alone: bool) -> dict:
     """One timed run: each prompt alone, one after the other (``alone``), or all at once."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     load = os.getloadavg()[0]
+    pids = engine_pids(llm)
     llm.reset_stats()
-    start = time.perf_counter()
+    cpu0, start = cpu_seconds(pids), time.perf_counter()
     if alone:
         outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
     else:
         outs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - start
+    wall, cpu_s = time.perf_counter() - start, cpu_seconds(pids) - cpu0
     llm.wait_settled(30.0)
     stats = llm.stats()
     tokens = [list(o.token_ids) for o in outs]
@@ -86,7 +94,8 @@ def run_case(llm: LLM, prompts: list[list[int]], max_tokens: int, alone: bool) -
     return {"output_tokens": n, "wall_s": wall,
             "output_tok_s": n / (e2e if alone else wall),
             "decode_tok_s": sum(len(t) - 1 for t in tokens) / decode_s if alone and decode_s > 0 else None,
-            "ttft_ms_mean": 1e3 * statistics.fmean(ttft), "load_1min": load,
+            "ttft_ms_mean": 1e3 * statistics.fmean(ttft), "load_1min": load, "cpu_s": cpu_s,
+            "output_tok_per_cpu_s": n / cpu_s if cpu_s > 0 else None,
             **{k: stats.get(k) for k in STAT_KEYS}, "token_ids": tokens}
 
 

@@ -84,17 +84,21 @@ def markdown(doc: dict) -> str:
                   f"max {max(loads):.1f}; start {' / '.join(f'{x:.1f}' for x in doc['load_average']['start'])}, "
                   f"end {' / '.join(f'{x:.1f}' for x in doc['load_average']['end'])} (1/5/15 min)."), "",
              ("One request: the prompts listed below, each alone, one after the other; output tok/s = their tokens / "
-             "their end-to-end times (TTFT included), decode tok/s = (tokens - 1) / (finish - first token)."), "",
-             ("| workload | requests | plain tok/s | ngram tok/s | ngram / plain | plain decode tok/s | ngram decode "
-             "tok/s | decode ngram / plain | acceptance rate | mean acceptance length | device ms/step plain / ngram "
-             "| greedy tokens identical |"),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "their end-to-end times (TTFT included), decode tok/s = (tokens - 1) / (finish - first token). Tok per "
+             "CPU-s: output tokens per CPU-second of this process and the engine's core process (steadier than wall "
+             "time on a shared machine)."), "",
+             ("| workload | requests | plain tok/s | ngram tok/s | ngram / plain | tok per CPU-s plain / ngram (ratio) "
+             "| plain decode tok/s | ngram decode tok/s | decode ngram / plain | acceptance rate | mean acceptance "
+             "length | device ms/step plain / ngram | greedy tokens identical |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for case, by_workload in doc["results"].items():
         for workload, r in by_workload.items():
             p, n, t = r["plain"], r["ngram"], r["tokens"]
             lines.append(
                 f"| {workload} | {1 if case == 'single' else r['num_requests']} | {_f(p['output_tok_s'])} | "
                 f"{_f(n['output_tok_s'])} | {_x(_ratio(n['output_tok_s'], p['output_tok_s']))} | "
+                f"{_f(p['output_tok_per_cpu_s'])} / {_f(n['output_tok_per_cpu_s'])} "
+                f"({_x(_ratio(n['output_tok_per_cpu_s'], p['output_tok_per_cpu_s']))}) | "
                 f"{_f(p['decode_tok_s'])} | {_f(n['decode_tok_s'])} | {_x(_ratio(n['decode_tok_s'], p['decode_tok_s']))} "
                 f"| {_f(n['spec_decode_acceptance_rate'], 2)} | {_f(n['spec_decode_mean_acceptance_length'], 2)} | "
                 f"{_f(p['device_ms_per_step'], 0)} / {_f(n['device_ms_per_step'], 0)} | "
