@@ -30,8 +30,6 @@ Writes ``report.json`` and ``report.md`` into ``--out``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import platform
 import shlex
@@ -178,32 +176,6 @@ def measure(args, engines: dict[str, LLM], prompts: dict[str, dict[str, list[lis
     return results
 
 
-def one_request_prompts(args) -> dict[str, list[list[int]]]:
-    """The one-request prompts' token ids (an engine only for its tokenizer and chat template)."""
-    with LLM(args.model, device="cpu", dtype=args.dtype, num_threads=args.threads) as llm:
-        return {w: [prompt_ids(llm, d["messages"]) for d in spread(load_workload(w), args.single_prompts)]
-                for w in args.workloads.split(",") if w}
-
-
-def add_llamacpp(out_dir: Path, argv: list[str] | None) -> int:
-    """``--llamacpp-only``: llama.cpp on the one-request prompts of the report in ``out_dir`` (its settings),
-    written into that report with when and under what load it ran."""
-    doc = json.loads((out_dir / "report.json").read_text())
-    args = argparse.Namespace(**doc["args"])
-    prompts = one_request_prompts(args)
-    load = os.getloadavg()
-    doc["llamacpp"] = {w: llamacpp_single(args, ps) for w, ps in prompts.items()}
-    doc["llamacpp_run"] = {"command": "python " + shlex.join(["scripts/bench_speculative.py", *(argv or sys.argv[1:])]),
-                           "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                           "load_average": {"start": load, "end": os.getloadavg()}}
-    log(f"llama.cpp: {json.dumps({w: v.get('decode_tok_s', v.get('reason')) for w, v in doc['llamacpp'].items()})}")
-    doc["goals"] = goals(doc)
-    write_json(doc, out_dir / "report.json", nan_as_null=True)
-    (out_dir / "report.md").write_text(markdown(doc) + "\n")
-    print(markdown(doc))
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     p = script_parser(__doc__)
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
@@ -222,15 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disable-by-batch-size", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--skip-llamacpp", action="store_true")
-    p.add_argument("--llamacpp-only", action="store_true",
-                   help="measure llama.cpp alone, with the settings of the report already in --out, and add it there")
     p.add_argument("--out", default=None, help="default: profiles/speculative-<machine>")
     args = p.parse_args(argv)
     from bench_prefix_cache import machine_slug
 
     out_dir = Path(args.out) if args.out else ROOT / "profiles" / f"speculative-{machine_slug()}"
-    if args.llamacpp_only:
-        return add_llamacpp(out_dir, argv)
     started = time.time()
     doc: dict = {"created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
                  "command": "python " + shlex.join(["scripts/bench_speculative.py", *(argv or sys.argv[1:])]),

@@ -23,8 +23,7 @@ def llamacpp_figure(doc: dict, workload: str) -> tuple[float | None, str]:
         return LLAMACPP_REFERENCE["decode_tok_s"], "earlier run (llama.cpp not installed here)"
     this = entry.get(workload, {})
     if this.get("available"):
-        run = doc.get("llamacpp_run")
-        return this["decode_tok_s"], "this run" if run is None else f"measured here at {run['created_utc']}"
+        return this["decode_tok_s"], "this run"
     return LLAMACPP_REFERENCE["decode_tok_s"], "earlier run"
 
 
@@ -111,10 +110,7 @@ def markdown(doc: dict) -> str:
         lines += [(f"llama.cpp: **not measured in this run** ({llama['reason']}). The goals below use "
                   f"{LLAMACPP_REFERENCE['decode_tok_s']} decode tok/s from {LLAMACPP_REFERENCE['source']}."), ""]
     else:
-        run = doc.get("llamacpp_run")
-        when = "" if run is None else (f" -- a second invocation, `{run['command']}`, at {run['created_utc']}, load "
-                                       f"{' / '.join(f'{x:.1f}' for x in run['load_average']['start'])}")
-        lines += ["llama.cpp on the same one-request prompts (decode tok/s, median" + when + "): " + "; ".join(
+        lines += ["llama.cpp on the same one-request prompts (decode tok/s, median): " + "; ".join(
             f"{w}: {_f(v.get('decode_tok_s'))}" for w, v in llama.items()), ""]
     lines += ["| goal | measured | target | met | basis |", "|---|---|---|---|---|"]
     for g in doc["goals"]:
