@@ -172,9 +172,9 @@ def stream_ids(url: str, body: dict, out: list, headers: dict | None = None) -> 
     out.append((ids, finishes, done))
 
 
-def refuses_new_requests(url: str, within_s: float, headers: dict | None = None) -> bool:
-    """Once the drain began (``/health`` stops answering 200), a new request (sent with ``headers``: the API
-    key of a server that has one) is refused: 503 while the listening socket closes, or no connection at all."""
+def refuses_new_requests(url: str, within_s: float) -> bool:
+    """Once the drain began (``/health`` stops answering 200), a new request is refused: 503 while the
+    listening socket closes, or no connection at all."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         try:
@@ -186,8 +186,7 @@ def refuses_new_requests(url: str, within_s: float, headers: dict | None = None)
     else:
         return False
     try:
-        response = httpx.post(url + "/v1/completions", json={"prompt": [1], "max_tokens": 1}, headers=headers,
-                              timeout=2)
+        response = httpx.post(url + "/v1/completions", json={"prompt": [1], "max_tokens": 1}, timeout=2)
     except httpx.HTTPError:
         return True
     return response.status_code == 503

@@ -1,109 +1,52 @@
-"""Replicas on Ray Serve, through ``asyncbatch serve --replicas 2`` as users run it (2 ``sim`` replicas, each
-engine core in its own process, a Ray the server starts): the ``openai`` client through the ingress gets one
-engine's tokens; the cache-aware router keeps a repeated prefix on one replica; a replica killed under load
-fails its streams clearly, is restarted, and routing recovers; the ingress applies the server's key and body
-limit. The module's last test stops the server with SIGTERM: it drains, reports per-replica and prefix-cache
-metrics, exits 0 and leaves no process behind.
-
-A Ray server start costs most of a minute on 2 cores (every process imports the engine), so the module's
-tests share one: the test process joins its Ray as a second driver (for deployment handles and
-``ray.kill``), and the SIGTERM check runs last, after the others (and after the killed replica's
-restart: nothing it started may be left either). ``test_cluster_lifecycle`` starts the other server (SIGINT
-twice, the pow2 router).
-"""
+"""Replicas on Ray Serve (2 ``sim`` replicas, one local Ray started here and shut down after): the ``openai``
+client through the ingress gets one engine's tokens; the cache-aware router keeps a repeated prefix on one
+replica; a replica killed under load fails its streams clearly, is restarted, and routing recovers."""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
-from dataclasses import dataclass
 
 import httpx
 import pytest
 
 ray = pytest.importorskip("ray", reason="the cluster extra is not installed (pip install -e '.[cluster]')")
 openai = pytest.importorskip("openai", reason="the serve extra is not installed (pip install -e '.[serve]')")
-pytest.importorskip("psutil", reason="the cluster extra is not installed (pip install -e '.[cluster]')")
 
+from harness.common import free_port
 from ray import serve
-from ray._raylet import Config
 
 from asyncbatch import LLM, SamplingParams
 from asyncbatch.cluster import launch
 from asyncbatch.cluster.frontend import ClusterEngine, FrontendModel
 from asyncbatch.config import SimConfig
 from asyncbatch.errors import RequestFailedError
-from tests.cluster_harness import (
-    MODEL,
-    ProcessWatch,
-    cluster_server,
-    per_replica,
-    ray_address,
-    start_streams,
-    stop_and_check,
-    total,
-    wait_metrics,
-)
-from tests.cluster_harness import PREFIX as DRAIN_PREFIX  # the SIGTERM check's: cached by no test before it
-from tests.serve_harness import ServeProcess
+from asyncbatch.serve.settings import ServeSettings
 
-STEP_MS = 20  # the SIGTERM check's streams are sized by it (module end)
-SIM = SimConfig(step_fixed_ms=float(STEP_MS))  # the server's: --sim-step-ms, the rest SimConfig's defaults
-# An engine as the server builds each replica's (its tokens are the reference), in this process.
-ENGINE = {"device": "sim", "sim": SIM, "num_kv_blocks": 256, "max_model_len": 2048, "engine_process": False}
+SIM = SimConfig(step_fixed_ms=2.0, per_token_us=4.0, output_len_min=64, output_len_max=64)
+# The engine core in the replica's own process (engine_process=False): half the processes to start on CI's
+# 2 cores; the replica code is the same, and the study runs the default (a core process per replica).
+ENGINE = {"device": "sim", "sim": SIM, "max_num_seqs": 16, "num_kv_blocks": 256, "max_model_len": 2048,
+          "seed": 0, "engine_process": False}
 PREFIX = list(range(100, 100 + 8 * 16))  # 8 full blocks
 KEY = "cluster-key"  # the ingress applies asyncbatch serve's --api-key
-AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_BODY = 64 << 10
 ALIVE_AFTER_KILL = 50  # chunks a surviving stream must still get after the first failure
-STATS_PERIOD_S = launch.ClusterSpec().stats_period_s  # how often replicas publish (the server's default)
-
-
-@dataclass
-class Cluster:
-    """The server, what it started, and this process's handle to its replicas (as a driver of its Ray)."""
-
-    server: ServeProcess
-    watch: ProcessWatch
-    handle: object  # the replicas' deployment handle
-
-    @property
-    def root(self) -> str:
-        return self.server.url
-
-    @property
-    def url(self) -> str:
-        return self.server.url + "/v1"
-
-    def leave_ray(self) -> None:
-        """Disconnect this process from the server's Ray (before the server stops it)."""
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    server = cluster_server("--shutdown-timeout", "12", "--api-key", KEY, "--max-request-bytes", str(MAX_BODY),
-                            step_ms=STEP_MS)
-    watch = ProcessWatch(server)
-    # The server's Ray checks a token (a new local Ray's default; ~/.ray/auth_token, the same user's); a driver
-    # joining it by address sends it only when told to.
-    mode = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "token"
-    Config.initialize("")  # Ray's config reads it again (as Ray does where it turns the token on itself)
+    port = free_port()
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     try:
-        ray.init(address=ray_address(server), log_to_driver=False)
-        yield Cluster(server, watch, serve.get_deployment_handle(launch.REPLICA_DEPLOYMENT, app_name=launch.APP_NAME))
+        spec = launch.ClusterSpec(num_replicas=2, router="cache-aware", stats_period_s=0.25, max_age_s=1.0,
+                                  replica_num_cpus=1)
+        settings = ServeSettings(("sim",), api_key=KEY, max_body_bytes=MAX_BODY)
+        launch.run(spec, None, ENGINE, settings, "127.0.0.1", port, blocking=False)
+        handle = serve.get_deployment_handle(launch.REPLICA_DEPLOYMENT, app_name="asyncbatch")
+        yield f"http://127.0.0.1:{port}/v1", handle
     finally:
-        ray.shutdown()
-        if mode is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
-        else:
-            os.environ["RAY_AUTH_MODE"] = mode
-        Config.initialize("")
-        watch.stop()
-        server.kill()
+        launch.shutdown()
 
 
 def replica_stats(handle, want: int = 2, tries: int = 40) -> dict[int, dict]:
@@ -119,36 +62,35 @@ def replica_stats(handle, want: int = 2, tries: int = 40) -> dict[int, dict]:
 
 
 def test_openai_client_through_the_ingress_gets_one_engines_tokens(cluster):
-    url = cluster.url
+    url, _handle = cluster
     api = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=30)
     prompts = [[5, 6, 7, 8, 9] * 7, PREFIX + [1, 2, 3]]
     with LLM(**ENGINE) as llm:
         refs = [llm.generate([p], SamplingParams(max_tokens=12, seed=7 + i), use_tqdm=False)[0]
                 for i, p in enumerate(prompts)]
     for i, (prompt, ref) in enumerate(zip(prompts, refs)):
-        whole = api.completions.create(model=MODEL, prompt=prompt, max_tokens=12, seed=7 + i,
+        whole = api.completions.create(model="sim", prompt=prompt, max_tokens=12, seed=7 + i,
                                        extra_body={"return_token_ids": True})
         assert whole.choices[0].model_extra["token_ids"] == ref.token_ids
         assert whole.choices[0].text == ref.text
         assert whole.usage.completion_tokens == len(ref.token_ids)
-        chunks = list(api.completions.create(model=MODEL, prompt=prompt, max_tokens=12, seed=7 + i, stream=True,
+        chunks = list(api.completions.create(model="sim", prompt=prompt, max_tokens=12, seed=7 + i, stream=True,
                                              extra_body={"return_token_ids": True}))
         assert [t for c in chunks for t in c.choices[0].model_extra["token_ids"]] == ref.token_ids
-    chat = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    chat = api.chat.completions.create(model="sim", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
     assert chat.choices[0].finish_reason == "length"
     with pytest.raises(openai.BadRequestError, match="temperature"):
-        api.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=4, temperature=-1)
+        api.completions.create(model="sim", prompt=[1, 2, 3], max_tokens=4, temperature=-1)
 
 
 def test_a_repeated_long_prefix_stays_on_one_replica(cluster):
-    url, handle = cluster.url, cluster.handle
+    url, handle = cluster
     before = {pid: s["served"] for pid, s in replica_stats(handle).items()}
     api = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=30)
     tenant = [t + 20000 for t in PREFIX]  # a prefix no other test sends
     for k in range(6):
-        api.completions.create(model=MODEL, prompt=tenant + [k, k + 1], max_tokens=2)
-        # The first inside one summary period, the rest 2.4 periods after the previous.
-        time.sleep(0.05 if k < 3 else 2.4 * STATS_PERIOD_S)
+        api.completions.create(model="sim", prompt=tenant + [k, k + 1], max_tokens=2)
+        time.sleep(0.05 if k < 3 else 0.6)  # the first inside one summary period, the rest after it
     after = replica_stats(handle)
     served = sorted(after[pid]["served"] - before.get(pid, 0) for pid in after)
     assert served[-1] >= 6, f"requests per replica: {served}"
@@ -157,7 +99,7 @@ def test_a_repeated_long_prefix_stays_on_one_replica(cluster):
 
 
 def test_replica_kill_under_load_fails_clearly_restarts_and_recovers(cluster):
-    url, handle = cluster.url, cluster.handle
+    url, handle = cluster
     api = openai.AsyncOpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=30)
 
     streaming = [asyncio.Event() for _ in range(8)]
@@ -165,13 +107,13 @@ def test_replica_kill_under_load_fails_clearly_restarts_and_recovers(cluster):
 
     async def one(k: int) -> str:
         try:
-            # 2,000 tokens at 20 ms a step: every stream is still running when the kill lands, however slowly a
+            # 2,000 tokens at 2 ms a step: every stream is still running when the kill lands, however slowly a
             # loaded machine got them started. Once a stream of the killed replica has failed, a stream that
             # still gets ALIVE_AFTER_KILL chunks is on the surviving replica: it has proved that replica
             # still serves and hangs up (its request is aborted). How long the rest of its 2,000 tokens
             # would take on a loaded machine is not this test's subject; how long the actor takes to die
             # after ``ray.kill`` returns is not either (chunks are counted after the first failure).
-            stream = await api.completions.create(model=MODEL, prompt=[7, k, 9] * 10, max_tokens=2000,
+            stream = await api.completions.create(model="sim", prompt=[7, k, 9] * 10, max_tokens=2000,
                                                   stream=True, extra_body={"ignore_eos": True})
             after_kill = 0
             async for _chunk in stream:
@@ -213,7 +155,7 @@ def test_replica_kill_under_load_fails_clearly_restarts_and_recovers(cluster):
     assert replaced(), "Ray did not restart the killed replica"
     sync_api = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=30)
     for k in range(4):
-        assert sync_api.completions.create(model=MODEL, prompt=[3, k] * 20, max_tokens=4).choices[0].text is not None
+        assert sync_api.completions.create(model="sim", prompt=[3, k] * 20, max_tokens=4).choices[0].text is not None
     assert len(replica_stats(handle)) == 2
 
 
@@ -287,9 +229,10 @@ def test_a_request_that_streamed_nothing_is_retried_and_one_that_did_fails_clear
 
 
 def test_the_ingress_applies_the_servers_key_body_limit_and_routes(cluster):
-    root = cluster.root
-    auth = AUTH
-    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2}
+    url, _handle = cluster
+    root = url.removesuffix("/v1")
+    auth = {"Authorization": f"Bearer {KEY}"}
+    body = {"model": "sim", "prompt": [1, 2, 3], "max_tokens": 2}
     with httpx.Client(base_url=root, timeout=30) as http:
         assert http.post("/v1/completions", json=body).status_code == 401
         assert http.post("/v1/completions", json=body, headers={"Authorization": "Bearer nope"}).status_code == 401
@@ -298,7 +241,7 @@ def test_the_ingress_applies_the_servers_key_body_limit_and_routes(cluster):
         assert too_big.status_code == 413 and "exceeds the limit" in too_big.json()["error"]["message"]
         ok = http.post("/v1/completions", json=body, headers=auth)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
-        assert http.get("/v1/models", headers=auth).json()["data"][0]["id"] == MODEL
+        assert http.get("/v1/models", headers=auth).json()["data"][0]["id"] == "sim"
         assert http.post("/detokenize", json={"tokens": [1, 2]}).status_code == 200
         assert "asyncbatch:request_success_total" in http.get("/metrics").text
 
@@ -335,58 +278,3 @@ def test_the_ingress_counts_requests_without_a_token_as_waiting():
         return seen
 
     assert asyncio.run(run()) == [(2, 2), (2, 1), (1, 1), (0, 0)]
-
-
-# Last: it stops the server the module's tests share (pytest runs a module's tests in file order).
-@pytest.mark.slow
-def test_sigterm_drains_reports_replica_and_cache_metrics_and_leaves_no_process(cluster):
-    """Last in the module: it stops the server the tests above used (``--shutdown-timeout 12``, 20 ms steps)."""
-    server, watch, url = cluster.server, cluster.watch, cluster.root
-    cluster.leave_ray()  # this process's driver is not one the server's stop may wait for
-    try:
-        before = wait_metrics(url, "both replicas in /metrics",
-                              lambda m: len(per_replica(m, "asyncbatch:num_requests_running")) == 2)
-        assert set(per_replica(before, "asyncbatch:prefix_cache_hit_rate")) == {"0", "1"}
-        assert before[("asyncbatch:num_replicas", (("model_name", MODEL),))] == 2
-        queries0 = total(before, "asyncbatch:prefix_cache_queries_total")
-        hits0 = total(before, "asyncbatch:prefix_cache_hits_total")
-        by_cache0 = before[("asyncbatch:router_decisions_total", (("model_name", MODEL), ("reason", "cache_hit")))]
-
-        # A repeated long prefix: the router sends the repeats where it is cached, and that replica hits.
-        for k in range(3):
-            r = httpx.post(url + "/v1/completions", json={"prompt": DRAIN_PREFIX + [k], "max_tokens": 2},
-                           headers=AUTH, timeout=60)
-            assert r.status_code == 200, r.text
-        after = wait_metrics(url, "prefix-cache hits in /metrics",
-                             lambda m: total(m, "asyncbatch:prefix_cache_hits_total") >= hits0 + 2 * 8 * 16)
-        assert total(after, "asyncbatch:prefix_cache_queries_total") >= queries0 + 3 * len(DRAIN_PREFIX)
-        assert max(per_replica(after, "asyncbatch:prefix_cache_hit_rate").values()) > 0
-        assert after[("asyncbatch:router_decisions_total", (("model_name", MODEL), ("reason", "cache_hit")))] \
-            >= by_cache0 + 2
-
-        # In flight at the signal: one stream that ends within --shutdown-timeout (300 tokens at 20 ms a step:
-        # 6 s, long enough to be seen running beside the others while a loaded machine starts streams and
-        # answers scrapes in seconds), two that cannot (2,000 tokens: 40 s) and are aborted at it.
-        short, short_threads = start_streams(url, 1, 300, [5, 6, 7], AUTH)
-        long, long_threads = start_streams(url, 2, 2000, [8, 9, 10], AUTH)
-        ingress = (("model_name", MODEL),)
-        wait_metrics(url, "3 requests in flight, all started", lambda m: m[(
-            "asyncbatch:ingress_requests_in_flight", ingress)] == 3 and m[("asyncbatch:ingress_requests_waiting",
-                                                                          ingress)] == 0)
-        running = wait_metrics(url, "the long requests running on the replicas",
-                               lambda m: total(m, "asyncbatch:num_requests_running") >= 2)
-        assert total(running, "asyncbatch:kv_cache_usage_perc") > 0
-        start = time.monotonic()
-        out = stop_and_check(server, watch, signal.SIGTERM, exit_within_s=60, headers=AUTH)
-        for t in short_threads + long_threads:
-            t.join(30)
-    finally:
-        watch.stop()
-        server.kill()
-    assert time.monotonic() - start < 60
-    (ids, finishes, done), = short
-    assert len(ids) == 300 and finishes == ["length"] and done, (len(ids), finishes, done)
-    assert len(long) == 2
-    for ids, finishes, done in long:  # ended properly: an abort finish and [DONE], not a cut connection
-        assert 0 < len(ids) < 2000 and finishes == ["abort"] and done, (len(ids), finishes, done)
-    assert "draining" in out and "2 aborted," in out, out[-3000:]
