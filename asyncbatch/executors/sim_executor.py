@@ -144,8 +144,7 @@ class SimExecutor(ThreadedExecutor):
             steps[:nd] = self.num_outputs[decode_rows]
         input_ids[:nd] = self.token_buffer[decode_rows]
         fed = input_ids[logits_idx]
-        h = mix64(seeds.astype(np.uint64) * np.uint64(1_000_003) ^ mix64(steps.astype(np.uint64))
-                  ^ (fed.astype(np.uint64) << np.uint64(20)))
+        h = self._hash(seeds, steps, fed)
         extras = meta.extras
         banned_eos = self._eos_banned(extras, r)
         tokens = self._pseudo_tokens(h, steps, seeds, banned_eos)
@@ -174,7 +173,9 @@ class SimExecutor(ThreadedExecutor):
             result.logprobs, result.prompt_logprobs = self._pseudo_logprobs(extras, tokens)
         return result
 
-    def _hash(self, seeds: np.ndarray, steps: np.ndarray, fed: np.ndarray) -> np.ndarray:
+    @staticmethod
+    def _hash(seeds: np.ndarray, steps: np.ndarray, fed: np.ndarray) -> np.ndarray:
+        """The pseudo-token hash of output ``steps`` of requests ``seeds`` fed token ``fed`` (``[N]`` each)."""
         return mix64(seeds.astype(np.uint64) * np.uint64(1_000_003) ^ mix64(steps.astype(np.uint64))
                      ^ (fed.astype(np.uint64) << np.uint64(20)))
 
