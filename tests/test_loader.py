@@ -195,6 +195,8 @@ def test_max_model_len_honours_active_sliding_windows() -> None:
 def test_resolve_dtype(monkeypatch) -> None:
     from asyncbatch.model import cpu_features
 
+    # The faked flags below are the subject; a suite run with ASYNCBATCH_CPU_FLAGS set must not override them.
+    monkeypatch.delenv(cpu_features.CPU_FLAGS_ENV, raising=False)
     monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     assert resolve_dtype("auto", "cpu") == torch.float32
     monkeypatch.setattr(cpu_features, "cpu_flags", lambda: frozenset({"avx2", "avx512f", "avx512_bf16"}))
