@@ -1,11 +1,13 @@
-"""Speculative decoding (n-gram prompt lookup) in the engine: the same tokens as without it.
+"""Speculative decoding (n-gram prompt lookup, and a draft model) in the engine: the same tokens as without it.
 
 Verification keeps a draft only when the target's own seeded sample at that position equals it
 (``speculative.verify``), so speculation may change how many tokens a step emits but never which: greedy
 *and* seeded-sampled tokens, penalties included, must equal a non-speculative run's, in overlap and in
 synchronous mode, with chunked prefill, preemption and prefix caching, and the block accounting must hold
 after every step (``debug_check_integrity``) while the planner reserves KV for drafts one step ahead and
-gives back what was not accepted.
+gives back what was not accepted. A draft model runs its own KV cache in the target's blocks, so the same
+claims cover it with drafts that are nearly all right (the target drafting for itself) and nearly all wrong
+(a one-layer cut of the target).
 
 Float32 throughout: the claims are about the engine (a verify step computes a row's logits in a batch of
 other shape than a plain step does, which in bfloat16 may part at near-ties; docs/reproducibility.md).
@@ -13,10 +15,13 @@ other shape than a plain step does, which in bfloat16 may part at near-ties; doc
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 
 import pytest
 from engine_checks import assert_idle_and_clean
+from safetensors.torch import load_file, save_file
 from tiny_models import save_tiny_model
 
 from asyncbatch import LLM, SamplingParams
@@ -31,6 +36,28 @@ SPEC = {"num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max"
 def tiny_model(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("spec") / "llama", "LlamaForCausalLM",
                            max_position_embeddings=256)
+
+
+@pytest.fixture(scope="module")
+def shallow_draft(tiny_model, tmp_path_factory):
+    """The target's first layer alone (same embeddings, norm and LM head): another model with the target's
+    vocabulary and another KV shape (one layer), whose greedy tokens agree with the target's now and then."""
+    folder = tmp_path_factory.mktemp("spec") / "shallow"
+    shutil.copytree(tiny_model, folder)
+    weights = load_file(folder / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if ".layers.1." not in k}, folder / "model.safetensors",
+              metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    return folder
+
+
+def proposer(name: str, tiny_model, shallow_draft) -> dict:
+    """``SPEC`` with the named proposer: the n-gram lookup, or a draft model (the target itself, or its cut)."""
+    if name == "ngram":
+        return SPEC
+    draft = {"draft_self": tiny_model, "draft_shallow": shallow_draft}[name]
+    return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 4, "disable_by_batch_size": None}
 
 
 def tiny_workload(n: int = 64) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -67,16 +94,27 @@ def run(llm: LLM, prompts, params) -> list[tuple]:
     return [(o.token_ids, o.finish_reason, o.stop_reason) for o in outs]
 
 
-@pytest.mark.parametrize("engine_kwargs", [
-    {"max_num_batched_tokens": 64, "max_num_seqs": 16},  # chunked prefill, joins and leaves, prefix caching
-    {"num_kv_blocks": 40, "max_num_batched_tokens": 128, "max_num_seqs": 16},  # preemption
-], ids=["chunked", "preempting"])
-def test_speculative_tokens_equal_plain_tokens_on_a_tiny_model(make_llm, tiny_model, engine_kwargs):
-    prompts, params = tiny_workload()
+ENGINES = {
+    "chunked": {"max_num_batched_tokens": 64, "max_num_seqs": 16},  # chunked prefill, joins and leaves, prefix caching
+    "preempting": {"num_kv_blocks": 40, "max_num_batched_tokens": 128, "max_num_seqs": 16},  # preemption
+}
+_plain_runs: dict[tuple, list[tuple]] = {}
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_self", "draft_shallow"])
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_speculative_tokens_equal_plain_tokens_on_a_tiny_model(make_llm, tiny_model, shallow_draft, engine, method):
+    engine_kwargs = ENGINES[engine]
+    n = 64 if method == "ngram" else 40  # a draft model's steps cost more on the CPU: a shorter workload
+    prompts, params = tiny_workload(n)
     common = dict(device="cpu", dtype="float32", engine_process=False, debug_check_integrity=True, **engine_kwargs)
-    reference = run(make_llm(tiny_model, **common), prompts, params)
+    key = (str(tiny_model), engine, n)
+    if key not in _plain_runs:  # the plain reference, once per engine and workload
+        _plain_runs[key] = run(make_llm(tiny_model, **common), prompts, params)
+    reference = _plain_runs[key]
     for overlap in (True, False):
-        llm = make_llm(tiny_model, overlap=overlap, speculative_config=SPEC, **common)
+        llm = make_llm(tiny_model, overlap=overlap, speculative_config=proposer(method, tiny_model, shallow_draft),
+                       **common)
         got = run(llm, prompts, params)
         for i, (a, b) in enumerate(zip(got, reference)):
             assert a == b, (overlap, i, params[i])
@@ -85,10 +123,29 @@ def test_speculative_tokens_equal_plain_tokens_on_a_tiny_model(make_llm, tiny_mo
         # rejected, so both the keep and the give-back paths ran.
         assert stats["spec_decode_num_draft_tokens"] > stats["spec_decode_num_accepted_tokens"] > 0
         assert stats["spec_decode_mean_acceptance_length"] > 1.0
+        if method == "draft_self":  # every greedy row's drafts are right (sampled and penalised rows' are not)
+            assert stats["spec_decode_mean_acceptance_length"] > 2.0
         assert stats["output_tokens"] == sum(len(t) for t, _, _ in reference)
         if "num_kv_blocks" in engine_kwargs:
             assert stats["preemptions"] > 0
     assert {r for _, r, _ in reference} == {"stop", "length"}
+
+
+def test_a_draft_model_drafting_for_itself_is_always_right_for_greedy_rows(make_llm, tiny_model):
+    """Greedy rows without penalties: the target's own greedy drafts are its tokens, so every draft is accepted.
+    Any draft KV out of step with the target's (a chunk not followed, a reused prefix block without the draft's
+    KV, a recomputed request) would show here as a rejection."""
+    prompts, params = tiny_workload(16)
+    prompts = prompts + prompts[:8]  # the repeats reuse the first ones' cached prefix blocks
+    greedy = [SamplingParams(max_tokens=p.max_tokens, temperature=0.0, ignore_eos=True) for p in params]
+    greedy = greedy + greedy[:8]
+    llm = make_llm(tiny_model, device="cpu", dtype="float32", engine_process=False, debug_check_integrity=True,
+                   num_kv_blocks=20, max_num_batched_tokens=48, max_num_seqs=8,
+                   speculative_config=proposer("draft_self", tiny_model, None))
+    run(llm, prompts, greedy)
+    stats = llm.stats()
+    assert stats["preemptions"] > 0 and stats["prefix_cache_hit_rate"] > 0
+    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"] > 0
 
 
 def test_a_request_that_needs_sampler_extras_turns_verification_off_while_it_runs(make_llm, tiny_model):
@@ -147,13 +204,52 @@ def test_speculative_tokens_equal_plain_tokens_on_the_default_model(make_llm):
 
 @pytest.mark.parametrize(("field", "value"), [
     ("num_speculative_tokens", 0), ("num_speculative_tokens", 9), ("prompt_lookup_min", 0),
-    ("prompt_lookup_max", 1), ("method", "medusa"), ("method", "draft_model"), ("disable_by_batch_size", 0),
-    ("min_acceptance", 1.5),
+    ("prompt_lookup_max", 1), ("method", "medusa"), ("disable_by_batch_size", 0), ("min_acceptance", 1.5),
 ])
 def test_bad_speculative_config_is_a_value_error_naming_the_field(field, value):
     settings = {"prompt_lookup_min": 2, field: value}
     with pytest.raises(ValueError, match=field if field != "method" else "method"):
         SpeculativeConfig(**settings)
+
+
+def test_the_draft_model_field_is_required_by_draft_model_and_refused_with_ngram():
+    with pytest.raises(ValueError, match=r"speculative_config\.model is required"):
+        SpeculativeConfig(method="draft_model")
+    with pytest.raises(ValueError, match=r"speculative_config\.model must not be given with method='ngram'"):
+        SpeculativeConfig(method="ngram", model="smollm2-135m")
+    with pytest.raises(ValueError, match=r"speculative_config\.model must be a non-empty"):
+        SpeculativeConfig(method="draft_model", model="")
+    # vLLM's inference: a model means a draft model, the name "ngram" the n-gram proposer; neither, n-gram.
+    assert SpeculativeConfig(model="smollm2-135m").method == "draft_model"
+    assert (SpeculativeConfig(model="[ngram]").method, SpeculativeConfig(model="[ngram]").model) == ("ngram", None)
+    assert SpeculativeConfig().method == "ngram"
+
+
+def _copy_with(tiny_model, folder, vocab_size: int | None = None, swap_tokens: bool = False):
+    """The target's folder with another ``vocab_size`` in its config, or two tokens' ids swapped in its tokenizer."""
+    shutil.copytree(tiny_model, folder)
+    if vocab_size is not None:
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "vocab_size": vocab_size}))
+    if swap_tokens:
+        tokenizer = json.loads((folder / "tokenizer.json").read_text())
+        vocab = tokenizer["model"]["vocab"]
+        a, b = list(vocab)[10:12]
+        vocab[a], vocab[b] = vocab[b], vocab[a]
+        (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+    return folder
+
+
+@pytest.mark.parametrize("change", ["vocab_size", "tokenizer", "missing"])
+def test_a_draft_model_that_cannot_draft_for_the_target_is_refused_at_engine_start(tiny_model, tmp_path, change):
+    """Another vocabulary (its size, or the token-to-id map where both tokenizers are there), or no model at all:
+    a ValueError naming ``speculative_config.model`` when the engine starts, before any weights load."""
+    draft = {"vocab_size": lambda: _copy_with(tiny_model, tmp_path / "d", vocab_size=320),
+             "tokenizer": lambda: _copy_with(tiny_model, tmp_path / "d", swap_tokens=True),
+             "missing": lambda: tmp_path / "nowhere"}[change]()
+    with pytest.raises(ValueError, match=r"speculative_config\.model"):
+        LLM(tiny_model, device="cpu", dtype="float32", engine_process=False,
+            speculative_config={"model": str(draft)})
 
 
 def test_speculation_is_refused_where_it_does_not_run():
@@ -170,24 +266,30 @@ def test_speculation_is_refused_where_it_does_not_run():
 @pytest.mark.parametrize("num_kv_blocks", [400, 40], ids=["roomy", "preempting"])
 def test_sim_verify_steps_give_the_plain_tokens_under_overlap_and_preemption(make_llm, num_kv_blocks):
     """The simulated device models a verify step (each draft accepted with ``SimConfig.spec_acceptance``): 200
-    requests at 64 running, with and without speculation, overlap and sync, integrity checked every step."""
+    requests at 64 running, with and without speculation, overlap and sync, integrity checked every step. A
+    draft model is modelled the same way, and its forwards cost device time (``SimConfig.draft_seconds``)."""
     sim = SimConfig(step_fixed_ms=0.2, per_token_us=0, per_context_token_ns=0, output_len_min=8, output_len_max=120)
     prompts = [[5 + (i % 50)] * (10 + i % 30) for i in range(200)]
     params = [SamplingParams(max_tokens=100, temperature=0.0, seed=i, min_tokens=20 if i == 7 else 0)
               for i in range(200)]
     runs = {}
-    for name, spec, overlap in [("plain", None, True), ("overlap", SPEC, True), ("sync", SPEC, False)]:
+    draft = {"model": "smollm2-135m", "num_speculative_tokens": 4, "disable_by_batch_size": None}
+    for name, spec, overlap in [("plain", None, True), ("overlap", SPEC, True), ("sync", SPEC, False),
+                                ("draft", draft, True)]:
         llm = make_llm(device="sim", engine_process=False, overlap=overlap, debug_check_integrity=True,
                        num_kv_blocks=num_kv_blocks, max_num_seqs=64, sim=sim, speculative_config=spec)
-        runs[name] = (run(llm, prompts, params), llm.stats())
+        runs[name] = (run(llm, prompts, params), {**llm.stats(), "busy_s": llm.timeline.busy_s_total})
     plain, plain_stats = runs["plain"]
-    for name in ("overlap", "sync"):
+    for name in ("overlap", "sync", "draft"):
         got, stats = runs[name]
         assert got == plain, name
         assert stats["spec_decode_mean_acceptance_length"] > 2.0  # 0.7 per draft: 2.8 expected of 4 drafts
         assert stats["steps"] < plain_stats["steps"]
         if num_kv_blocks == 40:
             assert stats["preemptions"] > 0
+    # The same acceptance model, so about the same steps; each also pays the draft's forwards (0.1 of the target's
+    # per forward, 1 + 4 of them a verify step: 1.26x and 1.45x the busy time measured here).
+    assert runs["draft"][1]["busy_s"] > 1.15 * runs["overlap"][1]["busy_s"]
 
 
 def test_speculative_counters_reach_the_metrics_endpoint():

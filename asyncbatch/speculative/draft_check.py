@@ -49,6 +49,8 @@ def _check_tokenizers(field: str, path: Path, target: PreTrainedTokenizerBase) -
         return
     ours, theirs = target.get_vocab(), draft.get_vocab()
     if ours != theirs:
-        differ = sorted(set(ours.items()) ^ set(theirs.items()), key=lambda item: item[1])[:3]
+        token = min((t for t in ours.keys() | theirs.keys() if ours.get(t) != theirs.get(t)),
+                    key=lambda t: min(ours.get(t, 1 << 62), theirs.get(t, 1 << 62)))
         raise ValueError(f"{field} has another tokenizer vocabulary than the target model ({len(theirs)} vs "
-                         f"{len(ours)} tokens; e.g. {differ}): a draft model must share the target's vocabulary")
+                         f"{len(ours)} tokens; e.g. {token!r} is id {theirs.get(token)} in the draft, "
+                         f"{ours.get(token)} in the target): a draft model must share the target's vocabulary")
