@@ -178,12 +178,14 @@ def test_large_batches_verify_no_drafts(make_llm, tiny_model):
 
 @pytest.mark.model
 def test_speculative_tokens_equal_plain_tokens_on_the_default_model(make_llm):
-    """Input-grounded chat (rewrite a given text) and open-ended prompts on SmolLM2, greedy and seeded."""
+    """Input-grounded chat (rewrite a given text) and open-ended prompts on SmolLM2, greedy and seeded; n-gram in
+    overlap and sync mode, and SmolLM2 drafting for itself (``method="draft_model"``, overlap)."""
     text = ("The river flows through the old town, past the market square and the stone bridge. Every morning "
             "the bakers open their shops, and the smell of fresh bread fills the narrow streets.")
     common = {"device": "cpu", "dtype": "float32", "max_num_seqs": 8, "debug_check_integrity": True, "engine_process": False}
     runs = []
-    for spec in (None, SPEC, SPEC):
+    draft = {"model": "smollm2-135m", "num_speculative_tokens": 3}
+    for spec in (None, SPEC, SPEC, draft):
         llm = make_llm(speculative_config=spec, overlap=len(runs) != 2, **common)
         tok = llm.tokenizer
         chat = tok.apply_chat_template([{"role": "user", "content": f"Repeat this text word for word:\n\n{text}"}],
@@ -196,8 +198,9 @@ def test_speculative_tokens_equal_plain_tokens_on_the_default_model(make_llm):
                   SamplingParams(max_tokens=16, temperature=0.8, seed=3), SamplingParams(max_tokens=16, temperature=0.0,
                                                                                         repetition_penalty=1.2)]
         runs.append((run(llm, prompts, params), llm.stats()))
-    (plain, _), (overlap, overlap_stats), (sync, sync_stats) = runs
-    assert overlap == plain and sync == plain
+    (plain, _), (overlap, overlap_stats), (sync, sync_stats), (drafted, draft_stats) = runs
+    assert overlap == plain and sync == plain and drafted == plain
+    assert draft_stats["spec_decode_mean_acceptance_length"] > 2.0  # its own greedy tokens: the greedy rows' all right
     # The rewrite is mostly copied: several tokens a step, in both modes.
     assert min(overlap_stats["spec_decode_mean_acceptance_length"], sync_stats["spec_decode_mean_acceptance_length"]) > 1.5
 
