@@ -166,14 +166,21 @@ def test_a_request_that_needs_sampler_extras_turns_verification_off_while_it_run
     assert llm.stats()["spec_decode_num_draft_tokens"] > 0
 
 
-def test_large_batches_verify_no_drafts(make_llm, tiny_model):
-    """``disable_by_batch_size``: a step with more decode rows than that plans no drafts."""
+@pytest.mark.parametrize("method", ["ngram", "draft_self"])
+def test_large_batches_verify_no_drafts(make_llm, tiny_model, method):
+    """``disable_by_batch_size``: a step with more decode rows than that plans no drafts (a draft model's too);
+    smaller steps do verify drafts."""
     prompts, _params = tiny_workload(12)
     llm = make_llm(tiny_model, device="cpu", dtype="float32", engine_process=False,
-                   speculative_config={**SPEC, "disable_by_batch_size": 4})
-    llm.generate(list(prompts), [SamplingParams(max_tokens=3, temperature=0.0)] * 12,
-                 use_tqdm=False)
+                   speculative_config={**proposer(method, tiny_model, None), "disable_by_batch_size": 4})
+    params = [SamplingParams(max_tokens=3 + 5 * (i % 4), temperature=0.0, ignore_eos=True) for i in range(12)]
+    outs = llm.generate(list(prompts), params, use_tqdm=False)
     assert all(r.spec_draft_tokens == 0 for r in llm.timeline.records if r.num_decode > 4)
+    if method == "draft_self":  # the batch's tail, at 4 rows or fewer, drafts again; still the plain tokens
+        assert sum(r.spec_draft_tokens for r in llm.timeline.records if r.num_decode <= 4) > 0
+        plain = make_llm(tiny_model, device="cpu", dtype="float32", engine_process=False)
+        expected = plain.generate(list(prompts), params, use_tqdm=False)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
 
 
 @pytest.mark.model
