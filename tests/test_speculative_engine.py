@@ -222,6 +222,20 @@ def test_bad_speculative_config_is_a_value_error_naming_the_field(field, value):
         SpeculativeConfig(**settings)
 
 
+def test_the_kv_budget_counts_the_draft_models_cache(make_llm, tiny_model, shallow_draft):
+    """Each block holds a token's KV in the target and in the draft: under one memory budget a draft as large as
+    the target halves the blocks, a one-layer draft of a two-layer target leaves two thirds; the caches of both
+    stay within the budget."""
+    common = {"device": "cpu", "dtype": "float32", "engine_process": False, "kv_cache_memory_gib": 1 / 1024}
+    blocks, info = {}, {}
+    for name in ("ngram", "draft_self", "draft_shallow"):
+        llm = make_llm(tiny_model, speculative_config=proposer(name, tiny_model, shallow_draft), **common)
+        blocks[name], info[name] = llm.num_usable_blocks, llm.executor_info
+        assert info[name]["kv_cache_mib"] <= 1.001  # 1 MiB, and each tensor's storage rounded up (~64 bytes)
+    assert blocks["draft_self"] + 1 == (blocks["ngram"] + 1) // 2  # usable blocks: all but the dummy block
+    assert blocks["draft_shallow"] + 1 == (blocks["ngram"] + 1) * 2 // 3
+
+
 def test_the_draft_model_field_is_required_by_draft_model_and_refused_with_ngram():
     with pytest.raises(ValueError, match=r"speculative_config\.model is required"):
         SpeculativeConfig(method="draft_model")
