@@ -131,6 +131,23 @@ def test_speculative_tokens_equal_plain_tokens_on_a_tiny_model(make_llm, tiny_mo
     assert {r for _, r, _ in reference} == {"stop", "length"}
 
 
+def test_rows_that_reach_max_model_len_in_a_verify_step(make_llm, tiny_model):
+    """Requests that run to ``max_model_len`` while other rows draft: a verify step spans every row to the widest
+    one's drafts, so a row at the end of the model's length computes positions past it (dropped, and clamped to
+    the rotary table: this once killed the engine). Same tokens as plain, both proposers."""
+    prompts, params = tiny_workload(16)
+    params = [SamplingParams(max_tokens=48 - len(prompt), temperature=p.temperature, seed=p.seed, ignore_eos=True)
+              for prompt, p in zip(prompts, params)]
+    common = {"device": "cpu", "dtype": "float32", "engine_process": False, "debug_check_integrity": True,
+              "max_model_len": 48, "max_num_seqs": 8}
+    reference = run(make_llm(tiny_model, **common), prompts, params)
+    for method in ("ngram", "draft_self"):
+        spec = {**proposer(method, tiny_model, None), "num_speculative_tokens": 7}
+        llm = make_llm(tiny_model, speculative_config=spec, **common)
+        assert run(llm, prompts, params) == reference, method
+        assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
+
+
 def test_a_draft_model_drafting_for_itself_is_always_right_for_greedy_rows(make_llm, tiny_model):
     """Greedy rows without penalties: the target's own greedy drafts are its tokens, so every draft is accepted.
     Any draft KV out of step with the target's (a chunk not followed, a reused prefix block without the draft's

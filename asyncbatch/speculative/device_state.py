@@ -38,7 +38,7 @@ class DecodeInputs:
     """A step's decode tokens, ``D * (1 + depth)`` of them, row after row."""
 
     input_ids: torch.Tensor  # [D * W] int64
-    positions: torch.Tensor  # [D * W] int64
+    positions: torch.Tensor  # [D * W] int64 (< max_model_len: past the reserved KV, clamped)
     slot_mapping: torch.Tensor  # [D * W] int64 (positions past the row's reserved KV write the dummy block)
     context_lens: torch.Tensor  # [D * W] int64, each query's own context
     block_tables: torch.Tensor  # [D * W, max_blocks] int64, each row's table repeated
@@ -105,7 +105,10 @@ class SpeculativeState:
         slots = tables.gather(1, column) * block_size + positions % block_size
         slots = torch.where(inside, slots, dummy_slot)
         steps = self.num_outputs.index_select(0, rows)[:, None] + offsets[None, :]  # [D, W]
-        return DecodeInputs(ids.reshape(-1), positions.reshape(-1), slots.reshape(-1),
+        # A position past the reserved KV is computed and dropped; near ``max_model_len`` it may lie past the
+        # model's rotary table, so it is clamped (a row that drafts nothing still spans the step's width).
+        computed = torch.where(inside, positions, positions.clamp(max=self.max_model_len - 1))
+        return DecodeInputs(ids.reshape(-1), computed.reshape(-1), slots.reshape(-1),
                             torch.where(inside, positions + 1, 1).reshape(-1), tables.repeat_interleave(width, 0),
                             usable, steps.reshape(-1))
 
