@@ -266,12 +266,12 @@ def test_the_draft_model_field_is_required_by_draft_model_and_refused_with_ngram
     assert SpeculativeConfig().method == "ngram"
 
 
-def _copy_with(tiny_model, folder, vocab_size: int | None = None, swap_tokens: bool = False):
-    """The target's folder with another ``vocab_size`` in its config, or two tokens' ids swapped in its tokenizer."""
+def _copy_with(tiny_model, folder, swap_tokens: bool = False, **config_changes):
+    """The target's folder with ``config_changes`` in its config, or two tokens' ids swapped in its tokenizer."""
     shutil.copytree(tiny_model, folder)
-    if vocab_size is not None:
+    if config_changes:
         config = json.loads((folder / "config.json").read_text())
-        (folder / "config.json").write_text(json.dumps({**config, "vocab_size": vocab_size}))
+        (folder / "config.json").write_text(json.dumps({**config, **config_changes}))
     if swap_tokens:
         tokenizer = json.loads((folder / "tokenizer.json").read_text())
         vocab = tokenizer["model"]["vocab"]
@@ -281,13 +281,15 @@ def _copy_with(tiny_model, folder, vocab_size: int | None = None, swap_tokens: b
     return folder
 
 
-@pytest.mark.parametrize("change", ["vocab_size", "tokenizer", "missing"])
+@pytest.mark.parametrize("change", ["vocab_size", "tokenizer", "missing", "context"])
 def test_a_draft_model_that_cannot_draft_for_the_target_is_refused_at_engine_start(tiny_model, tmp_path, change):
-    """Another vocabulary (its size, or the token-to-id map where both tokenizers are there), or no model at all:
-    a ValueError naming ``speculative_config.model`` when the engine starts, before any weights load."""
+    """Another vocabulary (its size, or the token-to-id map where both tokenizers are there), no model at all, or
+    a context shorter than the engine's ``max_model_len``: a ValueError naming ``speculative_config.model`` when
+    the engine starts, before any weights load."""
     draft = {"vocab_size": lambda: _copy_with(tiny_model, tmp_path / "d", vocab_size=320),
              "tokenizer": lambda: _copy_with(tiny_model, tmp_path / "d", swap_tokens=True),
-             "missing": lambda: tmp_path / "nowhere"}[change]()
+             "missing": lambda: tmp_path / "nowhere",
+             "context": lambda: _copy_with(tiny_model, tmp_path / "d", max_position_embeddings=64)}[change]()
     with pytest.raises(ValueError, match=r"speculative_config\.model"):
         LLM(tiny_model, device="cpu", dtype="float32", engine_process=False,
             speculative_config={"model": str(draft)})
