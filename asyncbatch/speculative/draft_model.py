@@ -4,9 +4,11 @@ The draft's cache mirrors the target's block layout: the same number of blocks, 
 token's keys and values at the same slot in both. So the target's block tables, slot mappings, prefix cache
 and preemption serve the draft unchanged. The invariant that makes that true:
 
-    every slot the target writes in a step, the draft writes in the same step, with the same token at the
-    same position (``follow`` and ``propose`` together cover the target's tokens; the draft may write more,
-    past a row's true length, where the target's rejected drafts lie too).
+    every slot the target writes in a step with a token the row keeps (a position below the row's length after
+    the step), the draft writes in the same step, with the same token at the same position; and the draft
+    writes no slot the target does not write in that step (``propose`` and ``follow`` together). The slots
+    the target writes and the draft does not hold drafts the step rejected or did not check: past the row's
+    length, overwritten before anything reads them, never offered as cached (``docs/speculative.md``).
 
 So the draft's KV is valid wherever the target's is: a reused cached prefix block, a recomputed (preempted)
 request and a chunked prefill need nothing of their own. The price is a draft forward over every step's
