@@ -69,7 +69,8 @@ class DraftModel:
         drafts = torch.zeros(len(rows), state.k, dtype=torch.int64, device=rows.device)  # [D, k]
         tokens = token_buffer.index_select(0, rows)  # [D] this forward's input
         active = torch.arange(len(rows), device=rows.device)  # [A] rows (indices into ``rows``) still drafting
-        for j in range(int(num.max()) if len(rows) else 0):
+        most = int(num.max()) if len(rows) else 0  # the CPU reads this; a GPU would run k forwards, masked
+        for j in range(most):
             if j:  # rows whose drafts end here are done; they need none of the later forwards
                 keep = num.index_select(0, active) > j
                 active, tokens = active[keep], tokens[keep]
@@ -77,7 +78,7 @@ class DraftModel:
                                   reserved.index_select(0, active), dummy_slot)
             tokens = logits.argmax(dim=-1)  # [A] greedy
             drafts[active, j] = tokens
-        if not len(rows) or int(num.max()) == 0:  # nothing drafted: the input tokens' KV still (``follow``)
+        if not most:  # no row drafts: the first forward still writes every input token's KV
             self._decode(tokens, start, tables, reserved, dummy_slot)
         state.set_drafts(rows, drafts, num)
 
