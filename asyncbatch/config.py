@@ -37,10 +37,16 @@ class SimConfig:
     seed: int = 0
     # Speculative engines: the chance that each draft is accepted (the run stops at the first rejection).
     spec_acceptance: float = 0.7
+    # ``method="draft_model"``: a draft forward's cost as a share of the target's over the same tokens
+    # (about the draft's size over the target's; ``draft_seconds``).
+    draft_cost_ratio: float = 0.1
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.spec_acceptance <= 1.0:
             raise ValueError(f"SimConfig.spec_acceptance must be in [0, 1], got {self.spec_acceptance!r}")
+        if isinstance(self.draft_cost_ratio, bool) or not isinstance(self.draft_cost_ratio, (int, float)) \
+                or not 0.0 <= self.draft_cost_ratio <= 10.0:
+            raise ValueError(f"SimConfig.draft_cost_ratio must be in [0, 10], got {self.draft_cost_ratio!r}")
         for name in ("step_fixed_ms", "per_token_us", "per_context_token_ns"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:
@@ -62,6 +68,13 @@ class SimConfig:
             + self.per_token_us * 1e-6 * scheduled_tokens
             + self.per_context_token_ns * 1e-9 * context_tokens
         )
+
+    def draft_seconds(self, scheduled_tokens: int, context_tokens: int, num_decode: int, depth: int) -> float:
+        """A draft_model step's draft work: one forward over the step's tokens (the draft's KV follows the
+        target's) and, in a step verifying ``depth`` drafts a row, ``depth`` single-token forwards of the
+        ``num_decode`` decode rows (the proposals); each at ``draft_cost_ratio`` of the target's cost."""
+        propose = depth * self.step_seconds(num_decode, context_tokens) if num_decode else 0.0
+        return self.draft_cost_ratio * (self.step_seconds(scheduled_tokens, context_tokens) + propose)
 
 
 DEVICES = ("auto", "cpu", "cuda", "sim")

@@ -29,6 +29,7 @@ def add_engine_args(parser: argparse.ArgumentParser, run_options: bool = True) -
                         help="grammar library for structured outputs (pip install .[structured]); auto: xgrammar")
     parser.add_argument("--speculative-config", type=_json_object, default=None,
                         help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+                             'or \'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\' '
                              "(cpu and sim; docs/speculative.md)")
     if run_options:
         parser.add_argument("--no-overlap", action="store_true", help="synchronous mode (the ablation)")

@@ -2,7 +2,9 @@
 ``build_core`` in the engine core (weights, KV cache, executor, scheduler).
 
 KV capacity: ``num_kv_blocks`` if given; otherwise a memory budget divided by
-the bytes one token's keys and values take in every layer. The budget is
+the bytes one token's keys and values take in every layer, a draft model's
+layers included (``speculative_config`` with ``method="draft_model"``: its KV
+cache mirrors the target's blocks, so each block costs both). The budget is
 ``kv_cache_memory_gib`` if given, else on CUDA ``gpu_memory_utilization`` of
 the memory free after the weights and what steps and CUDA graphs will take
 (measured by one worst-case profile step, ``executors.cuda_memory``), on CPU
@@ -39,6 +41,7 @@ from asyncbatch.model.loader import (
     resolve_model_path,
 )
 from asyncbatch.model.quantization import check_quantization
+from asyncbatch.speculative.draft_check import resolve_draft
 
 _GIB = 1 << 30
 
@@ -54,6 +57,7 @@ class ModelSpec:
     eos_token_id: int | None
     max_blocks_per_seq: int
     nvtx: bool = False  # NVTX ranges on in the core (the frontend's setting)
+    draft_path: Path | None = None  # ``speculative_config.model`` resolved and checked (``draft_check``)
 
 
 @dataclass(slots=True)
@@ -98,6 +102,15 @@ def choose_num_blocks(config: EngineConfig, device: str, bytes_per_token: int, m
     blocks = int(budget // (bytes_per_token * config.block_size))
     most_useful = config.max_num_seqs * blocks_for_tokens(max_len, config.block_size) + 1
     return max(2, min(blocks, most_useful))
+
+
+def _kv_bytes(hf_config: PretrainedConfig, spec: ModelSpec, dtype: torch.dtype) -> int:
+    """KV bytes of one token: the target's, plus the draft model's when there is one (it caches every token the
+    target caches, in blocks of its own with the same ids)."""
+    total = kv_bytes_per_token(hf_config, dtype)
+    if spec.draft_path is not None:
+        total += kv_bytes_per_token(load_config(spec.draft_path)[0], dtype)
+    return total
 
 
 def _eos_id(tokenizer: PreTrainedTokenizerBase | None, hf_config: PretrainedConfig) -> int | None:
@@ -154,8 +167,9 @@ def resolve_model(config: EngineConfig) -> ResolvedModel:
     if config.max_model_len is not None and config.max_model_len > model_max:
         raise ValueError(f"max_model_len must be <= {model_max} for this model, got {config.max_model_len}")
     max_len = config.max_model_len or model_max
+    draft_path = resolve_draft(config.speculative_config, Path(path), hf_config, tokenizer, max_len, config.cache_dir)
     spec = ModelSpec(path, device, max_len, int(hf_config.vocab_size), _eos_id(tokenizer, hf_config),
-                     blocks_for_tokens(max_len, config.block_size), nvtx_enabled())
+                     blocks_for_tokens(max_len, config.block_size), nvtx_enabled(), draft_path)
     return ResolvedModel(spec, hf_config, tokenizer)
 
 
@@ -171,9 +185,10 @@ def build_core(config: EngineConfig, spec: ModelSpec, send: Callable[[object], N
     if device == "sim":
         from asyncbatch.executors.sim_executor import SimExecutor
 
-        num_blocks = choose_num_blocks(config, device, kv_bytes_per_token(hf_config, torch.bfloat16), max_len)
+        num_blocks = choose_num_blocks(config, device, _kv_bytes(hf_config, spec, torch.bfloat16), max_len)
         executor = SimExecutor(config.sim, spec.vocab_size, spec.eos_token_id, config.max_num_seqs,
-                               speculative=config.speculative_config is not None)
+                               speculative=config.speculative_config is not None,
+                               draft_model=spec.draft_path is not None)
     else:
         from asyncbatch.executors.torch_executor import TorchExecutor
 
@@ -191,8 +206,15 @@ def build_core(config: EngineConfig, spec: ModelSpec, send: Callable[[object], N
 
             reserved = profile_step_memory(model, config.max_num_seqs, config.max_num_batched_tokens,
                                            config.block_size, graphs=config.enable_cuda_graphs).reserve_bytes
-        num_blocks = choose_num_blocks(config, device, kv_bytes_per_token(hf_config, dtype), max_len, reserved)
+        num_blocks = choose_num_blocks(config, device, _kv_bytes(hf_config, spec, dtype), max_len, reserved)
         kv_caches = model.new_kv_caches(num_blocks, config.block_size)
+        draft = None
+        if spec.draft_path is not None:  # its own KV cache, the target's block layout (``speculative.draft_model``)
+            from asyncbatch.speculative.draft_model import DraftModel
+
+            draft_model = load_model(spec.draft_path, dtype, torch_device, max_positions=max_len,
+                                     quantization=config.quantization)
+            draft = DraftModel(draft_model, draft_model.new_kv_caches(num_blocks, config.block_size), max_len)
         if device == "cuda":
             from asyncbatch.executors.cuda_executor import CudaExecutor
 
@@ -203,7 +225,7 @@ def build_core(config: EngineConfig, spec: ModelSpec, send: Callable[[object], N
         else:
             executor = TorchExecutor(model, kv_caches, config.max_num_seqs, torch_device, dtype_choice=dtype_choice,
                                      compile_decode=config.compile_decode, speculative=config.speculative_config,
-                                     max_model_len=max_len)
+                                     max_model_len=max_len, draft=draft)
     blocks = BlockManager(num_blocks, config.block_size, config.max_num_seqs, spec.max_blocks_per_seq,
                           prefix_caching=config.enable_prefix_caching)
     scheduler = Scheduler(blocks, config.max_num_batched_tokens, eos_token_id=spec.eos_token_id,

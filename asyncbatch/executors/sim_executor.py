@@ -92,7 +92,7 @@ class SimExecutor(ThreadedExecutor):
     simulated = True
 
     def __init__(self, sim: SimConfig, vocab_size: int, eos_token_id: int | None, max_num_seqs: int,
-                 first_token_id: int = 256, speculative: bool = False) -> None:
+                 first_token_id: int = 256, speculative: bool = False, draft_model: bool = False) -> None:
         self.sim = sim
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
@@ -102,6 +102,7 @@ class SimExecutor(ThreadedExecutor):
         # Speculative engines: what the device holds per token row (``speculative.device_state``, modelled): the
         # next input's position and the outputs so far.
         self.speculative = speculative
+        self.draft_model = draft_model  # ``method="draft_model"``: each step also pays the draft's forwards
         self.length = np.zeros(max_num_seqs, dtype=np.int64)
         self.num_outputs = np.zeros(max_num_seqs, dtype=np.int64)
         self.forward_hook = None
@@ -136,6 +137,8 @@ class SimExecutor(ThreadedExecutor):
 
         start = max(handle.launch_time, self._device_free_at)
         end = start + self.sim.step_seconds(t, meta.context_tokens)
+        if self.draft_model:
+            end += self.sim.draft_seconds(t, meta.context_tokens, nd, meta.spec_depth)
         if self.forward_hook is not None:
             self.forward_hook(meta)
         if self.speculative and meta.spec_depth:

@@ -37,6 +37,7 @@ from asyncbatch.sampling.sampler import SamplingTensors, sample
 from asyncbatch.sampling.token_bitmask import apply_bitmask_
 from asyncbatch.speculative.config import SpeculativeConfig
 from asyncbatch.speculative.device_state import DecodeInputs, SpeculativeState, Verified
+from asyncbatch.speculative.draft_model import DraftModel
 
 
 def _expand_decode(num_decode: int, width: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -113,7 +114,8 @@ class TorchStep:
 
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_num_seqs: int,
                  device: torch.device, *, non_blocking_uploads: bool = False, paged: bool = False,
-                 speculative: SpeculativeConfig | None = None, max_model_len: int = 0) -> None:
+                 speculative: SpeculativeConfig | None = None, max_model_len: int = 0,
+                 draft: DraftModel | None = None) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.device = torch.device(device)
@@ -130,6 +132,8 @@ class TorchStep:
         self.spec = None if speculative is None else SpeculativeState(speculative, max_num_seqs, max_model_len,
                                                                        self.device)
         self.block_size = kv_caches[0][0].shape[1] if kv_caches else 1
+        # ``method="draft_model"``: the draft and its KV cache (the target's block layout), run in each step.
+        self.draft = draft
 
     # -- host → device ------------------------------------------------------------------
     def upload(self, array: np.ndarray) -> torch.Tensor:
@@ -245,8 +249,13 @@ class TorchStep:
         step computes fewer (``DecodeInputs.width``), and the prefill tokens move up to follow them."""
         batch, nd, planned = step.batch, meta.num_decode, meta.num_decode_tokens
         nt = 0
+        dummy_slot = DUMMY_BLOCK * self.block_size
+        proposed = self.draft is not None and nd > 0 and meta.spec_depth > 0
+        if proposed:  # drafts of this step's decode rows, before their tables become per-position ones
+            with mark("draft_propose", meta.step_id):
+                self.draft.propose(self.spec, step.decode_rows, meta.spec_depth, batch.decode_block_tables,
+                                   batch.decode_context_lens, self.token_buffer, dummy_slot)
         if nd:
-            dummy_slot = DUMMY_BLOCK * self.block_size
             v = self.spec.decode_inputs(step.decode_rows, meta.spec_depth, batch.decode_block_tables,
                                         batch.decode_context_lens, self.token_buffer, self.block_size, dummy_slot)
             step.verify, nt = v, nd * v.width
@@ -265,6 +274,9 @@ class TorchStep:
             self.spec.write_prefill(up(cached.rows), up(cached.positions), up(cached.token_ids))
         if meta.num_tokens > planned:
             self.spec.write_prefill(step.token_owner_row[nt:], batch.positions[nt:], batch.input_ids[nt:])
+        if self.draft is not None:  # the draft's KV follows the target's, slot for slot (``draft_model``)
+            with mark("draft_follow", meta.step_id):
+                self.draft.follow(batch, nd, step.verify.usable_drafts if proposed else None)
 
     @staticmethod
     def _close_gap(step: DeviceStep, planned: int, nt: int) -> None:
@@ -385,15 +397,16 @@ class TorchStep:
 
     def _start_and_propose(self, meta: StepMeta, step: DeviceStep, prefill_tokens: torch.Tensor) -> None:
         """The rows whose prefill ended start decoding (``prefill_tokens``: their first outputs, in sample order
-        after the decode rows); then every sampled row drafts its next step (the planner thread does not wait:
-        this runs on the device's side of the step)."""
+        after the decode rows); then every sampled row drafts its next step by n-gram (the planner thread does not
+        wait: this runs on the device's side of the step)."""
         nd, nt, r = meta.num_decode, step.num_decode_tokens, meta.num_sampled
         batch = step.batch
         if r > nd:
             last = batch.logits_indices[nt:nt + r - nd]  # [P] each prefill row's last token
             self.spec.start_rows(step.sample_rows[nd:], batch.positions.index_select(0, last) + 1,
                                  step.sampling.step[nd:r] + 1, prefill_tokens)
-        self.spec.propose(step.sample_rows)
+        if self.draft is None:  # a draft model proposes at the start of the step that verifies (``draft_model``)
+            self.spec.propose(step.sample_rows)
 
     @staticmethod
     def _spec_counts(verified: Verified) -> tuple[int, int, int]:
@@ -430,9 +443,12 @@ class TorchStep:
                                        penalty.token_is_output[nd:])
 
     def memory_info(self) -> dict:
-        """``weights_mib``, ``kv_cache_mib`` and the weights' precision, for the executors' ``describe``."""
-        return {"weights_mib": module_mib(self.model) + packed_bytes(self.model) / 2**20,
-                "kv_cache_mib": tensor_mib(t for kv in self.kv_caches for t in kv),
+        """``weights_mib``, ``kv_cache_mib`` (a draft model's included) and the weights' precision, for the
+        executors' ``describe``."""
+        models = [(self.model, self.kv_caches)] + ([] if self.draft is None else [(self.draft.model,
+                                                                                   self.draft.kv_caches)])
+        return {"weights_mib": sum(module_mib(m) + packed_bytes(m) / 2**20 for m, _ in models),
+                "kv_cache_mib": tensor_mib(t for _, caches in models for kv in caches for t in kv),
                 "dtype": str(self.model.model.embed_tokens.weight.dtype).removeprefix("torch."),
                 "quantization": self.model.quantization}
 
@@ -448,13 +464,14 @@ class TorchExecutor(ThreadedExecutor):
 
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_num_seqs: int,
                  device: torch.device, dtype_choice: str | None = None, compile_decode: bool = False,
-                 speculative: SpeculativeConfig | None = None, max_model_len: int = 0) -> None:
+                 speculative: SpeculativeConfig | None = None, max_model_len: int = 0,
+                 draft: DraftModel | None = None) -> None:
         device = torch.device(device)
         self.dtype_choice = dtype_choice
         if device.type != "cpu":
             raise ValueError(f"TorchExecutor runs on the CPU; use CudaExecutor for {device}")
         self._torch_step = TorchStep(model, kv_caches, max_num_seqs, device, speculative=speculative,
-                                     max_model_len=max_model_len)
+                                     max_model_len=max_model_len, draft=draft)
         self.compile_seconds: float | None = None
         if compile_decode:
             self._torch_step.decode_forward = CompiledDecode(model, kv_caches)

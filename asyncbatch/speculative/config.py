@@ -1,15 +1,19 @@
 """``SpeculativeConfig``: which proposer drafts tokens, how many, and when speculation is switched off.
 
 vLLM's shape and names (``speculative_config={"method": "ngram", "num_speculative_tokens": 4,
-"prompt_lookup_min": 2, "prompt_lookup_max": 4}``), validated once when the engine is configured: a bad
-value is a ``ValueError`` naming the field and its allowed range.
+"prompt_lookup_min": 2, "prompt_lookup_max": 4}``, or ``{"method": "draft_model", "model": PATH,
+"num_speculative_tokens": 4}``), validated once when the engine is configured: a bad value is a
+``ValueError`` naming the field and its allowed range. What needs the model's files (the draft's vocabulary
+against the target's) is checked when the engine resolves its model (``engine.builder.resolve_model``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+# ``model`` values that mean the n-gram proposer when ``method`` is not given (vLLM's spelling).
+NGRAM_MODEL_NAMES = ("ngram", "[ngram]")
 # A verify step writes 1 + k positions per row; with k < block_size a row crosses at most one block boundary
 # per step, which the planner's one-block-a-step growth relies on.
 MAX_SPECULATIVE_TOKENS = 8
@@ -17,8 +21,17 @@ MAX_SPECULATIVE_TOKENS = 8
 
 @dataclass(slots=True)
 class SpeculativeConfig:
-    """Prompt-lookup speculation: each running row drafts up to ``num_speculative_tokens`` tokens by n-gram
-    matching against its own prompt and outputs (``ngram.ngram_propose``), and one forward verifies them.
+    """Speculation: each running row drafts up to ``num_speculative_tokens`` tokens and one forward of the
+    target verifies them.
+
+    ``method``: ``"ngram"`` (prompt lookup: n-gram matching against the row's own prompt and outputs,
+    ``ngram.ngram_propose``) or ``"draft_model"`` (the greedy tokens of a smaller model, ``model``, that
+    shares the target's vocabulary: ``draft_model.DraftModel``). None infers it as vLLM does: ``"draft_model"``
+    when ``model`` names a model, ``"ngram"`` when ``model`` is ``"ngram"``; unlike vLLM, neither given is
+    ``"ngram"`` (the engine's default proposer, which needs no model). Resolved in ``__post_init__``: after it
+    ``method`` is never None.
+    ``model``: the draft model, in any form ``LLM(model=...)`` takes (a Hugging Face folder, a ``.gguf`` file,
+    the default model's alias); required by ``"draft_model"``, refused with ``"ngram"``.
 
     ``disable_by_batch_size``: a step whose decode rows number more than this verifies no drafts (vLLM's
     field): a large batch is compute-bound, where checking drafts costs what they save. None: never.
@@ -26,7 +39,8 @@ class SpeculativeConfig:
     over its verify steps) is below this stops drafting, and tries again every ``retry_every`` steps.
     """
 
-    method: str = "ngram"
+    method: str | None = None
+    model: str | None = None
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
@@ -35,9 +49,7 @@ class SpeculativeConfig:
     retry_every: int = 16
 
     def __post_init__(self) -> None:
-        if self.method == "draft_model":
-            raise ValueError("speculative_config.method='draft_model' is not supported yet; supported: "
-                             f"{list(SPECULATIVE_METHODS)}")
+        self._resolve_method()
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config.method must be one of {list(SPECULATIVE_METHODS)}, "
                              f"got {self.method!r}")
@@ -50,6 +62,26 @@ class SpeculativeConfig:
                 or not 0.0 <= self.min_acceptance <= 1.0:
             raise ValueError(f"speculative_config.min_acceptance must be in [0, 1], got {self.min_acceptance!r}")
         _int_in("retry_every", self.retry_every, 1, 1 << 20)
+
+    def _resolve_method(self) -> None:
+        """``method`` from ``model`` where it is None (vLLM's inference), then ``model`` checked against it."""
+        if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):
+            raise ValueError(f"speculative_config.model must be a non-empty path or model name, got {self.model!r}")
+        if self.method is None:
+            if self.model in NGRAM_MODEL_NAMES:
+                self.method, self.model = "ngram", None
+            else:
+                self.method = "ngram" if self.model is None else "draft_model"
+        if self.method == "draft_model" and self.model is None:
+            raise ValueError("speculative_config.model is required with method='draft_model': a model folder, "
+                             ".gguf file or model alias that shares the target's vocabulary")
+        if self.method == "ngram" and self.model is not None:
+            raise ValueError(f"speculative_config.model must not be given with method='ngram' (got "
+                             f"{self.model!r}); use method='draft_model' to draft with a model")
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
 
     @classmethod
     def coerce(cls, value: SpeculativeConfig | dict | None) -> SpeculativeConfig | None:

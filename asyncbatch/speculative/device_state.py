@@ -6,14 +6,16 @@ for a row, so it cannot say where the row's next input goes. The device knows, s
 * ``length``: the position of the row's next input token (its tokens with computed KV);
 * ``num_outputs``: outputs sampled so far (the seeded sampler's step counter);
 * ``history``: the row's tokens by position (prompt, then outputs), which the n-gram proposer reads;
-* ``drafts`` / ``num_drafts``: the drafts proposed at the end of the row's last step, verified by its next;
+* ``drafts`` / ``num_drafts``: the drafts its next verify checks: proposed at the end of the row's last step
+  (n-gram, ``propose``), or at the start of the verifying step (a draft model, ``draft_model.DraftModel``);
 * ``acceptance``: an exponential average of the share of drafts accepted (the per-row policy).
 
 A decode row's tokens in a step are its input token (the token buffer, as without speculation) and its
 ``depth`` drafts, at positions ``length .. length + depth``; each is a single-token query attending over the
 row's cache up to its own position (``decode_inputs``). After sampling, ``accept`` keeps the drafts the
 target's own samples confirm (``verify.accept_drafts``) and advances the row; ``propose`` drafts the next
-step's tokens on the device. A prefill chunk writes its tokens into the history (``write_prefill``), and the
+step's tokens on the device (n-gram; a draft model proposes at the start of the step that verifies, its
+drafts set through ``set_drafts``). A prefill chunk writes its tokens into the history (``write_prefill``), and the
 chunk that ends a prefill starts the row (``start_rows``). Nothing here reads the host, so step N+1's inputs
 follow from step N's outcome whatever the planner knew when it planned N+1.
 """
@@ -36,7 +38,7 @@ class DecodeInputs:
     """A step's decode tokens, ``D * (1 + depth)`` of them, row after row."""
 
     input_ids: torch.Tensor  # [D * W] int64
-    positions: torch.Tensor  # [D * W] int64
+    positions: torch.Tensor  # [D * W] int64 (< max_model_len: past the reserved KV, clamped)
     slot_mapping: torch.Tensor  # [D * W] int64 (positions past the row's reserved KV write the dummy block)
     context_lens: torch.Tensor  # [D * W] int64, each query's own context
     block_tables: torch.Tensor  # [D * W, max_blocks] int64, each row's table repeated
@@ -103,7 +105,10 @@ class SpeculativeState:
         slots = tables.gather(1, column) * block_size + positions % block_size
         slots = torch.where(inside, slots, dummy_slot)
         steps = self.num_outputs.index_select(0, rows)[:, None] + offsets[None, :]  # [D, W]
-        return DecodeInputs(ids.reshape(-1), positions.reshape(-1), slots.reshape(-1),
+        # A position past the reserved KV is computed and dropped; near ``max_model_len`` it may lie past the
+        # model's rotary table, so it is clamped (a row that drafts nothing still spans the step's width).
+        computed = torch.where(inside, positions, positions.clamp(max=self.max_model_len - 1))
+        return DecodeInputs(ids.reshape(-1), computed.reshape(-1), slots.reshape(-1),
                             torch.where(inside, positions + 1, 1).reshape(-1), tables.repeat_interleave(width, 0),
                             usable, steps.reshape(-1))
 
@@ -170,7 +175,16 @@ class SpeculativeState:
         c = self.config
         drafts, num = ngram_propose(self.history.index_select(0, rows)[:, :width], lengths, self.k,
                                     c.prompt_lookup_min, c.prompt_lookup_max, self.max_model_len)
+        self.set_drafts(rows, drafts, torch.where(self.quiet(rows), 0, num))
+
+    def quiet(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[R]`` bool: rows that draft nothing now (recent acceptance below ``min_acceptance``, and this
+        output is not one of the every-``retry_every`` retries). Both proposers follow it."""
+        c = self.config
         retry = self.num_outputs.index_select(0, rows) % c.retry_every == 0
-        quiet = (self.acceptance.index_select(0, rows) < c.min_acceptance) & ~retry
+        return (self.acceptance.index_select(0, rows) < c.min_acceptance) & ~retry
+
+    def set_drafts(self, rows: torch.Tensor, drafts: torch.Tensor, num: torch.Tensor) -> None:
+        """``drafts`` ``[R, k]`` of which the first ``num`` ``[R]`` count: what each row's next verify checks."""
         self.drafts.index_copy_(0, rows, drafts)
-        self.num_drafts.index_copy_(0, rows, torch.where(quiet, 0, num))
+        self.num_drafts.index_copy_(0, rows, num)
