@@ -189,10 +189,9 @@ class SimExecutor(ThreadedExecutor):
         more of them per step, and the planner's one-step-late reconciliation runs as on a real device."""
         s, nd, r, depth = meta.staging, meta.num_decode, meta.num_sampled, meta.spec_depth
         width = depth + 1
-        rows, seeds = s.sample_token_rows[:r].copy(), s.sample_seed[:r].astype(np.uint64)
+        rows, seeds = s.sample_token_rows[:r].copy(), s.sample_seed[:r].copy()
         steps = s.sample_step[:r].copy()  # exact for prefill rows; decode rows' come from the device state
         tokens = np.zeros((r, width), dtype=np.int64)
-        emitted = np.ones(r, dtype=np.int64)
         fed = self.token_buffer[rows].copy()
         if r > nd:  # prefill rows' last token: its pseudo-token's input
             last = s.logits_indices[nd:r]
@@ -201,16 +200,21 @@ class SimExecutor(ThreadedExecutor):
             self.num_outputs[rows[nd:]] = steps[nd:]
         steps[:nd] = self.num_outputs[rows[:nd]]
         usable = np.minimum(depth, np.maximum(s.decode_context_lens[:nd] - self.length[rows[:nd]] - 1, 0))  # [D]
-        accepting = np.ones(nd, dtype=bool)
+        # What does not depend on the chain is hashed for every position at once (the host's time in a sim step
+        # is time the planner waits for the GIL); only the fed token is hashed position by position.
+        index = steps[:, None] + np.arange(width)  # [R, W] output index of each position (prefill rows: 0 only)
+        index_u = index.astype(np.uint64)
+        base = seeds.astype(np.uint64)[:, None] * np.uint64(1_000_003) ^ mix64(index_u)  # [R, W]
+        limit = self.output_length(seeds)  # [R]
         for j in range(width):
-            live = slice(None) if j == 0 else slice(0, nd)
-            h = self._hash(seeds[live], steps[live] + j, fed[live])
-            tokens[live, j] = self._pseudo_tokens(h, steps[live] + j, s.sample_seed[:r][live], None)
-            fed[live] = tokens[live, j]
-            if j < depth and nd:
-                coin = (mix64(seeds[:nd] ^ mix64((steps[:nd] + j).astype(np.uint64) + np.uint64(0x5EC))) >> np.uint64(11))
-                accepting &= (coin.astype(np.float64) / float(1 << 53) < self.sim.spec_acceptance) & (j < usable)
-                emitted[:nd] += accepting
+            n = r if j == 0 else nd
+            h = mix64(base[:n, j] ^ (fed[:n].astype(np.uint64) << np.uint64(20)))  # = _hash(seeds, steps + j, fed)
+            fed[:n] = tokens[:n, j] = self._tokens_of(h, index[:n, j], limit[:n], None)
+        # Draft j is accepted with probability spec_acceptance, while usable; the run stops at the first rejection.
+        coin = mix64(seeds[:nd, None].astype(np.uint64) ^ mix64(index_u[:nd, :depth] + np.uint64(0x5EC))) >> np.uint64(11)
+        accept = (coin.astype(np.float64) / float(1 << 53) < self.sim.spec_acceptance) & (np.arange(depth) < usable[:, None])
+        emitted = np.ones(r, dtype=np.int64)
+        emitted[:nd] += np.logical_and.accumulate(accept, axis=1).sum(axis=1)
         drafted = usable > 0
         self._sleep_until(end, meta.step_id, " sim")
         self._device_free_at = end
@@ -231,12 +235,18 @@ class SimExecutor(ThreadedExecutor):
     def _pseudo_tokens(self, h: np.ndarray, steps: np.ndarray, seeds: np.ndarray, banned_eos: np.ndarray | None
                        ) -> np.ndarray:
         """Hash tokens in ``[first_token_id, V)``, never EOS except at the drawn length (unless banned)."""
+        return self._tokens_of(h, steps, self.output_length(seeds) if self.eos_token_id is not None else None,
+                               banned_eos)
+
+    def _tokens_of(self, h: np.ndarray, steps: np.ndarray, limit: np.ndarray | None, banned_eos: np.ndarray | None
+                   ) -> np.ndarray:
+        """``_pseudo_tokens`` with the drawn output lengths ``limit`` of the rows' requests already computed."""
         span = self.vocab_size - self.first_token_id
         tokens = self.first_token_id + (h % np.uint64(span)).astype(np.int64)
         if self.eos_token_id is not None:
             tokens = np.where(tokens == self.eos_token_id, tokens + 1 if self.eos_token_id + 1 < self.vocab_size
                               else self.first_token_id, tokens)
-            ends = steps + 1 >= self.output_length(seeds)
+            ends = steps + 1 >= limit
             if banned_eos is not None:
                 ends &= ~banned_eos
             tokens = np.where(ends, self.eos_token_id, tokens)
