@@ -147,6 +147,15 @@ class RowState:
         self.num_outputs[rows] = n
         return n
 
+    def append_runs(self, rows: np.ndarray, token_ids: np.ndarray, counts: np.ndarray) -> None:
+        """Append the first ``counts[i]`` of ``token_ids[i]`` (``[R, W]``) to each of ``rows`` (``[R]``, distinct),
+        in one scatter."""
+        n = self.num_outputs[rows]  # [R]
+        take = np.arange(token_ids.shape[1]) < counts[:, None]  # [R, W]
+        at = (rows * self.max_outputs + n)[:, None] + np.arange(token_ids.shape[1])  # [R, W] flat history index
+        self._history_flat[at[take]] = token_ids[take]
+        self.num_outputs[rows] = n + counts
+
     def outputs(self, row: int) -> list[int]:
         return self.history[row, :int(self.num_outputs[row])].tolist()
 

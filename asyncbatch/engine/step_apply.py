@@ -22,10 +22,12 @@ each other.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import numpy as np
 
+from asyncbatch.engine.emitted_cut import first_finish
 from asyncbatch.engine.messages import AppliedStep, Finish
 from asyncbatch.engine.request import Request, RequestStatus
 from asyncbatch.engine.row_state import RowState
@@ -64,6 +66,8 @@ class StepApplier:
         self.off_row = off_row
         self.finish = finish
         self.eos_token_id = eos_token_id
+        self.vectorised = True  # apply_verified's array path (False: the position-by-position reference)
+        self.reconcile_s = 0.0  # the last apply_verified's time reconciling the planner's upper bounds
 
     def apply(self, plan: StepPlan, token_ids: np.ndarray, finite: np.ndarray, num_releases: int) -> AppliedStep:
         """Append step ``plan``'s tokens (one per sampled row, in plan order) and end requests on EOS, a stop
@@ -139,16 +143,95 @@ class StepApplier:
         """A speculative engine's step: row ``i`` emitted ``token_ids[i, :num_emitted[i]]`` (``[R, 1 + depth]`` and
         ``[R]``; a prefill row, and a row with non-finite logits, one).
 
-        First the planner's upper bounds are reconciled (``_reconcile``); then the tokens are applied one
-        position at a time, each position through ``apply``'s rules, so a request that ends at one position
-        (EOS, a stop id, ``max_tokens``) drops the tokens after it, as overlap mode drops a finished request's
-        next token. The result lists a request's tokens in order (position-major across requests)."""
+        First the planner's upper bounds are reconciled (``_reconcile``, timed into ``reconcile_s``); then each
+        row's tokens are cut at the first that ends its request (EOS, a stop id, ``max_tokens``) and the tokens
+        after it are dropped, as overlap mode drops a finished request's next token. The result has a row per
+        kept sampled row (plan order) with its tokens in order (``AppliedStep.num_tokens``).
+
+        ``vectorised`` False applies one position at a time, each through ``apply``'s rules (the reference the
+        array path is tested against, ``tests/test_verified_apply.py``); its result is one token a row,
+        position-major. Both leave the same state, finish requests in the same order (position, then plan
+        order) and give each request the same tokens."""
         tokens = np.asarray(token_ids, dtype=np.int64).reshape(len(plan.sample_rows), -1)  # [R, W]
         if plan.spec_depth == 0:
+            self.reconcile_s = 0.0
             return self.apply(plan, tokens[:, 0], finite, num_releases)
         emitted = np.asarray(num_emitted, dtype=np.int64)  # [R]
+        start = time.perf_counter()
         self._reconcile(plan, emitted)
-        rows, seqs = plan.sample_rows, plan.sample_seqs
+        self.reconcile_s = time.perf_counter() - start
+        if not self.vectorised:
+            return self._apply_by_position(plan.sample_rows, plan.sample_seqs, tokens, emitted, finite)
+        return self._apply_runs(plan.sample_rows, plan.sample_seqs, tokens, emitted, np.asarray(finite, dtype=bool))
+
+    def _apply_runs(self, rows: np.ndarray, seqs: np.ndarray, tokens: np.ndarray, emitted: np.ndarray,
+                    good: np.ndarray) -> AppliedStep:
+        """``apply_verified``'s array path: every row's tokens appended and cut at once (``first_finish``);
+        Python only for the rows that end, and for rows whose request left them since the plan."""
+        st, r = self.rows, len(rows)
+        if not r:
+            return AppliedStep(_EMPTY_I64, _EMPTY_I64, _EMPTY_I8, [], None, _EMPTY_I64)
+        on_row = st.seq[rows] == seqs  # [R]
+        fast = on_row & good  # [R]
+        fi = fast.nonzero()[0]  # [F] sample indices
+        fr = rows[fi]  # [F] token rows
+        cut = first_finish(tokens[fi], emitted[fi], st.num_outputs[fr], st.max_tokens[fr], st.ignore_eos[fr],
+                           self.eos_token_id, self._stop_hits(fr, tokens[fi], emitted[fi]))
+        st.append_runs(fr, tokens[fi], cut.kept)
+        counts = np.zeros(r, dtype=np.int64)  # [R] tokens kept per sampled row
+        codes = np.zeros(r, dtype=np.int8)  # [R] the Finish of its last kept token
+        counts[fi], codes[fi] = cut.kept, cut.codes
+        errored: list[int] = []
+        # Python for rows that end or left their request, in the reference's order: by position, then plan order.
+        events = [(int(cut.kept[k]) - 1, int(fi[k])) for k in cut.codes.nonzero()[0].tolist()]
+        events += [(0, i) for i in (on_row & ~good).nonzero()[0].tolist()]
+        events += [(j, i) for i in (~on_row).nonzero()[0].tolist() for j in range(int(emitted[i]))]
+        events.sort()
+        for j, i in events:
+            row, seq = int(rows[i]), int(seqs[i])
+            if fast[i]:  # its token at position j ends it; the ones after it are dropped
+                request = self.owners[row]
+                code = Finish(int(codes[i]))
+                self.finish(request, code.reason, int(tokens[i, j]) if code is Finish.STOP_TOKEN else None)
+                self._drop_in_flight(request, int(emitted[i]) - j - 1)
+            elif on_row[i]:  # non-finite logits on a held row: no token
+                request = self.owners[row]
+                st.num_scheduled[row] -= 1  # this token never comes
+                errored.append(seq)
+                self.finish(request, Finish.ERROR.reason)
+                self._drop_in_flight(request, int(emitted[i]) - 1)
+            else:
+                code = self._apply_off_row(self.off_row[seq], int(tokens[i, j]), j > 0 or bool(good[i]), errored)
+                if code is not None:
+                    counts[i], codes[i] = j + 1, code
+        take = np.arange(tokens.shape[1]) < counts[:, None]  # [R, W]
+        if len(fi) == r and not errored:
+            return AppliedStep(seqs, tokens[take], codes, errored, None, counts)
+        kept = (counts > 0).nonzero()[0]  # [K]
+        return AppliedStep(seqs[kept], tokens[take], codes[kept], errored, kept, counts[kept])
+
+    def _stop_hits(self, rows: np.ndarray, tokens: np.ndarray, emitted: np.ndarray) -> np.ndarray | None:
+        """``[F, W]``: the token is one of its row's stop ids (Python for the rows that have any; None: none has)."""
+        with_stop_ids = self.rows.has_stop_ids[rows].nonzero()[0]
+        if not len(with_stop_ids):
+            return None
+        hits = np.zeros(tokens.shape, dtype=bool)
+        for k in with_stop_ids.tolist():
+            stop_ids = self.owners[int(rows[k])].params.stop_token_ids
+            n = int(emitted[k])
+            hits[k, :n] = [t in stop_ids for t in tokens[k, :n].tolist()]
+        return hits
+
+    def _drop_in_flight(self, request: Request, n: int) -> None:
+        """``n`` tokens of this step came for ``request`` after it finished: they are dropped, no longer pending."""
+        if n:
+            request.num_pending -= n
+            if request.num_pending == 0:
+                del self.off_row[request.arrival_seq]
+
+    def _apply_by_position(self, rows: np.ndarray, seqs: np.ndarray, tokens: np.ndarray, emitted: np.ndarray,
+                           finite: np.ndarray) -> AppliedStep:
+        """``apply_verified``'s reference path: one ``_apply`` per position."""
         parts = [self._apply(rows, seqs, tokens[:, 0], finite, False)]
         for j in range(1, int(emitted.max())):
             live = emitted > j  # [R]

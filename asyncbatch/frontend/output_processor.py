@@ -79,25 +79,29 @@ class OutputProcessor:
             hidden = self._hidden
             text_rows: list[tuple[int, RequestHandle, int, int]] = []  # rows with detokenizer work
             other_rows: list[tuple[int, RequestHandle, int, int]] = []  # last tokens of requests without text
-            for i, (seq, token, code) in enumerate(zip(out.seqs.tolist(), out.token_ids.tolist(), out.finish.tolist())):
-                handle = handles.get(seq)
-                if handle is None or handle.done.is_set():
-                    continue
-                accepted += 1
-                if code == _NONE and handle.token_only:  # the fast path: the id, and nothing else until the end
-                    if handle.metrics.first_token_time is None:
-                        handle.metrics.first_token_time = start
-                    handle.token_ids.append(token)
-                    if handle.text_ids is not None and token not in hidden:
-                        handle.text_ids.append(token)
-                    continue
-                (text_rows if handle.has_text else other_rows).append((i, handle, token, code))
+            if out.num_tokens is None:
+                for i, (seq, token, code) in enumerate(zip(out.seqs.tolist(), out.token_ids.tolist(),
+                                                           out.finish.tolist())):
+                    handle = handles.get(seq)
+                    if handle is None or handle.done.is_set():
+                        continue
+                    accepted += 1
+                    if code == _NONE and handle.token_only:  # the fast path: the id, and nothing else until the end
+                        if handle.metrics.first_token_time is None:
+                            handle.metrics.first_token_time = start
+                        handle.token_ids.append(token)
+                        if handle.text_ids is not None and token not in hidden:
+                            handle.text_ids.append(token)
+                        continue
+                    (text_rows if handle.has_text else other_rows).append((i, handle, token, code))
+            else:
+                accepted = self._accept_runs(out, start, text_rows, other_rows)
             if other_rows:
-                self._accept_rows(other_rows, out, start, finishes, ended, ended_codes)
+                accepted -= self._accept_rows(other_rows, out, start, finishes, ended, ended_codes)
             if text_rows:  # rows are independent, so the ones with text work run together, timed and marked
                 with mark("detokenize", step_id):
                     detok_start = time.perf_counter()
-                    self._accept_rows(text_rows, out, start, finishes, ended, ended_codes)
+                    accepted -= self._accept_rows(text_rows, out, start, finishes, ended, ended_codes)
                     detok_s = time.perf_counter() - detok_start
             for seq, code in zip(out.ended_seqs.tolist(), out.ended_codes.tolist()):
                 handle = self._handles.get(seq)
@@ -118,14 +122,43 @@ class OutputProcessor:
         if record is not None and self._ack_steps:
             self.send(StepAck(record.step_id))
 
+    def _accept_runs(self, out: StepOutputs, now: float, text_rows: list, other_rows: list) -> int:
+        """A speculative step's rows, several tokens each (``StepOutputs.num_tokens``): a ``token_only`` request
+        that goes on takes its tokens in one ``extend``; the others' tokens join ``text_rows``/``other_rows`` one
+        token a row, in order, the finish code on the last. Returns the tokens accepted."""
+        handles, hidden = self._handles, self._hidden
+        tokens = out.token_ids.tolist()
+        accepted = end = 0
+        for i, (seq, n, code) in enumerate(zip(out.seqs.tolist(), out.num_tokens.tolist(), out.finish.tolist())):
+            start, end = end, end + n
+            handle = handles.get(seq)
+            if handle is None or handle.done.is_set():
+                continue
+            accepted += n
+            run = tokens[start:end]
+            if code == _NONE and handle.token_only:
+                if handle.metrics.first_token_time is None:
+                    handle.metrics.first_token_time = now
+                handle.token_ids.extend(run)
+                if handle.text_ids is not None:
+                    handle.text_ids.extend(run if hidden.isdisjoint(run) else [t for t in run if t not in hidden])
+                continue
+            rows = text_rows if handle.has_text else other_rows
+            rows.extend((i, handle, token, _NONE) for token in run[:-1])
+            rows.append((i, handle, run[-1], code))
+        return accepted
+
     def _accept_rows(self, rows: list[tuple[int, RequestHandle, int, int]], out: StepOutputs, now: float,
-                     finishes: list, ended: list[int], ended_codes: list[Finish]) -> None:
+                     finishes: list, ended: list[int], ended_codes: list[Finish]) -> int:
         """``_accept`` each of ``rows`` (output row index, handle, token, finish code); a request whose processing
-        raises fails alone, one that a stop string ends is reported in ``ended``."""
+        raises fails alone, one that a stop string ends is reported in ``ended``. Returns the tokens dropped after
+        such an end in the same step (a speculative row's later tokens): they are not output tokens."""
         with_logprobs = _by_row(out.logprobs)
         stopped_here: set[int] = set()  # a speculative step lists several tokens of a request: none after its stop
+        dropped = 0
         for i, handle, token, code in rows:
             if handle.seq in stopped_here:
+                dropped += 1
                 continue
             try:
                 logprobs = with_logprobs(i, token) if with_logprobs is not None else None
@@ -140,6 +173,7 @@ class OutputProcessor:
                 stopped_here.add(handle.seq)
                 ended.append(handle.seq)
                 ended_codes.append(Finish.STOP_STRING)
+        return dropped
 
     def _accept(self, handle: RequestHandle, token: int, code: int, now: float, finishes: list,
                 logprobs: Logprobs | None = None) -> bool:

@@ -59,6 +59,9 @@ class StepRecord:
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # The planner's time reconciling its upper bounds with what the step really emitted (the one-step-late
+    # part of a verify step's apply; ``StepApplier._reconcile``): from ``wait_end``, inside ``apply_end``.
+    reconcile_ms: float = 0.0
     # The engine's load when the step was planned (the server's gauges read them from the newest record).
     num_running: int = 0
     num_waiting: int = 0
