@@ -37,18 +37,29 @@ def first_finish(tokens: np.ndarray, emitted: np.ndarray, num_outputs: np.ndarra
                  ignore_eos: np.ndarray, eos_token_id: int | None, stop_hits: np.ndarray | None = None) -> Cut:
     """The cut of rows whose tokens are ``tokens`` ``[F, W]`` (the first ``emitted[i]`` of row ``i`` count),
     whose requests had ``num_outputs`` outputs before them and may have ``max_tokens`` (``[F]`` each).
-    ``stop_hits`` ``[F, W]`` bool: the token is one of the row's stop ids (None: no row has any)."""
-    f, w = tokens.shape
-    position = np.arange(w)  # [W]
-    # LENGTH where the output count reaches max_tokens, then stop ids, then EOS: later writes win, as in
-    # ``finish_code`` the earlier rules do.
-    codes = ((num_outputs[:, None] + position + 1) >= max_tokens[:, None]).view(np.int8) * np.int8(_LENGTH)  # [F, W]
-    if stop_hits is not None:
-        codes[stop_hits] = _STOP_TOKEN
+    ``stop_hits`` ``[F, W]`` bool: the token is one of the row's stop ids (None: no row has any).
+
+    A handful of array operations when no token is EOS or a stop id (the common step): ``max_tokens`` cuts
+    at a position known per row, so only EOS and stop ids need a ``[F, W]`` search."""
+    room = max_tokens - num_outputs  # [F] outputs the request may still take (>= 1 while it holds its row)
+    kept = np.minimum(emitted, room)  # [F]
+    codes = (room <= emitted).view(np.int8) * np.int8(_LENGTH)  # [F] LENGTH where max_tokens cuts
+    ends = stop_hits
+    eos = None
     if eos_token_id is not None:
-        codes[(tokens == eos_token_id) & ~ignore_eos[:, None]] = _EOS
-    codes[position >= emitted[:, None]] = _NONE  # not emitted
-    ends = codes != _NONE  # [F, W]
-    first = ends.argmax(axis=1)  # [F] the first finishing position (0 where none: its code is NONE then)
-    hit = ends[np.arange(f), first]  # [F]
-    return Cut(np.where(hit, first + 1, emitted), codes[np.arange(f), first])
+        eos = tokens == eos_token_id  # [F, W]
+        if eos.any():
+            eos &= ~ignore_eos[:, None]
+            ends = eos if ends is None else eos | ends
+        else:
+            eos = None
+    if ends is None:
+        return Cut(kept, codes)
+    ends = ends & (np.arange(tokens.shape[1]) < kept[:, None])  # [F, W] within the tokens max_tokens keeps
+    hit = ends.any(axis=1).nonzero()[0]  # [H] rows an EOS or a stop id ends first (at max_tokens' cut too)
+    if len(hit):
+        first = ends[hit].argmax(axis=1)  # [H]
+        kept[hit] = first + 1
+        # EOS outranks a stop id at the same token, as in ``finish_code``.
+        codes[hit] = _STOP_TOKEN if eos is None else np.where(eos[hit, first], _EOS, _STOP_TOKEN)
+    return Cut(kept, codes)

@@ -38,12 +38,17 @@ _PREFIX_WORDS = 16  # words of a row scanned first for a set bit (1,024 tokens: 
 
 
 def mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser on uint64 arrays (wrapping arithmetic)."""
-    with np.errstate(over="ignore"):
-        x = (x + _GOLDEN).astype(np.uint64)
-        x = (x ^ (x >> np.uint64(30))) * _M1
-        x = (x ^ (x >> np.uint64(27))) * _M2
-        return x ^ (x >> np.uint64(31))
+    """splitmix64 finaliser on uint64 arrays (wrapping arithmetic: array integer overflow never warns).
+
+    In place on one fresh array, no ``errstate``: the sim's host time per step is mostly the fixed cost of
+    each array operation, and a verify step calls this a dozen times."""
+    x = np.add(x, _GOLDEN, dtype=np.uint64, casting="unsafe")
+    x ^= x >> np.uint64(30)
+    x *= _M1
+    x ^= x >> np.uint64(27)
+    x *= _M2
+    x ^= x >> np.uint64(31)
+    return x
 
 
 def allowed_pick(bitmask: np.ndarray, h: np.ndarray) -> np.ndarray:
