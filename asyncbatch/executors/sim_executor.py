@@ -210,11 +210,16 @@ class SimExecutor(ThreadedExecutor):
         index = steps[:, None] + np.arange(width)  # [R, W] output index of each position (prefill rows: 0 only)
         index_u = index.astype(np.uint64)
         base = seeds.astype(np.uint64)[:, None] * np.uint64(1_000_003) ^ mix64(index_u)  # [R, W]
-        limit = self.output_length(seeds)  # [R]
+        ends = None  # [R, W] the request's drawn length is reached: EOS (None: nowhere in this step)
+        if self.eos_token_id is not None:
+            ends = index + 1 >= self.output_length(seeds)[:, None]
+            if not ends.any():
+                ends = None
+        fed_u = fed.astype(np.uint64)
         for j in range(width):
             n = r if j == 0 else nd
-            h = mix64(base[:n, j] ^ (fed[:n].astype(np.uint64) << np.uint64(20)))  # = _hash(seeds, steps + j, fed)
-            fed[:n] = tokens[:n, j] = self._tokens_of(h, index[:n, j], limit[:n], None)
+            h = mix64(base[:n, j] ^ (fed_u[:n] << np.uint64(20)))  # = _hash(seeds, steps + j, fed)
+            fed_u[:n] = tokens[:n, j] = self._tokens_of(h, None if ends is None else ends[:n, j], None)
         # Draft j is accepted with probability spec_acceptance, while usable; the run stops at the first rejection.
         coin = mix64(seeds[:nd, None].astype(np.uint64) ^ mix64(index_u[:nd, :depth] + np.uint64(0x5EC))) >> np.uint64(11)
         accept = (coin.astype(np.float64) / float(1 << 53) < self.sim.spec_acceptance) & (np.arange(depth) < usable[:, None])
@@ -240,21 +245,23 @@ class SimExecutor(ThreadedExecutor):
     def _pseudo_tokens(self, h: np.ndarray, steps: np.ndarray, seeds: np.ndarray, banned_eos: np.ndarray | None
                        ) -> np.ndarray:
         """Hash tokens in ``[first_token_id, V)``, never EOS except at the drawn length (unless banned)."""
-        return self._tokens_of(h, steps, self.output_length(seeds) if self.eos_token_id is not None else None,
-                               banned_eos)
+        ends = None if self.eos_token_id is None else steps + 1 >= self.output_length(seeds)
+        return self._tokens_of(h, ends, banned_eos)
 
-    def _tokens_of(self, h: np.ndarray, steps: np.ndarray, limit: np.ndarray | None, banned_eos: np.ndarray | None
-                   ) -> np.ndarray:
-        """``_pseudo_tokens`` with the drawn output lengths ``limit`` of the rows' requests already computed."""
+    def _tokens_of(self, h: np.ndarray, ends: np.ndarray | None, banned_eos: np.ndarray | None) -> np.ndarray:
+        """``_pseudo_tokens`` with the rows that reached their drawn length (``ends``: EOS there) known."""
         span = self.vocab_size - self.first_token_id
         tokens = self.first_token_id + (h % np.uint64(span)).astype(np.int64)
-        if self.eos_token_id is not None:
-            tokens = np.where(tokens == self.eos_token_id, tokens + 1 if self.eos_token_id + 1 < self.vocab_size
-                              else self.first_token_id, tokens)
-            ends = steps + 1 >= limit
+        eos = self.eos_token_id
+        if eos is None:
+            return tokens
+        if eos >= self.first_token_id:  # a hash may land on EOS: moved off it (below first_token_id it cannot)
+            tokens = np.where(tokens == eos, tokens + 1 if eos + 1 < self.vocab_size else self.first_token_id,
+                              tokens)
+        if ends is not None:
             if banned_eos is not None:
-                ends &= ~banned_eos
-            tokens = np.where(ends, self.eos_token_id, tokens)
+                ends = ends & ~banned_eos
+            tokens = np.where(ends, eos, tokens)
         return tokens
 
     def _eos_banned(self, extras, r: int) -> np.ndarray | None:

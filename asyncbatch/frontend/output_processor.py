@@ -55,6 +55,7 @@ class OutputProcessor:
         self._handles = handles  # live handles by seq; the frontend adds, this removes finished ones
         self._timeline = timeline
         self._hidden = hidden_token_ids  # EOS: kept in token_ids, not detokenized
+        self._hidden_ids = np.fromiter(hidden_token_ids, dtype=np.int64, count=len(hidden_token_ids))
         self.send = send
         self._ack_steps = ack_steps  # synchronous mode: the core waits for our StepAck
 
@@ -124,29 +125,44 @@ class OutputProcessor:
 
     def _accept_runs(self, out: StepOutputs, now: float, text_rows: list, other_rows: list) -> int:
         """A speculative step's rows, several tokens each (``StepOutputs.num_tokens``): a ``token_only`` request
-        that goes on takes its tokens in one ``extend``; the others' tokens join ``text_rows``/``other_rows`` one
-        token a row, in order, the finish code on the last. Returns the tokens accepted."""
-        handles, hidden = self._handles, self._hidden
-        tokens = out.token_ids.tolist()
-        accepted = end = 0
-        for i, (seq, n, code) in enumerate(zip(out.seqs.tolist(), out.num_tokens.tolist(), out.finish.tolist())):
+        that goes on takes its tokens in one ``extend`` (and its text ids, hidden ids left out for the whole
+        step at once, in another); the others' tokens join ``text_rows``/``other_rows`` one token a row, in
+        order, the finish code on the last. Returns the tokens accepted."""
+        handles = self._handles
+        tokens, nums = out.token_ids.tolist(), out.num_tokens.tolist()
+        text, text_nums = tokens, nums  # the ids a deferred detokenizer decodes, and how many per row
+        shown = self._shown(out.token_ids)
+        if shown is not None:
+            text = out.token_ids[shown].tolist()
+            text_nums = np.add.reduceat(shown, np.cumsum(out.num_tokens) - out.num_tokens).tolist()
+        accepted = end = text_end = 0
+        for i, (seq, n, text_n, code) in enumerate(zip(out.seqs.tolist(), nums, text_nums, out.finish.tolist())):
             start, end = end, end + n
+            text_start, text_end = text_end, text_end + text_n
             handle = handles.get(seq)
             if handle is None or handle.done.is_set():
                 continue
             accepted += n
-            run = tokens[start:end]
             if code == _NONE and handle.token_only:
                 if handle.metrics.first_token_time is None:
                     handle.metrics.first_token_time = now
-                handle.token_ids.extend(run)
+                handle.token_ids.extend(tokens[start:end])
                 if handle.text_ids is not None:
-                    handle.text_ids.extend(run if hidden.isdisjoint(run) else [t for t in run if t not in hidden])
+                    handle.text_ids.extend(text[text_start:text_end])
                 continue
             rows = text_rows if handle.has_text else other_rows
+            run = tokens[start:end]
             rows.extend((i, handle, token, _NONE) for token in run[:-1])
             rows.append((i, handle, run[-1], code))
         return accepted
+
+    def _shown(self, token_ids: np.ndarray) -> np.ndarray | None:
+        """``[T]`` bool: the token is not hidden (EOS); None when none of ``token_ids`` is hidden."""
+        hidden = self._hidden_ids
+        if not len(hidden):
+            return None
+        shown = token_ids != hidden[0] if len(hidden) == 1 else ~np.isin(token_ids, hidden)
+        return None if shown.all() else shown
 
     def _accept_rows(self, rows: list[tuple[int, RequestHandle, int, int]], out: StepOutputs, now: float,
                      finishes: list, ended: list[int], ended_codes: list[Finish]) -> int:
