@@ -7,6 +7,16 @@ until the modelled end with the GIL released. Modelling the queue (instead of
 timing the thread) keeps the Python thread's own wake-up jitter out of the
 device timeline, as a real GPU's queue would.
 
+The thread's own host work for a step (hashing the pseudo-tokens, a verify
+step's acceptances) holds the GIL, which a real device's work does not. It is
+done in the step's last moments, where a real device samples: the thread
+sleeps until ``end`` less what that work took in the last step, works, then
+sleeps to ``end``. So it overlaps the planner's wait for the step, as the
+device's sampling would, rather than the planner's work on the next one (or,
+done at the start, an overlap planner applying the step before would wait for
+the GIL behind it); a step whose work outlasts the step delivers its result
+that much late.
+
 Pseudo-token of a sampled row = hash(request seed, output index, input token),
 where the input token of a decode row is read from the device token buffer: a
 wrong feedback path changes every later token. A request emits its
@@ -110,6 +120,8 @@ class SimExecutor(ThreadedExecutor):
         self.length = np.zeros(max_num_seqs, dtype=np.int64)
         self.num_outputs = np.zeros(max_num_seqs, dtype=np.int64)
         self.forward_hook = None
+        self._host_s = 0.0  # the last step's host work (seconds): the next one starts it this long before its end
+        self._host_start = 0.0
         self._thread = DeviceThread("asyncbatch-sim-device", self._run)
 
     def output_length(self, seeds: np.ndarray) -> np.ndarray:
@@ -143,6 +155,8 @@ class SimExecutor(ThreadedExecutor):
         end = start + self.sim.step_seconds(t, meta.context_tokens)
         if self.forward_hook is not None:
             self.forward_hook(meta)
+        self._sleep_until(end - self._host_s, meta.step_id, " sim")  # the host work below ends near ``end``
+        self._host_start = time.perf_counter()
         if self.speculative and meta.spec_depth:
             return self._run_verify(meta, handle, start, end, h2d_ms)
         if self.speculative:  # decode rows' output counts live on the device (the planner's are upper bounds)
@@ -153,7 +167,7 @@ class SimExecutor(ThreadedExecutor):
         extras = meta.extras
         banned_eos = self._eos_banned(extras, r)
         tokens = self._pseudo_tokens(h, steps, seeds, banned_eos)
-        self._sleep_until(end, meta.step_id, " sim")
+        self._end_host_work(end, meta.step_id)
         forward_ms, wait_ms, wait_start = (end - start) * 1e3, 0.0, 0.0
         if extras is not None and extras.grammar is not None:
             # The forward is done at ``end``; sampling waits for the host's mask like a real device would.
@@ -226,7 +240,7 @@ class SimExecutor(ThreadedExecutor):
         emitted = np.ones(r, dtype=np.int64)
         emitted[:nd] += np.logical_and.accumulate(accept, axis=1).sum(axis=1)
         drafted = usable > 0
-        self._sleep_until(end, meta.step_id, " sim")
+        self._end_host_work(end, meta.step_id)
         self._device_free_at = end
         self.token_buffer[rows] = tokens[np.arange(r), emitted - 1]
         self.length[rows[:nd]] += emitted[:nd]
@@ -234,6 +248,12 @@ class SimExecutor(ThreadedExecutor):
         return StepResult(meta.step_id, tokens, np.ones(r, dtype=bool), device_start=start, device_end=end,
                           h2d_ms=h2d_ms, forward_ms=(end - start) * 1e3, num_emitted=emitted,
                           spec_counts=(int(drafted.sum()), int(usable.sum()), int((emitted[:nd] - 1).sum())))
+
+    def _end_host_work(self, end: float, step_id: int) -> None:
+        """The step's host work is done: remember how long it took (the next step starts it that much before its
+        end), then sleep until the step's modelled end."""
+        self._host_s = time.perf_counter() - self._host_start
+        self._sleep_until(end, step_id, " sim")
 
     @staticmethod
     def _sleep_until(t: float, step_id: int, label: str) -> None:
