@@ -7,15 +7,6 @@ until the modelled end with the GIL released. Modelling the queue (instead of
 timing the thread) keeps the Python thread's own wake-up jitter out of the
 device timeline, as a real GPU's queue would.
 
-The sim's own host work for a step (hashing the pseudo-tokens) holds the GIL,
-which a real device's work does not, so it is placed where it takes time the
-planner would spend blocked rather than time it works (at a step's start it ran
-while an overlap planner applied the step before and planned the next). A
-plain step's is done in the step's last moments, where a real device samples:
-the thread sleeps until ``end`` less what that work took in the last step,
-works, then sleeps to ``end``. A verify step's, the larger, is done by the
-thread that waits for the step (``sim_verify``).
-
 Pseudo-token of a sampled row = hash(request seed, output index, input token),
 where the input token of a decode row is read from the device token buffer: a
 wrong feedback path changes every later token. A request emits its
@@ -37,12 +28,28 @@ from asyncbatch.config import SimConfig
 from asyncbatch.engine.step_contract import StepMeta
 from asyncbatch.executors.base import StepHandle, StepResult
 from asyncbatch.executors.device_thread import DeviceThread, ThreadedExecutor
-from asyncbatch.executors.sim_hash import mix64
-from asyncbatch.executors.sim_verify import PendingVerify, verify_inputs
 from asyncbatch.profiling.marks import mark
 from asyncbatch.sampling.logprobs import TokenLogprobs
 
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _PREFIX_WORDS = 16  # words of a row scanned first for a set bit (1,024 tokens: where JSON's punctuation lies)
+
+
+def mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser on uint64 arrays (wrapping arithmetic: array integer overflow never warns).
+
+    In place on one fresh array, no ``errstate``: the sim's host time per step is mostly the fixed cost of
+    each array operation, and a verify step calls this a dozen times."""
+    x = np.add(x, _GOLDEN, dtype=np.uint64, casting="unsafe")
+    x ^= x >> np.uint64(30)
+    x *= _M1
+    x ^= x >> np.uint64(27)
+    x *= _M2
+    x ^= x >> np.uint64(31)
+    return x
+
 
 def allowed_pick(bitmask: np.ndarray, h: np.ndarray) -> np.ndarray:
     """Per grammar row ``[G]``, an allowed token chosen by the row's hash ``h`` ``[G]`` (uint64, mixed); 0 for
@@ -103,20 +110,7 @@ class SimExecutor(ThreadedExecutor):
         self.length = np.zeros(max_num_seqs, dtype=np.int64)
         self.num_outputs = np.zeros(max_num_seqs, dtype=np.int64)
         self.forward_hook = None
-        self._host_s = 0.0  # the last step's host work (seconds): the next one starts it this long before its end
-        self._host_start = 0.0
-        self._verify = PendingVerify(self)  # launched verify steps, computed by whoever waits first
         self._thread = DeviceThread("asyncbatch-sim-device", self._run)
-
-    def launch(self, meta: StepMeta) -> StepHandle:
-        if self.speculative and meta.spec_depth:
-            self._verify.add(verify_inputs(meta))  # before the staging buffer can be written again
-        return super().launch(meta)
-
-    def wait(self, handle: StepHandle) -> StepResult:
-        if self.speculative:
-            self._verify.ensure(handle.step_id)  # a verify step's tokens, in time the caller would block anyway
-        return handle.result()
 
     def output_length(self, seeds: np.ndarray) -> np.ndarray:
         """Drawn output length (tokens up to and including EOS) of requests with these seeds."""
@@ -149,17 +143,9 @@ class SimExecutor(ThreadedExecutor):
         end = start + self.sim.step_seconds(t, meta.context_tokens)
         if self.forward_hook is not None:
             self.forward_hook(meta)
-        if self.speculative and meta.spec_depth:  # its tokens: computed by whoever waits for it (``sim_verify``)
-            self._sleep_until(end, meta.step_id, " sim")
-            self._device_free_at = end
-            v = self._verify.take(meta.step_id)
-            return StepResult(meta.step_id, v.tokens, np.ones(r, dtype=bool), device_start=start, device_end=end,
-                              h2d_ms=h2d_ms, forward_ms=(end - start) * 1e3, num_emitted=v.emitted,
-                              spec_counts=v.spec_counts)
-        self._sleep_until(end - self._host_s, meta.step_id, " sim")  # the host work below ends near ``end``
-        self._host_start = time.perf_counter()
+        if self.speculative and meta.spec_depth:
+            return self._run_verify(meta, handle, start, end, h2d_ms)
         if self.speculative:  # decode rows' output counts live on the device (the planner's are upper bounds)
-            self._verify.ensure(meta.step_id)  # earlier verify steps' tokens are in the device state
             steps[:nd] = self.num_outputs[decode_rows]
         input_ids[:nd] = self.token_buffer[decode_rows]
         fed = input_ids[logits_idx]
@@ -167,7 +153,7 @@ class SimExecutor(ThreadedExecutor):
         extras = meta.extras
         banned_eos = self._eos_banned(extras, r)
         tokens = self._pseudo_tokens(h, steps, seeds, banned_eos)
-        self._end_host_work(end, meta.step_id)
+        self._sleep_until(end, meta.step_id, " sim")
         forward_ms, wait_ms, wait_start = (end - start) * 1e3, 0.0, 0.0
         if extras is not None and extras.grammar is not None:
             # The forward is done at ``end``; sampling waits for the host's mask like a real device would.
@@ -198,11 +184,56 @@ class SimExecutor(ThreadedExecutor):
         return mix64(seeds.astype(np.uint64) * np.uint64(1_000_003) ^ mix64(steps.astype(np.uint64))
                      ^ (fed.astype(np.uint64) << np.uint64(20)))
 
-    def _end_host_work(self, end: float, step_id: int) -> None:
-        """The step's host work is done: remember how long it took (the next step starts it that much before its
-        end), then sleep until the step's modelled end."""
-        self._host_s = time.perf_counter() - self._host_start
-        self._sleep_until(end, step_id, " sim")
+    def _run_verify(self, meta: StepMeta, handle: StepHandle, start: float, end: float, h2d_ms: float) -> StepResult:
+        """A speculative engine's step (no grammar or logprob rows: the scheduler keeps them out of these).
+
+        Each decode row's tokens are the plain chain (output ``n`` = hash(seed, n, output ``n - 1``)) from its
+        device state, ``1 + depth`` of them; of its drafts, each is accepted with probability
+        ``SimConfig.spec_acceptance`` (a hash of the seed and the output index), the run stopping at the first
+        rejection and at the KV the planner reserved. So a speculative run emits exactly a plain run's tokens,
+        more of them per step, and the planner's one-step-late reconciliation runs as on a real device."""
+        s, nd, r, depth = meta.staging, meta.num_decode, meta.num_sampled, meta.spec_depth
+        width = depth + 1
+        rows, seeds = s.sample_token_rows[:r].copy(), s.sample_seed[:r].copy()
+        steps = s.sample_step[:r].copy()  # exact for prefill rows; decode rows' come from the device state
+        tokens = np.zeros((r, width), dtype=np.int64)
+        fed = self.token_buffer[rows].copy()
+        if r > nd:  # prefill rows' last token: its pseudo-token's input
+            last = s.logits_indices[nd:r]
+            fed[nd:] = s.input_ids[last]
+            self.length[rows[nd:]] = s.positions[last] + 1
+            self.num_outputs[rows[nd:]] = steps[nd:]
+        steps[:nd] = self.num_outputs[rows[:nd]]
+        usable = np.minimum(depth, np.maximum(s.decode_context_lens[:nd] - self.length[rows[:nd]] - 1, 0))  # [D]
+        # What does not depend on the chain is hashed for every position at once (the host's time in a sim step
+        # is time the planner waits for the GIL); only the fed token is hashed position by position.
+        index = steps[:, None] + np.arange(width)  # [R, W] output index of each position (prefill rows: 0 only)
+        index_u = index.astype(np.uint64)
+        base = seeds.astype(np.uint64)[:, None] * np.uint64(1_000_003) ^ mix64(index_u)  # [R, W]
+        ends = None  # [R, W] the request's drawn length is reached: EOS (None: nowhere in this step)
+        if self.eos_token_id is not None:
+            ends = index + 1 >= self.output_length(seeds)[:, None]
+            if not ends.any():
+                ends = None
+        fed_u = fed.astype(np.uint64)
+        for j in range(width):
+            n = r if j == 0 else nd
+            h = mix64(base[:n, j] ^ (fed_u[:n] << np.uint64(20)))  # = _hash(seeds, steps + j, fed)
+            fed_u[:n] = tokens[:n, j] = self._tokens_of(h, None if ends is None else ends[:n, j], None)
+        # Draft j is accepted with probability spec_acceptance, while usable; the run stops at the first rejection.
+        coin = mix64(seeds[:nd, None].astype(np.uint64) ^ mix64(index_u[:nd, :depth] + np.uint64(0x5EC))) >> np.uint64(11)
+        accept = (coin.astype(np.float64) / float(1 << 53) < self.sim.spec_acceptance) & (np.arange(depth) < usable[:, None])
+        emitted = np.ones(r, dtype=np.int64)
+        emitted[:nd] += np.logical_and.accumulate(accept, axis=1).sum(axis=1)
+        drafted = usable > 0
+        self._sleep_until(end, meta.step_id, " sim")
+        self._device_free_at = end
+        self.token_buffer[rows] = tokens[np.arange(r), emitted - 1]
+        self.length[rows[:nd]] += emitted[:nd]
+        self.num_outputs[rows] += emitted
+        return StepResult(meta.step_id, tokens, np.ones(r, dtype=bool), device_start=start, device_end=end,
+                          h2d_ms=h2d_ms, forward_ms=(end - start) * 1e3, num_emitted=emitted,
+                          spec_counts=(int(drafted.sum()), int(usable.sum()), int((emitted[:nd] - 1).sum())))
 
     @staticmethod
     def _sleep_until(t: float, step_id: int, label: str) -> None:
@@ -215,9 +246,9 @@ class SimExecutor(ThreadedExecutor):
                        ) -> np.ndarray:
         """Hash tokens in ``[first_token_id, V)``, never EOS except at the drawn length (unless banned)."""
         ends = None if self.eos_token_id is None else steps + 1 >= self.output_length(seeds)
-        return self.tokens_of(h, ends, banned_eos)
+        return self._tokens_of(h, ends, banned_eos)
 
-    def tokens_of(self, h: np.ndarray, ends: np.ndarray | None, banned_eos: np.ndarray | None) -> np.ndarray:
+    def _tokens_of(self, h: np.ndarray, ends: np.ndarray | None, banned_eos: np.ndarray | None) -> np.ndarray:
         """``_pseudo_tokens`` with the rows that reached their drawn length (``ends``: EOS there) known."""
         span = self.vocab_size - self.first_token_id
         tokens = self.first_token_id + (h % np.uint64(span)).astype(np.int64)
