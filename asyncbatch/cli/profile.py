@@ -223,6 +223,16 @@ def format_table(runs: list[ModeRun]) -> str:
                                         if rep.idle_ms > 0 else "-" for rep in reports])
     row("planner ms per step (timeline)", [f"{r.stats['planner_ms_per_step']:.3f}" for r in runs])
     row("output ms per step (timeline)", [f"{r.stats['output_ms_per_step']:.3f}" for r in runs])
+    if any(rep.speculative.get("spec_decode_num_drafts") for rep in reports):
+        spec = [rep.speculative for rep in reports]
+        lines.append("speculative decoding (vLLM's counters):")
+        row("  drafts / draft tokens", [f"{s['spec_decode_num_drafts']}/{s['spec_decode_num_draft_tokens']}"
+                                        for s in spec])
+        row("  accepted tokens", [str(s["spec_decode_num_accepted_tokens"]) for s in spec])
+        row("  acceptance rate", [f"{s['spec_decode_acceptance_rate']:.3f}" for s in spec])
+        row("  mean acceptance length", [f"{s['spec_decode_mean_acceptance_length']:.2f}" for s in spec])
+        row("  emitted tokens per step", [f"{s['emitted_tokens_per_step']:.1f}" for s in spec])
+        row("  reconcile ms per step (one step late)", [f"{s['reconcile_ms_per_step']:.3f}" for s in spec])
     return "\n".join(lines)
 
 

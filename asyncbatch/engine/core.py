@@ -268,6 +268,7 @@ class EngineCore:
             else:
                 applied = self.scheduler.apply_verified(step.plan, result.token_ids, result.num_emitted, result.finite)
                 record.spec_drafts, record.spec_draft_tokens, record.spec_accepted_tokens = result.spec_counts
+                record.reconcile_ms = self.scheduler.applier.reconcile_s * 1e3
             ended = np.asarray(applied.errored, dtype=np.int64)
             ended_codes = np.full(len(ended), Finish.ERROR, dtype=np.int8)
             applied, ended, ended_codes = self._live.advance_grammars(applied, ended, ended_codes)
@@ -282,7 +283,7 @@ class EngineCore:
         self._send(StepOutputs(
             step.plan.step_id, applied.seqs, applied.token_ids, applied.finish, ended, ended_codes,
             step.plan.first_scheduled_seqs(), record, sampled_columns(extras, result.logprobs, applied.kept),
-            prompt_columns(extras, result.prompt_logprobs)))
+            prompt_columns(extras, result.prompt_logprobs), applied.num_tokens))
 
     def _check_not_stalled(self) -> None:
         if self.scheduler.has_work():  # nothing runs, so nothing will free blocks or bring tokens back

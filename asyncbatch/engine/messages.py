@@ -122,18 +122,24 @@ class LogprobColumns:
 
 @dataclass(slots=True)
 class StepOutputs:
-    """One applied step. Rows are the sampled rows whose token was kept, in plan order."""
+    """One applied step. Rows are the sampled rows whose token was kept, in plan order.
+
+    A speculative step's rows may carry several tokens each (``num_tokens``): row ``i``'s are the next
+    ``num_tokens[i]`` entries of ``token_ids``, in order, and ``finish[i]`` is the code of its last one (every
+    token before it goes on). Without ``num_tokens`` a row has one token; a request may then still appear in
+    several rows, its tokens in order (``AppliedStep.per_token``)."""
 
     step_id: int
     seqs: np.ndarray  # [R] int64: the request of each row
-    token_ids: np.ndarray  # [R] int64: the token it sampled
-    finish: np.ndarray  # [R] int8 Finish: the token ended the request (EOS, stop token, length)
+    token_ids: np.ndarray  # [R] int64 (or [sum(num_tokens)]): the tokens it sampled
+    finish: np.ndarray  # [R] int8 Finish: the row's last token ended the request (EOS, stop token, length)
     ended_seqs: np.ndarray  # [E] int64: requests that ended without a token (abort, error)
     ended_codes: np.ndarray  # [E] int8 Finish
     first_scheduled: np.ndarray  # [F] int64: requests whose first chunk ran in this step
     record: StepRecord | None = None  # the step's timeline (None for a step-less message, e.g. an abort)
     logprobs: LogprobColumns | None = None  # of the rows whose request asked for logprobs
     prompt_logprobs: LogprobColumns | None = None  # prompt positions scored in this step, by request
+    num_tokens: np.ndarray | None = None  # [R] int64 tokens per row (speculative steps; None: one each)
 
 
 @dataclass(slots=True)
@@ -153,10 +159,23 @@ def ended_only(seqs: list[int], code: Finish) -> StepOutputs:
 
 @dataclass(slots=True)
 class AppliedStep:
-    """What ``Scheduler.apply`` reports for one step, before it becomes ``StepOutputs``."""
+    """What ``Scheduler.apply`` reports for one step, before it becomes ``StepOutputs`` (rows and tokens as
+    there: ``num_tokens`` None means one token a row)."""
 
     seqs: np.ndarray
     token_ids: np.ndarray
     finish: np.ndarray
     errored: list[int] = field(default_factory=list)  # seqs ended by non-finite logits (no token)
     kept: np.ndarray | None = None  # [K] sample index of each row above (None: every sampled row, in order)
+    num_tokens: np.ndarray | None = None  # [K] tokens of each row (speculative steps)
+
+    def per_token(self) -> AppliedStep:
+        """The same step with one token a row (a request's tokens in consecutive rows, the finish code on its
+        last), for consumers that read one token a row (grammar matchers)."""
+        if self.num_tokens is None:
+            return self
+        counts = self.num_tokens
+        finish = np.zeros(len(self.token_ids), dtype=np.int8)
+        finish[np.cumsum(counts) - 1] = self.finish
+        kept = None if self.kept is None else np.repeat(self.kept, counts)
+        return AppliedStep(np.repeat(self.seqs, counts), self.token_ids, finish, self.errored, kept)

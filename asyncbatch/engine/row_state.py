@@ -19,8 +19,10 @@ import numpy as np
 
 from asyncbatch.engine.request import Request
 from asyncbatch.sampling_params import SamplingParams
+from asyncbatch.speculative.config import MAX_SPECULATIVE_TOKENS
 
 NO_SEQ = -1  # ``RowState.seq`` of a row no request holds
+_RUN_PADDING = MAX_SPECULATIVE_TOKENS + 1  # history columns past max_outputs: a verify step's widest run
 
 NO_ROWS = np.zeros(0, dtype=np.int64)  # an empty, read-only set of token rows
 NO_ROWS.flags.writeable = False
@@ -81,9 +83,12 @@ class RowState:
         # Each biased row's logit_bias as ([B] int64 token ids, [B] float32 values), built once at admission.
         self.bias: list[tuple[np.ndarray, np.ndarray]] = [_NO_BIAS] * s
         # Output ids by output index, kept for the recompute after a preemption. np.zeros maps pages
-        # lazily, so memory grows with the outputs actually written, not with S * max_outputs.
-        self.history = np.zeros((s, max_outputs), dtype=np.int32)  # [S, max_outputs]
-        self._history_flat = self.history.reshape(-1)  # [S * max_outputs] view
+        # lazily, so memory grows with the outputs actually written, not with S * max_outputs. The padding
+        # columns take the tokens a verify step's row emitted past its cut (``append_runs``), never read.
+        self.history = np.zeros((s, max_outputs + _RUN_PADDING), dtype=np.int32)  # [S, max_outputs + pad]
+        self._history_flat = self.history.reshape(-1)  # [S * stride] view
+        self._stride = self.history.shape[1]
+        self._columns = np.arange(_RUN_PADDING, dtype=np.int64)
         self.max_outputs = max_outputs
 
     @staticmethod
@@ -142,10 +147,19 @@ class RowState:
     def append_outputs(self, rows: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
         """Append one output to each of ``rows`` (distinct); returns their new output counts ``[R]``."""
         n = self.num_outputs[rows]  # [R]
-        self._history_flat[rows * self.max_outputs + n] = token_ids
+        self._history_flat[rows * self._stride + n] = token_ids
         n += 1
         self.num_outputs[rows] = n
         return n
+
+    def append_runs(self, rows: np.ndarray, token_ids: np.ndarray, counts: np.ndarray) -> None:
+        """Append the first ``counts[i]`` of ``token_ids[i]`` (``[R, W]``, ``W`` at most ``1 +
+        MAX_SPECULATIVE_TOKENS``) to each of ``rows`` (``[R]``, distinct), in one scatter. All ``W`` are written
+        (fewer array operations than selecting the counted ones): the rest land past the row's outputs, in
+        columns its next outputs overwrite or in the padding, and nothing reads past ``num_outputs``."""
+        n = self.num_outputs[rows]  # [R]
+        self._history_flat[(rows * self._stride + n)[:, None] + self._columns[:token_ids.shape[1]]] = token_ids
+        self.num_outputs[rows] = n + counts
 
     def outputs(self, row: int) -> list[int]:
         return self.history[row, :int(self.num_outputs[row])].tolist()

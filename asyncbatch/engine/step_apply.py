@@ -22,15 +22,18 @@ each other.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import numpy as np
 
+from asyncbatch.engine.emitted_cut import first_finish
 from asyncbatch.engine.messages import AppliedStep, Finish
 from asyncbatch.engine.request import Request, RequestStatus
 from asyncbatch.engine.row_state import RowState
 from asyncbatch.engine.step_plan import StepPlan
 from asyncbatch.sampling_params import SamplingParams
+from asyncbatch.speculative.config import MAX_SPECULATIVE_TOKENS
 
 _EMPTY_I64 = np.zeros(0, dtype=np.int64)
 _EMPTY_I8 = np.zeros(0, dtype=np.int8)
@@ -64,6 +67,9 @@ class StepApplier:
         self.off_row = off_row
         self.finish = finish
         self.eos_token_id = eos_token_id
+        self.vectorised = True  # apply_verified's array path (False: the position-by-position reference)
+        self.reconcile_s = 0.0  # the last apply_verified's time reconciling the planner's upper bounds
+        self._columns = np.arange(MAX_SPECULATIVE_TOKENS + 1, dtype=np.int64)
 
     def apply(self, plan: StepPlan, token_ids: np.ndarray, finite: np.ndarray, num_releases: int) -> AppliedStep:
         """Append step ``plan``'s tokens (one per sampled row, in plan order) and end requests on EOS, a stop
@@ -139,16 +145,116 @@ class StepApplier:
         """A speculative engine's step: row ``i`` emitted ``token_ids[i, :num_emitted[i]]`` (``[R, 1 + depth]`` and
         ``[R]``; a prefill row, and a row with non-finite logits, one).
 
-        First the planner's upper bounds are reconciled (``_reconcile``); then the tokens are applied one
-        position at a time, each position through ``apply``'s rules, so a request that ends at one position
-        (EOS, a stop id, ``max_tokens``) drops the tokens after it, as overlap mode drops a finished request's
-        next token. The result lists a request's tokens in order (position-major across requests)."""
+        First the planner's upper bounds are reconciled (``_reconcile``, timed into ``reconcile_s``); then each
+        row's tokens are cut at the first that ends its request (EOS, a stop id, ``max_tokens``) and the tokens
+        after it are dropped, as overlap mode drops a finished request's next token. The result has a row per
+        kept sampled row (plan order) with its tokens in order (``AppliedStep.num_tokens``).
+
+        ``vectorised`` False applies one position at a time, each through ``apply``'s rules (the reference the
+        array path is tested against, ``tests/test_verified_apply.py``); its result is one token a row,
+        position-major. Both leave the same state, finish requests in the same order (position, then plan
+        order) and give each request the same tokens."""
         tokens = np.asarray(token_ids, dtype=np.int64).reshape(len(plan.sample_rows), -1)  # [R, W]
         if plan.spec_depth == 0:
+            self.reconcile_s = 0.0
             return self.apply(plan, tokens[:, 0], finite, num_releases)
         emitted = np.asarray(num_emitted, dtype=np.int64)  # [R]
-        self._reconcile(plan, emitted)
-        rows, seqs = plan.sample_rows, plan.sample_seqs
+        # Rows change hands only when released: without a release since the plan, every row is still its own.
+        unreleased = num_releases == plan.release_epoch and self.vectorised
+        start = time.perf_counter()
+        self._reconcile(plan, emitted, unreleased)
+        self.reconcile_s = time.perf_counter() - start
+        if not self.vectorised:
+            return self._apply_by_position(plan.sample_rows, plan.sample_seqs, tokens, emitted, finite)
+        return self._apply_runs(plan.sample_rows, plan.sample_seqs, tokens, emitted, np.asarray(finite, dtype=bool),
+                                unreleased)
+
+    def _apply_runs(self, rows: np.ndarray, seqs: np.ndarray, tokens: np.ndarray, emitted: np.ndarray,
+                    good: np.ndarray, unreleased: bool) -> AppliedStep:
+        """``apply_verified``'s array path: every row's tokens appended and cut at once (``first_finish``);
+        Python only for the rows that end, and for rows whose request left them since the plan. Each array
+        operation costs microseconds whatever its size, so the common step (every row held, finite) takes
+        no index arrays at all."""
+        st, r = self.rows, len(rows)
+        if not r:
+            return AppliedStep(_EMPTY_I64, _EMPTY_I64, _EMPTY_I8, [], None, _EMPTY_I64)
+        on_row = None if unreleased else st.seq[rows] == seqs  # [R]
+        fast = good if on_row is None else on_row & good  # [R]
+        all_fast = np.count_nonzero(fast) == r
+        fi = slice(None) if all_fast else fast.nonzero()[0]  # [F] sample indices of the held, finite rows
+        fr, ft, fe = rows[fi], tokens[fi], emitted[fi]  # [F], [F, W], [F]
+        cut = first_finish(ft, fe, st.num_outputs[fr], st.max_tokens[fr], st.ignore_eos[fr], self.eos_token_id,
+                           self._stop_hits(fr, ft, fe))
+        st.append_runs(fr, ft, cut.kept)
+        if all_fast:
+            counts, codes = cut.kept, cut.codes  # [R] tokens kept per sampled row, the Finish of its last
+            ending = cut.codes.nonzero()[0]
+        else:
+            counts, codes = np.zeros(r, dtype=np.int64), np.zeros(r, dtype=np.int8)
+            counts[fi], codes[fi] = cut.kept, cut.codes
+            ending = fi[cut.codes.nonzero()[0]]
+        errored: list[int] = []
+        if len(ending) or not all_fast:
+            self._end_rows(rows, seqs, tokens, emitted, good, fast, ending, counts, codes, errored)
+        take = self._columns[:tokens.shape[1]] < counts[:, None]  # [R, W]
+        if all_fast:
+            return AppliedStep(seqs, tokens[take], codes, errored, None, counts)
+        kept = (counts > 0).nonzero()[0]  # [K]
+        return AppliedStep(seqs[kept], tokens[take], codes[kept], errored, kept, counts[kept])
+
+    def _end_rows(self, rows: np.ndarray, seqs: np.ndarray, tokens: np.ndarray, emitted: np.ndarray,
+                  good: np.ndarray, fast: np.ndarray, ending: np.ndarray, counts: np.ndarray, codes: np.ndarray,
+                  errored: list[int]) -> None:
+        """``_apply_runs``' Python part, in the reference's order (position, then plan order: the order rows and
+        blocks reach the free lists): held rows that end at their cut (``ending``), held rows with non-finite
+        logits, and every token of rows whose request left them (``counts``/``codes`` updated for those)."""
+        st = self.rows
+        events = [(int(counts[i]) - 1, i) for i in ending.tolist()]
+        if not fast.all():
+            on_row = st.seq[rows] == seqs
+            events += [(0, i) for i in (on_row & ~good).nonzero()[0].tolist()]
+            events += [(j, i) for i in (~on_row).nonzero()[0].tolist() for j in range(int(emitted[i]))]
+        events.sort()
+        for j, i in events:
+            row, seq = int(rows[i]), int(seqs[i])
+            if fast[i]:  # its token at position j ends it; the ones after it are dropped
+                request = self.owners[row]
+                code = Finish(int(codes[i]))
+                self.finish(request, code.reason, int(tokens[i, j]) if code is Finish.STOP_TOKEN else None)
+                self._drop_in_flight(request, int(emitted[i]) - j - 1)
+            elif st.seq[row] == seq:  # non-finite logits on a held row: no token
+                request = self.owners[row]
+                st.num_scheduled[row] -= 1  # this token never comes
+                errored.append(seq)
+                self.finish(request, Finish.ERROR.reason)
+                self._drop_in_flight(request, int(emitted[i]) - 1)
+            else:
+                code = self._apply_off_row(self.off_row[seq], int(tokens[i, j]), j > 0 or bool(good[i]), errored)
+                if code is not None:
+                    counts[i], codes[i] = j + 1, code
+
+    def _stop_hits(self, rows: np.ndarray, tokens: np.ndarray, emitted: np.ndarray) -> np.ndarray | None:
+        """``[F, W]``: the token is one of its row's stop ids (Python for the rows that have any; None: none has)."""
+        with_stop_ids = self.rows.has_stop_ids[rows].nonzero()[0]
+        if not len(with_stop_ids):
+            return None
+        hits = np.zeros(tokens.shape, dtype=bool)
+        for k in with_stop_ids.tolist():
+            stop_ids = self.owners[int(rows[k])].params.stop_token_ids
+            n = int(emitted[k])
+            hits[k, :n] = [t in stop_ids for t in tokens[k, :n].tolist()]
+        return hits
+
+    def _drop_in_flight(self, request: Request, n: int) -> None:
+        """``n`` tokens of this step came for ``request`` after it finished: they are dropped, no longer pending."""
+        if n:
+            request.num_pending -= n
+            if request.num_pending == 0:
+                del self.off_row[request.arrival_seq]
+
+    def _apply_by_position(self, rows: np.ndarray, seqs: np.ndarray, tokens: np.ndarray, emitted: np.ndarray,
+                           finite: np.ndarray) -> AppliedStep:
+        """``apply_verified``'s reference path: one ``_apply`` per position."""
         parts = [self._apply(rows, seqs, tokens[:, 0], finite, False)]
         for j in range(1, int(emitted.max())):
             live = emitted > j  # [R]
@@ -159,16 +265,22 @@ class StepApplier:
         return AppliedStep(np.concatenate([p.seqs for p in parts]), np.concatenate([p.token_ids for p in parts]),
                            np.concatenate([p.finish for p in parts]), [seq for p in parts for seq in p.errored])
 
-    def _reconcile(self, plan: StepPlan, emitted: np.ndarray) -> None:
+    def _reconcile(self, plan: StepPlan, emitted: np.ndarray, unreleased: bool = False) -> None:
         """The planner counted every draft of ``plan``'s decode rows as accepted; ``emitted`` says how many tokens
         each row really got. A row still held takes back the difference from its computed and scheduled counts;
-        a request that left its row expects that many fewer tokens in flight."""
+        a request that left its row expects that many fewer tokens in flight. ``unreleased``: no row was released
+        since the plan (every row is held)."""
         nd, depth = plan.num_decode, plan.spec_depth
         if not nd:
             return
         st = self.rows
         rows, seqs = plan.decode_rows, plan.decode_seqs  # [D]
         over = depth + 1 - emitted[:nd]  # [D] drafts counted but not accepted
+        if unreleased:
+            st.num_computed[rows] -= over
+            st.num_scheduled[rows] -= over
+            st.spec_over[rows] -= depth
+            return
         held = st.seq[rows] == seqs  # [D]
         if held.any():
             # The row keeps the blocks it reserved (at most one past what it needs, ``Scheduler.check_integrity``):

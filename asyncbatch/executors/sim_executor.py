@@ -38,12 +38,17 @@ _PREFIX_WORDS = 16  # words of a row scanned first for a set bit (1,024 tokens: 
 
 
 def mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser on uint64 arrays (wrapping arithmetic)."""
-    with np.errstate(over="ignore"):
-        x = (x + _GOLDEN).astype(np.uint64)
-        x = (x ^ (x >> np.uint64(30))) * _M1
-        x = (x ^ (x >> np.uint64(27))) * _M2
-        return x ^ (x >> np.uint64(31))
+    """splitmix64 finaliser on uint64 arrays (wrapping arithmetic: array integer overflow never warns).
+
+    In place on one fresh array, no ``errstate``: the sim's host time per step is mostly the fixed cost of
+    each array operation, and a verify step calls this a dozen times."""
+    x = np.add(x, _GOLDEN, dtype=np.uint64, casting="unsafe")
+    x ^= x >> np.uint64(30)
+    x *= _M1
+    x ^= x >> np.uint64(27)
+    x *= _M2
+    x ^= x >> np.uint64(31)
+    return x
 
 
 def allowed_pick(bitmask: np.ndarray, h: np.ndarray) -> np.ndarray:
@@ -192,10 +197,9 @@ class SimExecutor(ThreadedExecutor):
         more of them per step, and the planner's one-step-late reconciliation runs as on a real device."""
         s, nd, r, depth = meta.staging, meta.num_decode, meta.num_sampled, meta.spec_depth
         width = depth + 1
-        rows, seeds = s.sample_token_rows[:r].copy(), s.sample_seed[:r].astype(np.uint64)
+        rows, seeds = s.sample_token_rows[:r].copy(), s.sample_seed[:r].copy()
         steps = s.sample_step[:r].copy()  # exact for prefill rows; decode rows' come from the device state
         tokens = np.zeros((r, width), dtype=np.int64)
-        emitted = np.ones(r, dtype=np.int64)
         fed = self.token_buffer[rows].copy()
         if r > nd:  # prefill rows' last token: its pseudo-token's input
             last = s.logits_indices[nd:r]
@@ -204,16 +208,26 @@ class SimExecutor(ThreadedExecutor):
             self.num_outputs[rows[nd:]] = steps[nd:]
         steps[:nd] = self.num_outputs[rows[:nd]]
         usable = np.minimum(depth, np.maximum(s.decode_context_lens[:nd] - self.length[rows[:nd]] - 1, 0))  # [D]
-        accepting = np.ones(nd, dtype=bool)
+        # What does not depend on the chain is hashed for every position at once (the host's time in a sim step
+        # is time the planner waits for the GIL); only the fed token is hashed position by position.
+        index = steps[:, None] + np.arange(width)  # [R, W] output index of each position (prefill rows: 0 only)
+        index_u = index.astype(np.uint64)
+        base = seeds.astype(np.uint64)[:, None] * np.uint64(1_000_003) ^ mix64(index_u)  # [R, W]
+        ends = None  # [R, W] the request's drawn length is reached: EOS (None: nowhere in this step)
+        if self.eos_token_id is not None:
+            ends = index + 1 >= self.output_length(seeds)[:, None]
+            if not ends.any():
+                ends = None
+        fed_u = fed.astype(np.uint64)
         for j in range(width):
-            live = slice(None) if j == 0 else slice(0, nd)
-            h = self._hash(seeds[live], steps[live] + j, fed[live])
-            tokens[live, j] = self._pseudo_tokens(h, steps[live] + j, s.sample_seed[:r][live], None)
-            fed[live] = tokens[live, j]
-            if j < depth and nd:
-                coin = (mix64(seeds[:nd] ^ mix64((steps[:nd] + j).astype(np.uint64) + np.uint64(0x5EC))) >> np.uint64(11))
-                accepting &= (coin.astype(np.float64) / float(1 << 53) < self.sim.spec_acceptance) & (j < usable)
-                emitted[:nd] += accepting
+            n = r if j == 0 else nd
+            h = mix64(base[:n, j] ^ (fed_u[:n] << np.uint64(20)))  # = _hash(seeds, steps + j, fed)
+            fed_u[:n] = tokens[:n, j] = self._tokens_of(h, None if ends is None else ends[:n, j], None)
+        # Draft j is accepted with probability spec_acceptance, while usable; the run stops at the first rejection.
+        coin = mix64(seeds[:nd, None].astype(np.uint64) ^ mix64(index_u[:nd, :depth] + np.uint64(0x5EC))) >> np.uint64(11)
+        accept = (coin.astype(np.float64) / float(1 << 53) < self.sim.spec_acceptance) & (np.arange(depth) < usable[:, None])
+        emitted = np.ones(r, dtype=np.int64)
+        emitted[:nd] += np.logical_and.accumulate(accept, axis=1).sum(axis=1)
         drafted = usable > 0
         self._sleep_until(end, meta.step_id, " sim")
         self._device_free_at = end
@@ -234,15 +248,23 @@ class SimExecutor(ThreadedExecutor):
     def _pseudo_tokens(self, h: np.ndarray, steps: np.ndarray, seeds: np.ndarray, banned_eos: np.ndarray | None
                        ) -> np.ndarray:
         """Hash tokens in ``[first_token_id, V)``, never EOS except at the drawn length (unless banned)."""
+        ends = None if self.eos_token_id is None else steps + 1 >= self.output_length(seeds)
+        return self._tokens_of(h, ends, banned_eos)
+
+    def _tokens_of(self, h: np.ndarray, ends: np.ndarray | None, banned_eos: np.ndarray | None) -> np.ndarray:
+        """``_pseudo_tokens`` with the rows that reached their drawn length (``ends``: EOS there) known."""
         span = self.vocab_size - self.first_token_id
         tokens = self.first_token_id + (h % np.uint64(span)).astype(np.int64)
-        if self.eos_token_id is not None:
-            tokens = np.where(tokens == self.eos_token_id, tokens + 1 if self.eos_token_id + 1 < self.vocab_size
-                              else self.first_token_id, tokens)
-            ends = steps + 1 >= self.output_length(seeds)
+        eos = self.eos_token_id
+        if eos is None:
+            return tokens
+        if eos >= self.first_token_id:  # a hash may land on EOS: moved off it (below first_token_id it cannot)
+            tokens = np.where(tokens == eos, tokens + 1 if eos + 1 < self.vocab_size else self.first_token_id,
+                              tokens)
+        if ends is not None:
             if banned_eos is not None:
-                ends &= ~banned_eos
-            tokens = np.where(ends, self.eos_token_id, tokens)
+                ends = ends & ~banned_eos
+            tokens = np.where(ends, eos, tokens)
         return tokens
 
     def _eos_banned(self, extras, r: int) -> np.ndarray | None:

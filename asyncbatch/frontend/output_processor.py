@@ -55,6 +55,7 @@ class OutputProcessor:
         self._handles = handles  # live handles by seq; the frontend adds, this removes finished ones
         self._timeline = timeline
         self._hidden = hidden_token_ids  # EOS: kept in token_ids, not detokenized
+        self._hidden_ids = np.fromiter(hidden_token_ids, dtype=np.int64, count=len(hidden_token_ids))
         self.send = send
         self._ack_steps = ack_steps  # synchronous mode: the core waits for our StepAck
 
@@ -79,25 +80,29 @@ class OutputProcessor:
             hidden = self._hidden
             text_rows: list[tuple[int, RequestHandle, int, int]] = []  # rows with detokenizer work
             other_rows: list[tuple[int, RequestHandle, int, int]] = []  # last tokens of requests without text
-            for i, (seq, token, code) in enumerate(zip(out.seqs.tolist(), out.token_ids.tolist(), out.finish.tolist())):
-                handle = handles.get(seq)
-                if handle is None or handle.done.is_set():
-                    continue
-                accepted += 1
-                if code == _NONE and handle.token_only:  # the fast path: the id, and nothing else until the end
-                    if handle.metrics.first_token_time is None:
-                        handle.metrics.first_token_time = start
-                    handle.token_ids.append(token)
-                    if handle.text_ids is not None and token not in hidden:
-                        handle.text_ids.append(token)
-                    continue
-                (text_rows if handle.has_text else other_rows).append((i, handle, token, code))
+            if out.num_tokens is None:
+                for i, (seq, token, code) in enumerate(zip(out.seqs.tolist(), out.token_ids.tolist(),
+                                                           out.finish.tolist())):
+                    handle = handles.get(seq)
+                    if handle is None or handle.done.is_set():
+                        continue
+                    accepted += 1
+                    if code == _NONE and handle.token_only:  # the fast path: the id, and nothing else until the end
+                        if handle.metrics.first_token_time is None:
+                            handle.metrics.first_token_time = start
+                        handle.token_ids.append(token)
+                        if handle.text_ids is not None and token not in hidden:
+                            handle.text_ids.append(token)
+                        continue
+                    (text_rows if handle.has_text else other_rows).append((i, handle, token, code))
+            else:
+                accepted = self._accept_runs(out, start, text_rows, other_rows)
             if other_rows:
-                self._accept_rows(other_rows, out, start, finishes, ended, ended_codes)
+                accepted -= self._accept_rows(other_rows, out, start, finishes, ended, ended_codes)
             if text_rows:  # rows are independent, so the ones with text work run together, timed and marked
                 with mark("detokenize", step_id):
                     detok_start = time.perf_counter()
-                    self._accept_rows(text_rows, out, start, finishes, ended, ended_codes)
+                    accepted -= self._accept_rows(text_rows, out, start, finishes, ended, ended_codes)
                     detok_s = time.perf_counter() - detok_start
             for seq, code in zip(out.ended_seqs.tolist(), out.ended_codes.tolist()):
                 handle = self._handles.get(seq)
@@ -118,14 +123,58 @@ class OutputProcessor:
         if record is not None and self._ack_steps:
             self.send(StepAck(record.step_id))
 
+    def _accept_runs(self, out: StepOutputs, now: float, text_rows: list, other_rows: list) -> int:
+        """A speculative step's rows, several tokens each (``StepOutputs.num_tokens``): a ``token_only`` request
+        that goes on takes its tokens in one ``extend`` (and its text ids, hidden ids left out for the whole
+        step at once, in another); the others' tokens join ``text_rows``/``other_rows`` one token a row, in
+        order, the finish code on the last. Returns the tokens accepted."""
+        handles = self._handles
+        tokens, nums = out.token_ids.tolist(), out.num_tokens.tolist()
+        text, text_nums = tokens, nums  # the ids a deferred detokenizer decodes, and how many per row
+        shown = self._shown(out.token_ids)
+        if shown is not None:
+            text = out.token_ids[shown].tolist()
+            text_nums = np.add.reduceat(shown, np.cumsum(out.num_tokens) - out.num_tokens).tolist()
+        accepted = end = text_end = 0
+        for i, (seq, n, text_n, code) in enumerate(zip(out.seqs.tolist(), nums, text_nums, out.finish.tolist())):
+            start, end = end, end + n
+            text_start, text_end = text_end, text_end + text_n
+            handle = handles.get(seq)
+            if handle is None or handle.done.is_set():
+                continue
+            accepted += n
+            if code == _NONE and handle.token_only:
+                if handle.metrics.first_token_time is None:
+                    handle.metrics.first_token_time = now
+                handle.token_ids.extend(tokens[start:end])
+                if handle.text_ids is not None:
+                    handle.text_ids.extend(text[text_start:text_end])
+                continue
+            rows = text_rows if handle.has_text else other_rows
+            run = tokens[start:end]
+            rows.extend((i, handle, token, _NONE) for token in run[:-1])
+            rows.append((i, handle, run[-1], code))
+        return accepted
+
+    def _shown(self, token_ids: np.ndarray) -> np.ndarray | None:
+        """``[T]`` bool: the token is not hidden (EOS); None when none of ``token_ids`` is hidden."""
+        hidden = self._hidden_ids
+        if not len(hidden):
+            return None
+        shown = token_ids != hidden[0] if len(hidden) == 1 else ~np.isin(token_ids, hidden)
+        return None if shown.all() else shown
+
     def _accept_rows(self, rows: list[tuple[int, RequestHandle, int, int]], out: StepOutputs, now: float,
-                     finishes: list, ended: list[int], ended_codes: list[Finish]) -> None:
+                     finishes: list, ended: list[int], ended_codes: list[Finish]) -> int:
         """``_accept`` each of ``rows`` (output row index, handle, token, finish code); a request whose processing
-        raises fails alone, one that a stop string ends is reported in ``ended``."""
+        raises fails alone, one that a stop string ends is reported in ``ended``. Returns the tokens dropped after
+        such an end in the same step (a speculative row's later tokens): they are not output tokens."""
         with_logprobs = _by_row(out.logprobs)
         stopped_here: set[int] = set()  # a speculative step lists several tokens of a request: none after its stop
+        dropped = 0
         for i, handle, token, code in rows:
             if handle.seq in stopped_here:
+                dropped += 1
                 continue
             try:
                 logprobs = with_logprobs(i, token) if with_logprobs is not None else None
@@ -140,6 +189,7 @@ class OutputProcessor:
                 stopped_here.add(handle.seq)
                 ended.append(handle.seq)
                 ended_codes.append(Finish.STOP_STRING)
+        return dropped
 
     def _accept(self, handle: RequestHandle, token: int, code: int, now: float, finishes: list,
                 logprobs: Logprobs | None = None) -> bool:

@@ -16,13 +16,17 @@ rows whose forward finished before the host filled its masks waits there
 as busy time.
 
 Priority: ``queue_empty``, ``staging_fence``, ``h2d`` (``cuda`` only), ``planning``
-(less its ``gc`` share), ``release``, ``apply``, ``d2h``, ``output``, ``result``; what no interval
+(less its ``gc`` share), ``release``, ``reconcile`` (the start of a speculative
+step's apply), ``apply``, ``d2h``, ``output``, ``result``; what no interval
 covers is ``wakeup`` before step N+1's planning began, ``launch`` after. ``CAUSES``
 names and labels them; reports, traces and tests read those names.
 
 Beside the causes the report carries ``admission_us_per_request``: the
 planner's time per admitted request in the steps that admitted any, the
-cost behind the "planning" gaps of an admission burst.
+cost behind the "planning" gaps of an admission burst; and ``speculative``:
+vLLM's speculative decoding counters over the same steps, the tokens the
+device emitted per step and the reconciliation's milliseconds per step
+(``timeline.speculative_counts``; all zero without speculation).
 
 Invariant: for every gap, the causes sum to the gap exactly (up to float
 rounding), because every piece gets exactly one cause and the remainder takes
@@ -38,7 +42,7 @@ import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from asyncbatch.profiling.timeline import StepRecord, admission_us_per_request
+from asyncbatch.profiling.timeline import StepRecord, admission_us_per_request, speculative_counts
 
 CAUSES: dict[str, str] = {
     "queue_empty": "queue empty",
@@ -47,6 +51,7 @@ CAUSES: dict[str, str] = {
     "planning": "planning (schedule, metadata, launch)",
     "gc": "Python GC pauses",
     "release": "registering blocks and releasing requests (after a launch)",
+    "reconcile": "reconciling speculative upper bounds (one step late)",
     "apply": "applying results",
     "d2h": "D2H copy",
     "output": "output processing",
@@ -55,7 +60,8 @@ CAUSES: dict[str, str] = {
     "launch": "launch latency (launched, not yet started)",
     "grammar_mask": "inside a step: sampling waited for the host's grammar masks",
 }
-_ORDER = ("queue_empty", "staging_fence", "h2d", "planning", "release", "apply", "d2h", "output")  # "gc" splits "planning"
+_ORDER = ("queue_empty", "staging_fence", "h2d", "planning", "release", "reconcile", "apply", "d2h",
+          "output")  # "gc" splits "planning"
 
 # Backends whose recorded device start comes after the step's H2D copy.
 _H2D_BEFORE_START = frozenset({"cuda"})
@@ -100,6 +106,9 @@ class GapReport:
     # Planner microseconds per request admitted in these steps (``StepRecord.admit_ms``): the host cost behind
     # the "planning" gaps of an admission burst (0.0 when no step admitted a request).
     admission_us_per_request: float = 0.0
+    # vLLM's speculative decoding counters over these steps, emitted tokens and reconcile ms per step
+    # (``timeline.speculative_counts``).
+    speculative: dict = field(default_factory=dict)
 
     @property
     def busy_fraction(self) -> float:
@@ -119,7 +128,7 @@ class GapReport:
                "device_busy_fraction": self.busy_fraction, "idle_ms_per_step": self.idle_ms_per_step,
                "causes_ms": dict(self.causes_ms), "cause_shares": self.shares(),
                "cause_labels": dict(CAUSES), "queue_measured": self.queue_measured,
-               "admission_us_per_request": self.admission_us_per_request}
+               "admission_us_per_request": self.admission_us_per_request, "speculative": dict(self.speculative)}
         if with_gaps:
             out["gaps"] = [{"after_step": g.step_before, "before_step": g.step_after, "gap_ms": g.gap_ms,
                             "causes_ms": g.causes_ms} for g in self.gaps]
@@ -169,6 +178,7 @@ def _host_intervals(records: Sequence[StepRecord], h2d_before_start: bool) -> di
         gc_fraction = min(r.gc_ms * 1e-3 / planned_s, 1.0) if planned_s > 0 else 0.0
         raw["planning"] += [(s, e, gc_fraction) for s, e in planning if _valid(s, e)]
         pairs = {"staging_fence": (r.fence_start, r.fence_end), "apply": (r.wait_end, r.apply_end),
+                 "reconcile": (r.wait_end, min(r.wait_end + r.reconcile_ms * 1e-3, r.apply_end)),
                  "release": (r.launch_end, r.launch_end + r.settle_ms * 1e-3),
                  "d2h": (r.device_end, r.device_end + r.d2h_ms * 1e-3),
                  "output": (r.output_start, r.output_end)}
@@ -225,7 +235,8 @@ def attribute_gaps(records: Sequence[StepRecord], lifetimes: Iterable[tuple[floa
     busy = sum(r.busy_s for r in done) * 1e3
     span = (max(r.device_end for r in done) - done[0].device_start) * 1e3
     idle = sum(g.gap_ms for g in gaps) + mask_wait
-    return GapReport(len(done), span, busy, idle, causes, bool(spans), gaps, admission_us_per_request(done))
+    return GapReport(len(done), span, busy, idle, causes, bool(spans), gaps, admission_us_per_request(done),
+                     speculative_counts(done))
 
 
 def _attribute_one(a: float, b: float, order: list[tuple[str, _Intervals]], next_plan_start: float

@@ -59,6 +59,9 @@ class StepRecord:
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # The planner's time reconciling its upper bounds with what the step really emitted (the one-step-late
+    # part of a verify step's apply; ``StepApplier._reconcile``): from ``wait_end``, inside ``apply_end``.
+    reconcile_ms: float = 0.0
     # The engine's load when the step was planned (the server's gauges read them from the newest record).
     num_running: int = 0
     num_waiting: int = 0
@@ -237,14 +240,19 @@ def summarize(records: list[StepRecord]) -> dict:
 def speculative_counts(records: list[StepRecord]) -> dict:
     """vLLM's speculative decoding metrics over ``records``: drafts (rows that verified at least one draft),
     draft tokens, accepted tokens, acceptance rate (accepted / draft tokens) and mean acceptance length (tokens
-    a draft-verifying row emits per step: 1 + accepted / drafts)."""
+    a draft-verifying row emits per step: 1 + accepted / drafts); and two of asyncbatch's own: the tokens the
+    device emitted per step (a token per sampled row, plus the accepted drafts) and the planner's milliseconds
+    per step reconciling its upper bounds one step late (``StepRecord.reconcile_ms``)."""
     drafts = sum(r.spec_drafts for r in records)
     draft_tokens = sum(r.spec_draft_tokens for r in records)
     accepted = sum(r.spec_accepted_tokens for r in records)
+    steps = len(records)
     return {"spec_decode_num_drafts": drafts, "spec_decode_num_draft_tokens": draft_tokens,
             "spec_decode_num_accepted_tokens": accepted,
             "spec_decode_acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
-            "spec_decode_mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0}
+            "spec_decode_mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
+            "emitted_tokens_per_step": (sum(r.num_sampled for r in records) + accepted) / steps if steps else 0.0,
+            "reconcile_ms_per_step": sum(r.reconcile_ms for r in records) / steps if steps else 0.0}
 
 
 def _fill_us_per_row(records: list[StepRecord]) -> float:

@@ -21,7 +21,7 @@ from asyncbatch.profiling.timeline import StepRecord
 
 CAUSE_COLORS = {
     "queue_empty": "#bbbbbb", "staging_fence": "#d62728", "h2d": "#8c564b", "planning": "#1f77b4",
-    "gc": "#e377c2", "release": "#aec7e8", "apply": "#2ca02c", "d2h": "#bcbd22", "output": "#9467bd", "result": "#8dd3c7", "wakeup": "#ff7f0e",
+    "gc": "#e377c2", "release": "#aec7e8", "reconcile": "#98df8a", "apply": "#2ca02c", "d2h": "#bcbd22", "output": "#9467bd", "result": "#8dd3c7", "wakeup": "#ff7f0e",
     "launch": "#17becf", "grammar_mask": "#fdd835",
 }
 _PLANNER_STAGES = (("schedule", "plan_start", "schedule_end", "#1f77b4"),

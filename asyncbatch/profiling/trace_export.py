@@ -98,7 +98,11 @@ def _planner(r: StepRecord, pid: int, o: float) -> list[dict]:
     if _valid(r.wait_start, r.wait_end):
         out.append(_slice("wait_step", r.wait_start, r.wait_end, pid, "planner", o, step=step))
     if _valid(r.wait_end, r.apply_end):
-        out.append(_slice("apply", r.wait_end, r.apply_end, pid, "planner", o, step=step))
+        out.append(_slice("apply", r.wait_end, r.apply_end, pid, "planner", o, step=step,
+                          accepted=r.spec_accepted_tokens))
+        if r.reconcile_ms > 0:  # the one-step-late part of a speculative step's apply, at its start
+            out.append(_slice("reconcile", r.wait_end, min(r.wait_end + r.reconcile_ms * 1e-3, r.apply_end), pid,
+                              "planner", o, step=step))
     if _valid(r.output_start, r.output_end):
         out.append(_slice("output", r.output_start, r.output_end, pid, "output", o, step=step,
                           tokens=r.output_tokens))

@@ -1,0 +1,152 @@
+"""A verify step's tokens applied as arrays (``StepApplier._apply_runs``) against one position at a time.
+
+The array path appends every row's emitted tokens in one scatter and cuts each row at its first finishing
+token (``emitted_cut.first_finish``); the reference (``StepApplier.vectorised = False``) applies position by
+position through the plain rules. The lockstep test drives two schedulers over the same requests and the
+same device outcomes (random emitted counts, EOS, stop ids, ``max_tokens``, non-finite rows, aborts between
+steps, preemption in a tight KV cache with prefix caching), applied one step late as in overlap mode, and
+requires every request's tokens and finish codes, the errored requests, the row arrays, the free lists, the
+block tables and every request's counters to agree after every step.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from asyncbatch.engine.block_manager import BlockManager
+from asyncbatch.engine.emitted_cut import first_finish
+from asyncbatch.engine.messages import AppliedStep, Finish
+from asyncbatch.engine.request import Request
+from asyncbatch.engine.row_state import NO_SEQ
+from asyncbatch.engine.scheduler import Scheduler
+from asyncbatch.sampling_params import SamplingParams
+from asyncbatch.speculative.config import SpeculativeConfig
+
+BLOCK, MAX_BLOCKS, ROWS, BUDGET = 16, 10, 24, 256
+EOS, VOCAB, DEPTH = 3, 40, 4
+
+
+def _scheduler(vectorised: bool, num_blocks: int) -> Scheduler:
+    blocks = BlockManager(num_blocks, BLOCK, ROWS, MAX_BLOCKS, prefix_caching=True)
+    spec = SpeculativeConfig(num_speculative_tokens=DEPTH, disable_by_batch_size=None)
+    sched = Scheduler(blocks, BUDGET, eos_token_id=EOS, speculative=spec)
+    sched.applier.vectorised = vectorised
+    return sched
+
+
+def _by_request(applied: AppliedStep) -> dict[int, list[tuple[int, int]]]:
+    """Each request's (token, finish code) in order, whichever layout the step has."""
+    flat = applied.per_token()
+    out: dict[int, list[tuple[int, int]]] = {}
+    for seq, token, code in zip(flat.seqs.tolist(), flat.token_ids.tolist(), flat.finish.tolist()):
+        out.setdefault(seq, []).append((token, code))
+    return out
+
+
+def _state(sched: Scheduler, requests: dict[int, Request]) -> tuple:
+    st, blocks = sched.rows, sched.blocks
+    held = np.flatnonzero(st.seq != NO_SEQ).tolist()
+    rows = [(r, int(st.seq[r]), int(st.num_computed[r]), int(st.num_scheduled[r]), int(st.num_outputs[r]),
+             int(st.spec_over[r]), st.outputs(r), blocks.block_table[r, :blocks.num_row_blocks[r]].tolist())
+            for r in held]
+    reqs = [(seq, r.status, r.num_outputs, r.num_pending, r.finish_reason, r.stop_reason, list(r.output_token_ids),
+             r.token_row) for seq, r in sorted(requests.items())]
+    return (rows, reqs, list(sched._free_rows), blocks.free_blocks(), sorted(sched._off_row),
+            sched.prefix_cache_stats(), sched.num_preemptions)
+
+
+def _outcome(rng: random.Random, plan) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The device's result for ``plan``: tokens ``[R, 1 + depth]``, emitted counts, finite flags."""
+    r, nd, width = len(plan.sample_rows), plan.num_decode, plan.spec_depth + 1
+    tokens = np.array([[EOS if rng.random() < 0.04 else rng.randrange(4, VOCAB) for _ in range(width)]
+                       for _ in range(r)], dtype=np.int64).reshape(r, width)
+    emitted = np.array([rng.randint(1, width) if i < nd else 1 for i in range(r)], dtype=np.int64)
+    finite = np.array([rng.random() > 0.01 for _ in range(r)], dtype=bool)
+    emitted[~finite] = 1
+    return tokens, emitted, finite
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_array_apply_equals_position_by_position(seed: int) -> None:
+    rng = random.Random(seed)
+    fast, ref = _scheduler(True, 32), _scheduler(False, 32)
+    requests: list[dict[int, Request]] = [{}, {}]
+    prefix = [rng.randrange(4, VOCAB) for _ in range(2 * BLOCK)]
+    seq, in_flight, finished = 0, [], 0
+    codes_seen: set[int] = set()
+    for step in range(600):
+        if step < 300 and rng.random() < 0.4:
+            for _ in range(rng.randrange(1, 6)):
+                prompt = prefix[:rng.randrange(1, 2 * BLOCK)] + [rng.randrange(4, VOCAB) for _ in range(8)]
+                params = SamplingParams(max_tokens=rng.randrange(1, 70), temperature=0.0,
+                                        ignore_eos=rng.random() < 0.3,
+                                        stop_token_ids=[rng.randrange(4, VOCAB)] if rng.random() < 0.3 else None)
+                for sched, reqs in zip((fast, ref), requests):
+                    request = Request(str(seq), seq, list(prompt), params, seq, 0.0)
+                    reqs[seq] = request
+                    sched.add(request)
+                seq += 1
+        if rng.random() < 0.05 and requests[0]:  # an abort between steps
+            victim = rng.choice(sorted(requests[0]))
+            for sched, reqs in zip((fast, ref), requests):
+                sched.finish(reqs[victim], Finish.ABORT.reason)
+        plans = [sched.schedule() for sched in (fast, ref)]
+        assert (plans[0] is None) == (plans[1] is None)
+        if plans[0] is not None:
+            assert plans[0].decode_seqs.tolist() == plans[1].decode_seqs.tolist()
+            for sched, plan in zip((fast, ref), plans):
+                sched.release_drained(plan)
+            in_flight.append((plans, _outcome(rng, plans[0])))
+        if len(in_flight) > 1 or (in_flight and plans[0] is None):
+            done, (tokens, emitted, finite) = in_flight.pop(0)
+            got = [sched.apply_verified(plan, tokens, emitted, finite) for sched, plan in zip((fast, ref), done)]
+            assert _by_request(got[0]) == _by_request(got[1])
+            assert got[0].errored == got[1].errored
+            codes_seen.update(got[1].finish.tolist())
+            finished += int(np.count_nonzero(got[0].finish))
+        for sched in (fast, ref):
+            sched.check_integrity()
+        assert _state(fast, requests[0]) == _state(ref, requests[1])
+        if step > 300 and not in_flight and not fast.has_work():
+            break
+    assert not ref.has_work() and not in_flight
+    # The workload reached every rule and the paths around them.
+    assert {int(Finish.EOS), int(Finish.STOP_TOKEN), int(Finish.LENGTH)} <= codes_seen
+    assert fast.num_preemptions > 0 and finished > 0
+    assert fast.blocks.num_free_blocks == fast.blocks.num_usable_blocks
+
+
+def test_first_finish_cuts_at_the_first_finishing_token() -> None:
+    tokens = np.array([[5, EOS, 6, 7, 8],   # EOS at 1
+                       [5, EOS, 6, 7, 8],   # ignore_eos: max_tokens at 3
+                       [5, 6, 9, 7, 8],     # stop id 9 at 2, but only two emitted
+                       [5, 6, 9, 7, 8],     # stop id 9 at 2
+                       [5, 6, 7, 8, 9]])    # nothing within the four emitted
+    emitted = np.array([5, 5, 2, 5, 4])
+    num_outputs = np.array([0, 6, 0, 0, 0])
+    max_tokens = np.array([50, 10, 50, 50, 50])
+    ignore_eos = np.array([False, True, False, False, False])
+    stop_hits = tokens == 9
+    stop_hits[[0, 1, 4]] = False
+    cut = first_finish(tokens, emitted, num_outputs, max_tokens, ignore_eos, EOS, stop_hits)
+    assert cut.kept.tolist() == [2, 4, 2, 3, 4]
+    assert cut.codes.tolist() == [Finish.EOS, Finish.LENGTH, Finish.NONE, Finish.STOP_TOKEN, Finish.NONE]
+
+
+def test_eos_outranks_a_stop_id_and_max_tokens_at_the_same_token() -> None:
+    tokens = np.array([[EOS, 5]])
+    cut = first_finish(tokens, np.array([2]), np.array([4]), np.array([5]), np.array([False]), EOS,
+                       np.array([[True, False]]))
+    assert cut.kept.tolist() == [1] and cut.codes.tolist() == [Finish.EOS]
+
+
+def test_per_token_layout_puts_the_finish_on_a_rows_last_token() -> None:
+    step = AppliedStep(np.array([7, 9]), np.array([1, 2, 3, 4]), np.array([0, Finish.EOS], dtype=np.int8),
+                       num_tokens=np.array([3, 1]))
+    flat = step.per_token()
+    assert flat.seqs.tolist() == [7, 7, 7, 9]
+    assert flat.token_ids.tolist() == [1, 2, 3, 4]
+    assert flat.finish.tolist() == [0, 0, 0, Finish.EOS]
