@@ -221,13 +221,13 @@ class StepApplier:
                 request = self.owners[row]
                 code = Finish(int(codes[i]))
                 self.finish(request, code.reason, int(tokens[i, j]) if code is Finish.STOP_TOKEN else None)
-                self._drop_in_flight(request, int(emitted[i]) - j - 1)
+                self._arrived(request, int(emitted[i]) - j - 1)
             elif st.seq[row] == seq:  # non-finite logits on a held row: no token
                 request = self.owners[row]
                 st.num_scheduled[row] -= 1  # this token never comes
                 errored.append(seq)
                 self.finish(request, Finish.ERROR.reason)
-                self._drop_in_flight(request, int(emitted[i]) - 1)
+                self._arrived(request, int(emitted[i]) - 1)
             else:
                 code = self._apply_off_row(self.off_row[seq], int(tokens[i, j]), j > 0 or bool(good[i]), errored)
                 if code is not None:
@@ -245,8 +245,9 @@ class StepApplier:
             hits[k, :n] = [t in stop_ids for t in tokens[k, :n].tolist()]
         return hits
 
-    def _drop_in_flight(self, request: Request, n: int) -> None:
-        """``n`` tokens of this step came for ``request`` after it finished: they are dropped, no longer pending."""
+    def _arrived(self, request: Request, n: int) -> None:
+        """``n`` of ``request``'s tokens in flight arrived (applied, or dropped after it finished): no longer pending;
+        it leaves ``off_row`` when none is left."""
         if n:
             request.num_pending -= n
             if request.num_pending == 0:
@@ -276,28 +277,22 @@ class StepApplier:
         st = self.rows
         rows, seqs = plan.decode_rows, plan.decode_seqs  # [D]
         over = depth + 1 - emitted[:nd]  # [D] drafts counted but not accepted
-        if unreleased:
-            st.num_computed[rows] -= over
-            st.num_scheduled[rows] -= over
-            st.spec_over[rows] -= depth
+        held = None if unreleased else st.seq[rows] == seqs  # [D] (None: all)
+        mine, less = (rows, over) if held is None else (rows[held], over[held])
+        # The row keeps the blocks it reserved (at most one past what it needs, ``Scheduler.check_integrity``):
+        # giving them back here and taking them again at the next plan would churn a block a row a step.
+        st.num_computed[mine] -= less
+        st.num_scheduled[mine] -= less
+        st.spec_over[mine] -= depth
+        if held is None:
             return
-        held = st.seq[rows] == seqs  # [D]
-        if held.any():
-            # The row keeps the blocks it reserved (at most one past what it needs, ``Scheduler.check_integrity``):
-            # giving them back here and taking them again at the next plan would churn a block a row a step.
-            mine, less = rows[held], over[held]
-            st.num_computed[mine] -= less
-            st.num_scheduled[mine] -= less
-            st.spec_over[mine] -= depth
         for i in np.flatnonzero(~held & (over > 0)).tolist():
             request = self.off_row[int(seqs[i])]
             request.num_pending -= int(over[i])
 
     def _apply_off_row(self, request: Request, token: int, good: bool, errored: list[int]) -> Finish | None:
         """A token for a request that left its row after the plan; returns its code, or None if dropped."""
-        request.num_pending -= 1
-        if request.num_pending == 0:
-            del self.off_row[request.arrival_seq]
+        self._arrived(request, 1)
         if request.status is RequestStatus.FINISHED:
             return None
         if not good:

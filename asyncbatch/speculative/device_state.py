@@ -63,6 +63,23 @@ class Verified:
     num_accepted: int
 
 
+def query_targets(positions: torch.Tensor, reserved: torch.Tensor, tables: torch.Tensor, block_size: int,
+                  dummy_slot: int, max_model_len: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where single-token queries at ``positions`` ``[N, W]`` go, for rows with block tables ``tables`` ``[N, B]``
+    and ``reserved`` ``[N]`` reserved KV positions: (the positions to compute, the KV slot each writes, each
+    query's context length), ``[N, W]`` each.
+
+    A position at or past the row's reserved KV (a row's own position 0 never is: the planner reserved it) is
+    computed and dropped: it writes the dummy slot and attends over itself only; near ``max_model_len`` it may
+    lie past the model's rotary table, so it is clamped below it (a row that drafts nothing still spans a
+    verify step's width)."""
+    inside = positions < reserved[:, None]  # [N, W]
+    column = (positions // block_size).clamp(max=tables.shape[1] - 1)  # [N, W]
+    slots = torch.where(inside, tables.gather(1, column) * block_size + positions % block_size, dummy_slot)
+    computed = torch.where(inside, positions, positions.clamp(max=max_model_len - 1))
+    return computed, slots, torch.where(inside, positions + 1, 1)
+
+
 class SpeculativeState:
     """Per-token-row device state of a speculative engine (``max_num_seqs + 1`` rows: the last one is the
     dummy row of CUDA graph padding, never a request's)."""
@@ -97,20 +114,14 @@ class SpeculativeState:
         width = depth + 1
         offsets = torch.arange(width, device=rows.device)  # [W]
         positions = start[:, None] + offsets[None, :]  # [D, W]
-        inside = positions < reserved[:, None]  # [D, W]; position 0 always is (the planner reserved it)
         ids = token_buffer.index_select(0, rows)[:, None].expand(-1, width).clone()  # [D, W]
         if depth:
             ids[:, 1:] = self.drafts.index_select(0, rows)[:, :depth]
-        column = (positions // block_size).clamp(max=tables.shape[1] - 1)  # [D, W]
-        slots = tables.gather(1, column) * block_size + positions % block_size
-        slots = torch.where(inside, slots, dummy_slot)
+        computed, slots, contexts = query_targets(positions, reserved, tables, block_size, dummy_slot,
+                                                  self.max_model_len)  # [D, W] each
         steps = self.num_outputs.index_select(0, rows)[:, None] + offsets[None, :]  # [D, W]
-        # A position past the reserved KV is computed and dropped; near ``max_model_len`` it may lie past the
-        # model's rotary table, so it is clamped (a row that drafts nothing still spans the step's width).
-        computed = torch.where(inside, positions, positions.clamp(max=self.max_model_len - 1))
-        return DecodeInputs(ids.reshape(-1), computed.reshape(-1), slots.reshape(-1),
-                            torch.where(inside, positions + 1, 1).reshape(-1), tables.repeat_interleave(width, 0),
-                            usable, steps.reshape(-1))
+        return DecodeInputs(ids.reshape(-1), computed.reshape(-1), slots.reshape(-1), contexts.reshape(-1),
+                            tables.repeat_interleave(width, 0), usable, steps.reshape(-1))
 
     # -- after sampling -------------------------------------------------------------------------------
     def accept(self, rows: torch.Tensor, samples: torch.Tensor, finite: torch.Tensor,

@@ -42,7 +42,7 @@ import torch
 
 from asyncbatch.model.forward_batch import ForwardBatch, PrefillRow
 from asyncbatch.model.llama import CausalLM
-from asyncbatch.speculative.device_state import SpeculativeState
+from asyncbatch.speculative.device_state import SpeculativeState, query_targets
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -85,13 +85,11 @@ class DraftModel:
     def _decode(self, tokens: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor, reserved: torch.Tensor,
                 dummy_slot: int) -> torch.Tensor:
         """One draft forward of single-token rows: ``tokens`` at ``positions`` (``[A]``) -> logits ``[A, vocab]``."""
-        inside = positions < reserved  # [A]
-        bs = self.block_size
-        column = (positions // bs).clamp(max=tables.shape[1] - 1)[:, None]  # [A, 1]
-        slots = torch.where(inside, tables.gather(1, column).squeeze(1) * bs + positions % bs, dummy_slot)
-        batch = ForwardBatch(input_ids=tokens, positions=positions.clamp(max=self.max_model_len - 1),
-                             slot_mapping=slots, num_decode=len(tokens), decode_block_tables=tables,
-                             decode_context_lens=torch.where(inside, positions + 1, 1), prefill_rows=[],
+        computed, slots, contexts = query_targets(positions[:, None], reserved, tables, self.block_size, dummy_slot,
+                                                  self.max_model_len)  # [A, 1] each
+        batch = ForwardBatch(input_ids=tokens, positions=computed.squeeze(1), slot_mapping=slots.squeeze(1),
+                             num_decode=len(tokens), decode_block_tables=tables,
+                             decode_context_lens=contexts.squeeze(1), prefill_rows=[],
                              logits_indices=torch.arange(len(tokens), device=tokens.device))
         return self.model(batch, self.kv_caches)
 
