@@ -30,6 +30,9 @@ def engine(request, tiny_dir):
 
 NEIGHBOUR = [5, 6, 7, 8, 9]
 NEIGHBOUR_PARAMS = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+THREAD_TEXTS = ["The weather today", "My favourite food is", "Python is a language that", "In 1969, humans",
+                "Rules for a good meeting:", "The ocean is"]
+THREAD_PARAMS = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
 BAD_PARAMS = [
     ({"temperature": -0.1}, ValueError, "temperature"),
@@ -114,19 +117,21 @@ def test_unknown_engine_keyword_is_a_type_error(tiny_dir):
         LLM(str(tiny_dir), device="tpu")
 
 
-def generate_from_threads(engine, threads: int = 6, each: int = 3) -> list[list[int]]:
-    """The neighbour's tokens from ``threads`` threads calling ``generate`` ``each`` times at once."""
-    results: list[list[int]] = []
+def generate_from_threads(engine, prompts: list[list[int]], params: SamplingParams, threads: int = 6,
+                          each: int = 3) -> list[tuple[int, list[int]]]:
+    """``threads`` threads calling ``generate`` ``each`` times at once, thread ``t`` with ``prompts[t % len]``:
+    (prompt index, tokens) per call."""
+    results: list[tuple[int, list[int]]] = []
     errors: list[BaseException] = []
 
-    def worker():
+    def worker(i: int) -> None:
         try:
             for _ in range(each):
-                results.append(engine.generate([NEIGHBOUR], NEIGHBOUR_PARAMS, use_tqdm=False)[0].token_ids)
+                results.append((i, engine.generate([prompts[i]], params, use_tqdm=False)[0].token_ids))
         except BaseException as exc:  # noqa: BLE001 - surfaced by the assertion below
             errors.append(exc)
 
-    workers = [threading.Thread(target=worker) for _ in range(threads)]
+    workers = [threading.Thread(target=worker, args=(t % len(prompts),)) for t in range(threads)]
     for t in workers:
         t.start()
     for t in workers:
@@ -138,17 +143,26 @@ def generate_from_threads(engine, threads: int = 6, each: int = 3) -> list[list[
 
 def test_generate_from_several_threads(engine):
     expected = neighbour_alone(engine)
-    results = generate_from_threads(engine)
-    assert all(r == expected for r in results)
+    results = generate_from_threads(engine, [NEIGHBOUR], NEIGHBOUR_PARAMS)
+    assert all(tokens == expected for _, tokens in results)
 
 
-def test_generate_from_several_threads_bfloat16(tiny_dir):
-    """In bfloat16 the neighbour's logits depend on how many copies share its step (docs/reproducibility.md):
-    every thread's tokens equal the lone run's up to a near-tie."""
-    with LLM(str(tiny_dir), device="cpu", dtype="bfloat16", overlap=True, max_model_len=96, num_kv_blocks=64,
-             block_size=4, debug_check_integrity=True) as engine:
-        expected = neighbour_alone(engine)
-        results = generate_from_threads(engine)
+@pytest.mark.model
+def test_generate_from_several_threads_bfloat16():
+    """In bfloat16 a row's logits depend on what else shares its step (docs/reproducibility.md): every
+    thread's tokens equal the prompt's lone run up to a near-tie, and most are equal.
+
+    On the default model, not the tiny random one: a random model's top-2 logits sit a bfloat16 ulp or
+    two apart at nearly every position (8 of 20 tiny-model paths of 20 tokens have an exact tie, 19 of 20
+    a gap under 0.05), so which way a copy goes there is a coin flip and "most are equal" cannot hold (it
+    failed on a native-AMX Xeon: 15 of 18 copies of one prompt parted at its exact tie). A trained model's
+    top-2 gaps are wide, which is where the promise is made. Six prompts, one per thread."""
+    with LLM(None, device="cpu", dtype="bfloat16", overlap=True, debug_check_integrity=True,
+             max_num_seqs=8) as engine:
+        prompts = [engine.tokenizer.encode(text, add_special_tokens=False) for text in THREAD_TEXTS]
+        alone = [engine.generate([p], THREAD_PARAMS, use_tqdm=False)[0].token_ids for p in prompts]
+        results = generate_from_threads(engine, prompts, THREAD_PARAMS)
         engine.check_integrity()
-    assert_bfloat16_runs_agree(tiny_dir, "threads vs alone", [NEIGHBOUR] * len(results), results,
-                               [expected] * len(results))
+        model_path = engine.model_path
+    assert_bfloat16_runs_agree(model_path, "threads vs alone", [prompts[i] for i, _ in results],
+                               [tokens for _, tokens in results], [alone[i] for i, _ in results])
