@@ -7,9 +7,16 @@ columnar ``StepOutputs`` per applied step goes out.
 
 Overlap mode (``overlap_loop``): step N+1 is launched before step N is waited for.
 
-    planner   [plan+launch N+1][release][wait N][apply N, send N][plan+launch N+2][release][wait N+1] ...
-    device    [...... step N ..................][........ step N+1 .......................][.. step N+2 ..
-    frontend                                           [detok N, stops N]                          [detok ...
+    planner   [plan+launch N+1][release][send N-1][wait N][apply N][fill N+1][plan+launch N+2][release][send N][wait N+1]
+    device    [...... step N ...........................][........ step N+1 ...........................][.. step N+2 ..
+    frontend                                                                                  [detok N, stops N]
+
+From the end of step N to the launch of step N+2 the planner is on the
+device's critical path (N+2 must be queued before N+1 ends), so only what
+N+2 needs happens there: N's tokens applied, N+1's grammar masks filled, N+2
+planned. Sending N's outputs (the sender thread pickles them, holding the GIL)
+waits until N+2 is launched; any other message to the frontend sends the held
+outputs first, so the frontend sees messages in the order they were made.
 
 ``release`` (after a launch, while the step runs): the blocks the plan's prefill
 chunks fill become cached, drained requests give back their rows, and a slice
@@ -99,14 +106,15 @@ class EngineCore:
         self.staging = StagingPair(config.max_num_batched_tokens, config.max_num_seqs, max_blocks_per_seq,
                                    pinned=getattr(executor, "is_cuda", False))
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._send = send
-        self._live = LiveRequests(scheduler, self.grammar, send, self.inbox)
+        self._send_now = send
+        self._held: StepOutputs | None = None  # a finished step's outputs, sent once the next step is launched
+        self._live = LiveRequests(scheduler, self.grammar, self._send, self.inbox)
         self._acked = 0  # synchronous mode: the newest step the frontend has processed
         self.last_launched_step = 0  # the newest launched step's id (``LastLaunchedStep``)
         self._idle = False  # the planner blocked for lack of work since the last launched step
         self._gc_pause = 0.0
         self._gc_started = 0.0
-        self.control = ControlHandler(self, send)  # answers the frontend's control calls between two steps
+        self.control = ControlHandler(self, self._send)  # answers the frontend's control calls between two steps
         self._thread = threading.Thread(target=self._run, name="asyncbatch-planner", daemon=True)
 
     def start(self) -> None:
@@ -163,13 +171,15 @@ class EngineCore:
                 self._finish_step(last)
                 last = None
             current = self._launch_next(in_flight=last is not None)
+            self._flush_held()
             if last is not None:
-                self._finish_step(last, fill=current)
+                self._finish_step(last, fill=current, hold=current is not None)
             elif current is None:
                 self._check_not_stalled()
             last = current
         if last is not None:
             self._finish_step(last)
+        self._flush_held()
 
     def _masks_before_launch(self) -> bool:
         return not self.config.grammar_mask_overlap and self.grammar is not None and self.grammar.active
@@ -252,9 +262,10 @@ class EngineCore:
         self._unfilled.remove(mask)
         self.executor.masks_ready(step.handle)
 
-    def _finish_step(self, step: InFlight, fill: InFlight | None = None) -> None:
+    def _finish_step(self, step: InFlight, fill: InFlight | None = None, hold: bool = False) -> None:
         """Wait for ``step``'s tokens, apply them (grammar matchers too), fill ``fill``'s grammar masks if it
-        has any, and send the frontend the step's outputs."""
+        has any, and send the frontend the step's outputs (``hold``: keep them until ``_flush_held``, after
+        the next launch)."""
         record = step.record
         with stage(record, "wait_start", "wait_end", "wait_step"):
             result = self.executor.wait(step.handle)
@@ -280,10 +291,24 @@ class EngineCore:
         if self.config.debug_check_integrity:
             self.scheduler.check_integrity()
         extras = step.meta.extras
-        self._send(StepOutputs(
+        outputs = StepOutputs(
             step.plan.step_id, applied.seqs, applied.token_ids, applied.finish, ended, ended_codes,
             step.plan.first_scheduled_seqs(), record, sampled_columns(extras, result.logprobs, applied.kept),
-            prompt_columns(extras, result.prompt_logprobs), applied.num_tokens))
+            prompt_columns(extras, result.prompt_logprobs), applied.num_tokens)
+        if hold:
+            self._held = outputs
+        else:
+            self._send(outputs)
+
+    def _send(self, message: object) -> None:
+        """Every message to the frontend goes through here: held step outputs first, so order is kept."""
+        self._flush_held()
+        self._send_now(message)
+
+    def _flush_held(self) -> None:
+        if self._held is not None:
+            held, self._held = self._held, None
+            self._send_now(held)
 
     def _check_not_stalled(self) -> None:
         if self.scheduler.has_work():  # nothing runs, so nothing will free blocks or bring tokens back

@@ -3,7 +3,9 @@
 The device thread copies the staging (as an H2D copy would), then models a GPU
 queue: step N starts when it is launched or when step N-1 ends, whichever is
 later, and ends ``SimConfig.step_seconds(...)`` after that. The thread sleeps
-until the modelled end with the GIL released. Modelling the queue (instead of
+until the modelled end with the GIL released, its timer slack at 1 us
+(``executors/timer_slack.py``: the default 50 us slack put the result a
+sixth of a 1 ms step late, on the planner's critical path). Modelling the queue (instead of
 timing the thread) keeps the Python thread's own wake-up jitter out of the
 device timeline, as a real GPU's queue would.
 
@@ -28,6 +30,7 @@ from asyncbatch.config import SimConfig
 from asyncbatch.engine.step_contract import StepMeta
 from asyncbatch.executors.base import StepHandle, StepResult
 from asyncbatch.executors.device_thread import DeviceThread, ThreadedExecutor
+from asyncbatch.executors.timer_slack import fine_timer_slack
 from asyncbatch.profiling.marks import mark
 from asyncbatch.sampling.logprobs import TokenLogprobs
 
@@ -242,6 +245,7 @@ class SimExecutor(ThreadedExecutor):
     def _sleep_until(t: float, step_id: int, label: str) -> None:
         delay = t - time.perf_counter()
         if delay > 0:
+            fine_timer_slack()
             with mark("forward", step_id, label):
                 time.sleep(delay)
 
