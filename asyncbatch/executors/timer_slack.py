@@ -11,7 +11,7 @@ timer slack at 1 us where Linux allows it.
 Not done: waking early and spinning to the deadline. With the GIL released on
 every turn (``os.sched_yield``) the spin still asks for the GIL back each time,
 and with grammar rows it lands while the planner applies tokens and fills masks:
-measured, the planner's chain got longer (result latency 0.40 -> 0.29-0.52 ms),
+measured, the planner's chain got longer (result latency 0.44-0.46 -> 0.50-0.69 ms),
 though a step without grammar rows was answered 0.1 ms sooner.
 """
 
