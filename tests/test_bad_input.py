@@ -32,7 +32,6 @@ NEIGHBOUR = [5, 6, 7, 8, 9]
 NEIGHBOUR_PARAMS = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 THREAD_TEXTS = ["The weather today", "My favourite food is", "Python is a language that", "In 1969, humans",
                 "Rules for a good meeting:", "The ocean is"]
-THREAD_PARAMS = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
 
 BAD_PARAMS = [
     ({"temperature": -0.1}, ValueError, "temperature"),
@@ -160,8 +159,8 @@ def test_generate_from_several_threads_bfloat16():
     with LLM(None, device="cpu", dtype="bfloat16", overlap=True, debug_check_integrity=True,
              max_num_seqs=8) as engine:
         prompts = [engine.tokenizer.encode(text, add_special_tokens=False) for text in THREAD_TEXTS]
-        alone = [engine.generate([p], THREAD_PARAMS, use_tqdm=False)[0].token_ids for p in prompts]
-        results = generate_from_threads(engine, prompts, THREAD_PARAMS)
+        alone = [engine.generate([p], NEIGHBOUR_PARAMS, use_tqdm=False)[0].token_ids for p in prompts]
+        results = generate_from_threads(engine, prompts, NEIGHBOUR_PARAMS)
         engine.check_integrity()
         model_path = engine.model_path
     assert_bfloat16_runs_agree(model_path, "threads vs alone", [prompts[i] for i, _ in results],

@@ -187,8 +187,18 @@ class SimExecutor(ThreadedExecutor):
     @staticmethod
     def _hash(seeds: np.ndarray, steps: np.ndarray, fed: np.ndarray) -> np.ndarray:
         """The pseudo-token hash of output ``steps`` of requests ``seeds`` fed token ``fed`` (``[N]`` each)."""
-        return mix64(seeds.astype(np.uint64) * np.uint64(1_000_003) ^ mix64(steps.astype(np.uint64))
-                     ^ (fed.astype(np.uint64) << np.uint64(20)))
+        return SimExecutor._hash_fed(SimExecutor._hash_base(seeds, steps), fed)
+
+    @staticmethod
+    def _hash_base(seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
+        """The part of ``_hash`` that does not depend on the fed token (broadcasts: a verify step hashes every
+        position's at once)."""
+        return seeds.astype(np.uint64, copy=False) * np.uint64(1_000_003) ^ mix64(steps.astype(np.uint64, copy=False))
+
+    @staticmethod
+    def _hash_fed(base: np.ndarray, fed: np.ndarray) -> np.ndarray:
+        """``_hash`` from its ``_hash_base`` and the fed token."""
+        return mix64(base ^ (fed.astype(np.uint64, copy=False) << np.uint64(20)))
 
     def _run_verify(self, meta: StepMeta, handle: StepHandle, start: float, end: float, h2d_ms: float) -> StepResult:
         """A speculative engine's step (no grammar or logprob rows: the scheduler keeps them out of these).
@@ -215,7 +225,7 @@ class SimExecutor(ThreadedExecutor):
         # is time the planner waits for the GIL); only the fed token is hashed position by position.
         index = steps[:, None] + np.arange(width)  # [R, W] output index of each position (prefill rows: 0 only)
         index_u = index.astype(np.uint64)
-        base = seeds.astype(np.uint64)[:, None] * np.uint64(1_000_003) ^ mix64(index_u)  # [R, W]
+        base = self._hash_base(seeds[:, None], index_u)  # [R, W]
         ends = None  # [R, W] the request's drawn length is reached: EOS (None: nowhere in this step)
         if self.eos_token_id is not None:
             ends = index + 1 >= self.output_length(seeds)[:, None]
@@ -224,7 +234,7 @@ class SimExecutor(ThreadedExecutor):
         fed_u = fed.astype(np.uint64)
         for j in range(width):
             n = r if j == 0 else nd
-            h = mix64(base[:n, j] ^ (fed_u[:n] << np.uint64(20)))  # = _hash(seeds, steps + j, fed)
+            h = self._hash_fed(base[:n, j], fed_u[:n])  # = _hash(seeds, steps + j, fed)
             fed_u[:n] = tokens[:n, j] = self._tokens_of(h, None if ends is None else ends[:n, j], None)
         # Draft j is accepted with probability spec_acceptance, while usable; the run stops at the first rejection.
         coin = mix64(seeds[:nd, None].astype(np.uint64) ^ mix64(index_u[:nd, :depth] + np.uint64(0x5EC))) >> np.uint64(11)
