@@ -15,11 +15,13 @@ cache exists (they bake in its addresses).
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -29,8 +31,10 @@ from asyncbatch.engine.block_manager import BlockManager, blocks_for_tokens
 from asyncbatch.engine.core import EngineCore
 from asyncbatch.engine.scheduler import Scheduler
 from asyncbatch.executors.base import Executor
+from asyncbatch.executors.kernel_threads import one_kernel_thread
 from asyncbatch.model.compiled_decode import check_compile_decode
 from asyncbatch.model.emulated_bf16 import emulates_bf16
+from asyncbatch.model.llama import CausalLM
 from asyncbatch.model.loader import (
     explain_dtype,
     load_config,
@@ -42,6 +46,9 @@ from asyncbatch.model.loader import (
 )
 from asyncbatch.model.quantization import check_quantization
 from asyncbatch.speculative.draft_check import resolve_draft
+
+if TYPE_CHECKING:
+    from asyncbatch.speculative.draft_model import DraftModel
 
 _GIB = 1 << 30
 
@@ -174,7 +181,15 @@ def resolve_model(config: EngineConfig) -> ResolvedModel:
 
 
 def build_core(config: EngineConfig, spec: ModelSpec, send: Callable[[object], None]) -> EngineCore:
-    """Load the weights, size the KV cache, and assemble executor, scheduler and planner (not started)."""
+    """Load the weights, size the KV cache, and assemble executor, scheduler and planner (not started).
+
+    On the cpu the building thread runs its kernels on one OpenMP thread, and the device thread alone on
+    several (``kernel_threads``): a second thread with a pool of its own would slow every step."""
+    with one_kernel_thread() if spec.device == "cpu" else contextlib.nullcontext():
+        return _build_core(config, spec, send)
+
+
+def _build_core(config: EngineConfig, spec: ModelSpec, send: Callable[[object], None]) -> EngineCore:
     device = spec.device
     hf_config, _arch = load_config(spec.path)
     max_len = spec.max_model_len
@@ -192,29 +207,11 @@ def build_core(config: EngineConfig, spec: ModelSpec, send: Callable[[object], N
     else:
         from asyncbatch.executors.torch_executor import TorchExecutor
 
-        if device == "cpu":
-            # The device thread's kernels get every core; the planner thread mostly waits on it.
-            torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         dtype, dtype_choice = explain_dtype(config.dtype, device)
         torch_device = torch.device(device)
         if config.quantization is None and emulates_bf16(dtype, torch_device):
             dtype_choice += "; linears on float32 kernels, bfloat16 values (no bfloat16 dot products here)"
-        model = load_model(spec.path, dtype, torch_device, max_positions=max_len, quantization=config.quantization)
-        reserved = 0
-        if device == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory_gib is None:
-            from asyncbatch.executors.cuda_memory import profile_step_memory
-
-            reserved = profile_step_memory(model, config.max_num_seqs, config.max_num_batched_tokens,
-                                           config.block_size, graphs=config.enable_cuda_graphs).reserve_bytes
-        num_blocks = choose_num_blocks(config, device, _kv_bytes(hf_config, spec, dtype), max_len, reserved)
-        kv_caches = model.new_kv_caches(num_blocks, config.block_size)
-        draft = None
-        if spec.draft_path is not None:  # its own KV cache, the target's block layout (``speculative.draft_model``)
-            from asyncbatch.speculative.draft_model import DraftModel
-
-            draft_model = load_model(spec.draft_path, dtype, torch_device, max_positions=max_len,
-                                     quantization=config.quantization)
-            draft = DraftModel(draft_model, draft_model.new_kv_caches(num_blocks, config.block_size), max_len)
+        model, kv_caches, draft, num_blocks = _load_weights(config, spec, hf_config, dtype, torch_device)
         if device == "cuda":
             from asyncbatch.executors.cuda_executor import CudaExecutor
 
@@ -225,7 +222,8 @@ def build_core(config: EngineConfig, spec: ModelSpec, send: Callable[[object], N
         else:
             executor = TorchExecutor(model, kv_caches, config.max_num_seqs, torch_device, dtype_choice=dtype_choice,
                                      compile_decode=config.compile_decode, speculative=config.speculative_config,
-                                     max_model_len=max_len, draft=draft)
+                                     max_model_len=max_len, draft=draft,
+                                     num_threads=config.num_threads or os.cpu_count() or 1)
     blocks = BlockManager(num_blocks, config.block_size, config.max_num_seqs, spec.max_blocks_per_seq,
                           prefix_caching=config.enable_prefix_caching)
     scheduler = Scheduler(blocks, config.max_num_batched_tokens, eos_token_id=spec.eos_token_id,
@@ -233,6 +231,30 @@ def build_core(config: EngineConfig, spec: ModelSpec, send: Callable[[object], N
     return EngineCore(config, executor, scheduler, spec.max_blocks_per_seq, send, vocab_size=spec.vocab_size,
                       make_grammar_compiler=None if config.skip_tokenizer_init else partial(
                           grammar_compiler, config, spec))
+
+
+def _load_weights(config: EngineConfig, spec: ModelSpec, hf_config: PretrainedConfig, dtype: torch.dtype,
+                  torch_device: torch.device) -> tuple[CausalLM, list, DraftModel | None, int]:
+    """The model, its KV cache sized to the budget (after CUDA's step memory is reserved) and the draft model if
+    any: (model, kv_caches, draft, num_blocks)."""
+    device, max_len = spec.device, spec.max_model_len
+    model = load_model(spec.path, dtype, torch_device, max_positions=max_len, quantization=config.quantization)
+    reserved = 0
+    if device == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory_gib is None:
+        from asyncbatch.executors.cuda_memory import profile_step_memory
+
+        reserved = profile_step_memory(model, config.max_num_seqs, config.max_num_batched_tokens,
+                                       config.block_size, graphs=config.enable_cuda_graphs).reserve_bytes
+    num_blocks = choose_num_blocks(config, device, _kv_bytes(hf_config, spec, dtype), max_len, reserved)
+    kv_caches = model.new_kv_caches(num_blocks, config.block_size)
+    draft = None
+    if spec.draft_path is not None:  # its own KV cache, the target's block layout (``speculative.draft_model``)
+        from asyncbatch.speculative.draft_model import DraftModel
+
+        draft_model = load_model(spec.draft_path, dtype, torch_device, max_positions=max_len,
+                                 quantization=config.quantization)
+        draft = DraftModel(draft_model, draft_model.new_kv_caches(num_blocks, config.block_size), max_len)
+    return model, kv_caches, draft, num_blocks
 
 
 def grammar_compiler(config: EngineConfig, spec: ModelSpec):

@@ -68,6 +68,7 @@ from asyncbatch.engine.step_extras import StepExtrasWriter
 from asyncbatch.engine.step_metadata import StepMeta, StepMetadataWriter
 from asyncbatch.engine.structured_state import GrammarState
 from asyncbatch.executors.base import Executor, StepHandle
+from asyncbatch.executors.kernel_threads import one_kernel_thread_here
 from asyncbatch.profiling.marks import mark, step_begin, step_end
 from asyncbatch.profiling.timeline import StepRecord, stage
 from asyncbatch.sampling.token_bitmask import bitmask_words
@@ -140,6 +141,8 @@ class EngineCore:
 
     # -- the loops -------------------------------------------------------------
     def _run(self) -> None:
+        if self.executor.name == "cpu":
+            one_kernel_thread_here()  # the device thread's kernel pool stays the only one (``kernel_threads``)
         try:
             if self.config.overlap:
                 self.overlap_loop()

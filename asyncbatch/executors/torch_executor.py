@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -24,6 +25,7 @@ import torch
 from asyncbatch.engine.step_contract import DUMMY_BLOCK, GrammarMask, StepMeta
 from asyncbatch.executors.base import StepHandle, StepResult
 from asyncbatch.executors.device_thread import DeviceThread, ThreadedExecutor
+from asyncbatch.executors.kernel_threads import claim_kernel_threads
 from asyncbatch.model.compiled_decode import CompiledDecode, is_pure_decode
 from asyncbatch.model.forward_batch import ForwardBatch, PagedForwardBatch, PrefillRow
 from asyncbatch.model.llama import CausalLM
@@ -458,6 +460,9 @@ class TorchExecutor(ThreadedExecutor):
 
     ``compile_decode``: pure decode steps run the model compiled by ``torch.compile``
     (``model.compiled_decode``), compiled here before the first request (minutes on a small CPU).
+    ``num_threads``: the kernel threads of the device thread, the only engine thread that runs kernels on more
+    than one (``kernel_threads``: the compile warm-up runs there too, and compiled kernels keep the count they
+    were compiled with); None leaves torch's count as it is.
     """
 
     is_cuda = False
@@ -465,22 +470,24 @@ class TorchExecutor(ThreadedExecutor):
     def __init__(self, model: CausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], max_num_seqs: int,
                  device: torch.device, dtype_choice: str | None = None, compile_decode: bool = False,
                  speculative: SpeculativeConfig | None = None, max_model_len: int = 0,
-                 draft: DraftModel | None = None) -> None:
+                 draft: DraftModel | None = None, num_threads: int | None = None) -> None:
         device = torch.device(device)
         self.dtype_choice = dtype_choice
         if device.type != "cpu":
             raise ValueError(f"TorchExecutor runs on the CPU; use CudaExecutor for {device}")
         self._torch_step = TorchStep(model, kv_caches, max_num_seqs, device, speculative=speculative,
                                      max_model_len=max_model_len, draft=draft)
-        self.compile_seconds: float | None = None
-        if compile_decode:
-            self._torch_step.decode_forward = CompiledDecode(model, kv_caches)
-            self.compile_seconds = self._torch_step.decode_forward.warm_up()
         self.model, self.kv_caches, self.token_buffer = model, kv_caches, self._torch_step.token_buffer
         self.device = device
         self.name = device.type
         self.forward_hook: Callable[[StepMeta], None] | None = None  # tests inject faults here
-        self._thread = DeviceThread("asyncbatch-device", self._run_threaded)
+        self._thread = DeviceThread("asyncbatch-device", self._run_threaded, on_start=None if num_threads is None
+                                    else partial(claim_kernel_threads, num_threads))
+        self.kernel_threads = self._thread.call(torch.get_num_threads)
+        self.compile_seconds: float | None = None
+        if compile_decode:
+            self._torch_step.decode_forward = CompiledDecode(model, kv_caches)
+            self.compile_seconds = self._thread.call(self._torch_step.decode_forward.warm_up)
 
     def _copy_in(self, meta: StepMeta) -> DeviceStep:
         return self._torch_step.copy_in(meta)
@@ -513,7 +520,7 @@ class TorchExecutor(ThreadedExecutor):
 
     def describe(self) -> dict:
         return {**super().describe(), **self._torch_step.memory_info(), "dtype_choice": self.dtype_choice,
-                "torch_threads": torch.get_num_threads(),
+                "torch_threads": self.kernel_threads,
                 "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                 "compile_decode": self.compile_seconds is not None, "compile_seconds": self.compile_seconds,
                 "compiled_steps": self._torch_step.compiled_steps}
