@@ -78,3 +78,18 @@ def test_a_row_that_keeps_rejecting_stops_drafting_and_retries():
         state.num_outputs[0] = outputs
         state.propose(row)
         assert int(state.num_drafts[0]) == drafts, outputs
+
+
+def test_more_rows_than_disable_by_batch_size_propose_nothing():
+    """A step sampling more rows than ``disable_by_batch_size`` skips the lookup and leaves every row without
+    drafts (the planner verifies none there); at the limit the rows draft as usual."""
+    tokens = [7, 8, 9, 7, 8]
+    state = started(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, disable_by_batch_size=1), tokens)
+    state.write_prefill(torch.ones(4, dtype=torch.int64), torch.arange(4), torch.tensor(tokens[:-1]))
+    state.start_rows(torch.tensor([1]), torch.tensor([4]), torch.tensor([1]), torch.tensor([8]))
+    state.propose(torch.tensor([0]))
+    assert state.num_drafts[0].item() == 3
+    state.propose(torch.tensor([0, 1]))  # two rows > 1: no drafts, the earlier ones withdrawn
+    assert state.num_drafts[:2].tolist() == [0, 0]
+    state.propose(torch.tensor([1]))
+    assert state.num_drafts[:2].tolist() == [0, 3] and state.drafts[1].tolist() == [9, 7, 8]

@@ -178,8 +178,16 @@ class SpeculativeState:
 
     def propose(self, rows: torch.Tensor) -> None:
         """The next step's drafts of ``rows`` (n-gram lookup over each history up to its newest token). A row whose
-        recent acceptance is below ``min_acceptance`` drafts nothing, except every ``retry_every``-th output."""
+        recent acceptance is below ``min_acceptance`` drafts nothing, except every ``retry_every``-th output.
+
+        More rows than ``disable_by_batch_size`` draft nothing: the next step's decode rows are some of these, so
+        the planner will not verify drafts there either unless enough of them finish at once, and then those
+        rows draft one step later. The lookup is skipped, not wasted on every step of a large batch."""
         if not len(rows):
+            return
+        limit = self.config.disable_by_batch_size
+        if limit is not None and len(rows) > limit:
+            self.num_drafts.index_fill_(0, rows, 0)
             return
         lengths = self.length.index_select(0, rows) + 1  # [R] tokens known: through the next input
         width = min(int(lengths.max()), self.history.shape[1])  # the CPU reads this; CUDA would not
