@@ -13,13 +13,13 @@ candidates are within bfloat16's rounding of each other, and nowhere else.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from golden_tokens import request_key
+
+from asyncbatch.executors.kernel_threads import one_kernel_thread
 
 # float32: the engine and transformers sum in different orders; 1e-4 is far above that noise (~1e-6 here)
 # and far below a real top-2 gap.
@@ -191,16 +191,9 @@ def sampled_pair_gap(model, prompt: list[int], outputs: list[int], params, pair:
     return abs(float(score[pair[0]] - score[pair[1]])) + sum(outside)
 
 
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """transformers' forward on one intra-op thread: on a shared 2-core machine two spinning threads are
-    several times slower than one."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+# transformers' forward on one intra-op thread: on a shared 2-core machine two spinning threads are several
+# times slower than one (and a pool of the test's own would slow an in-process engine's device thread).
+one_thread = one_kernel_thread
 
 
 def logits_at(model, token_ids: list[int]) -> torch.Tensor:

@@ -26,6 +26,8 @@ from asyncbatch.model.loader import (
     resolve_dtype,
     resolve_model_path,
 )
+from asyncbatch.model.packed_bf16 import PACKED_ENV, PACKED_MAX_ROWS, PackedBf16Linear, packs_bf16
+from asyncbatch.model.quantization import weight_bytes
 
 CPU = torch.device("cpu")
 
@@ -233,6 +235,28 @@ def test_loaded_model_is_cast_frozen_and_materialised(llama_dir: Path, monkeypat
     stored_q = stored["model.layers.0.self_attn.q_proj.weight"]
     q = params["model.layers.0.self_attn.qkv_proj.weight"][:stored_q.shape[0]]
     assert torch.equal(q, stored_q.to(torch.bfloat16).to(q.dtype))
+
+
+def test_packed_bf16_linears_give_the_plain_products(llama_dir: Path, monkeypatch) -> None:
+    """Where the CPU has bfloat16 kernels, the decoder's linears also hold a copy packed for oneDNN
+    (``packed_bf16``): each gives the plain linear's output bit for bit, through the packed copy up to
+    ``PACKED_MAX_ROWS`` rows and the plain weight above; a step's weight bytes are counted once."""
+    monkeypatch.setenv("ASYNCBATCH_BF16_EMULATION", "0")
+    if not packs_bf16(torch.bfloat16, CPU):
+        pytest.skip("oneDNN's packed bfloat16 product is not available in this torch build")
+    packed = load_model(llama_dir, torch.bfloat16, CPU, max_positions=32)
+    monkeypatch.setenv(PACKED_ENV, "0")
+    plain = load_model(llama_dir, torch.bfloat16, CPU, max_positions=32)
+    pairs = [(m, dict(plain.named_modules())[name]) for name, m in packed.named_modules()
+             if isinstance(m, PackedBf16Linear)]
+    assert len(pairs) == 5 * plain.config.num_hidden_layers  # q/k/v fused, o, gate, up, down
+    gen = torch.Generator().manual_seed(0)
+    for module, reference in pairs:
+        assert isinstance(reference, torch.nn.Linear)
+        for rows in (1, 5, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 40):
+            x = torch.randn(rows, reference.in_features, generator=gen).to(torch.bfloat16)
+            assert torch.equal(module(x), reference(x)), rows
+    assert weight_bytes(packed) == weight_bytes(plain)
 
 
 def test_sharded_checkpoint_loads_like_single_file(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from asyncbatch.model.emulated_bf16 import emulate_bf16_linears, emulates_bf16
 from asyncbatch.model.fused_projections import fuse_projections
 from asyncbatch.model.gguf_cache import convert_gguf
 from asyncbatch.model.llama import SUPPORTED_ARCHITECTURES, CausalLM
+from asyncbatch.model.packed_bf16 import pack_bf16_linears, packs_bf16
 from asyncbatch.model.quantization import check_quantization, quantize_model
 from asyncbatch.model.tokenizer_cache import load_tokenizer_cached
 
@@ -117,7 +118,8 @@ def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
 
 
 def load_model(path: str | os.PathLike[str], dtype: torch.dtype, device: torch.device | str,
-               max_positions: int, quantization: str | None = None, fuse: bool = True) -> CausalLM:
+               max_positions: int, quantization: str | None = None, fuse: bool = True,
+               pack_bf16: bool = True) -> CausalLM:
     """Build ``CausalLM`` from the directory's weights, in ``dtype`` on ``device``, frozen, in eval mode.
 
     Floating-point weights are cast to ``dtype``; the rotary tables stay float32
@@ -127,7 +129,8 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype, device: torch.d
 
     q/k/v (and gate/up, for quantized weights) are loaded under their checkpoint names, then fused into one
     linear (``fused_projections``); ``fuse=False`` keeps q/k/v separate (the tests' reference for the fusion;
-    a quantized model is fused either way).
+    a quantized model is fused either way). bfloat16 weights on a CPU with bfloat16 dot products are packed for
+    oneDNN (``packed_bf16``) unless ``pack_bf16`` is False (``compile_decode`` traces the plain ones).
     """
     try:
         from accelerate import init_empty_weights
@@ -160,6 +163,8 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype, device: torch.d
         quantize_model(model, quantization, path)
     elif emulates_bf16(dtype, device):
         emulate_bf16_linears(model)
+    elif pack_bf16 and packs_bf16(dtype, device):
+        pack_bf16_linears(model)
     return model
 
 
