@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncbatch.model.forward_batch import ForwardBatch
+from asyncbatch.model.kv_write_op import write_kv_in_place
 
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
 _backend = os.environ.get("ASYNCBATCH_ATTENTION", "auto")
@@ -59,10 +60,12 @@ def triton_kernels(device: torch.device) -> ModuleType | None:
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store this step's keys/values at their flat slots."""
-    kvh, d = k_cache.shape[-2:]
-    k_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, k)  # k: [T, kv_heads, head_dim]
-    v_cache.view(-1, kvh, d).index_copy_(0, slot_mapping, v)
+    """Store this step's keys/values (``[T, kv_heads, head_dim]``) at their flat slots; in a compiled graph
+    through the op that stays in place (``kv_write_op``)."""
+    if torch.compiler.is_compiling():
+        torch.ops.asyncbatch.write_kv(k_cache, v_cache, k, v, slot_mapping)
+    else:
+        write_kv_in_place(k_cache, v_cache, k, v, slot_mapping)
 
 
 def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, rows: int) -> torch.Tensor:
