@@ -20,7 +20,7 @@ from torch._dynamo.utils import counters
 
 from asyncbatch import LLM, SamplingParams
 from asyncbatch.config import EngineConfig
-from asyncbatch.model.compiled_decode import check_compile_decode, cxx_compiler
+from asyncbatch.model.compiled_decode import CompiledDecode, check_compile_decode, cxx_compiler
 
 # The engine test's KV cache and model shapes, which the rows test shares (the module docstring says why):
 # 64 blocks of 4 tokens hold the engine test's 6 requests (48 blocks at most) without preemption, and 5 rows of
@@ -160,6 +160,25 @@ def test_a_traced_step_writes_the_kv_cache_through_the_in_place_op(tiny_llama):
     assert targets.count("asyncbatch.write_kv") == model.config.num_hidden_layers, targets
     assert not any("index_copy" in t for t in targets), targets
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_failed_compile_leaves_no_device_thread(tiny_llama, monkeypatch):
+    """The warm-up compiles on the device thread (``kernel_threads``); when it fails, the executor stops the thread
+    before the error reaches the engine's builder."""
+    import threading
+
+    from asyncbatch.executors.torch_executor import TorchExecutor
+    from asyncbatch.model.loader import load_model
+
+    def fail(self):
+        raise RuntimeError("compiler missing")
+
+    monkeypatch.setattr(CompiledDecode, "warm_up", fail)
+    model = load_model(tiny_llama, torch.float32, torch.device("cpu"), max_positions=MAX_POSITIONS)
+    with pytest.raises(RuntimeError, match="compiler missing"):
+        TorchExecutor(model, model.new_kv_caches(NUM_KV_BLOCKS, BLOCK_SIZE), 4, torch.device("cpu"),
+                      compile_decode=True, num_threads=1)
+    assert not [t.name for t in threading.enumerate() if t.name == "asyncbatch-device"]
 
 
 def test_cli_flag_reaches_the_engine_kwargs():

@@ -487,7 +487,11 @@ class TorchExecutor(ThreadedExecutor):
         self.compile_seconds: float | None = None
         if compile_decode:
             self._torch_step.decode_forward = CompiledDecode(model, kv_caches)
-            self.compile_seconds = self._thread.call(self._torch_step.decode_forward.warm_up)
+            try:
+                self.compile_seconds = self._thread.call(self._torch_step.decode_forward.warm_up)
+            except BaseException:
+                self._thread.stop()  # no engine will close this executor: its thread must not outlive it
+                raise
 
     def _copy_in(self, meta: StepMeta) -> DeviceStep:
         return self._torch_step.copy_in(meta)
