@@ -114,7 +114,7 @@ class SimExecutor(ThreadedExecutor):
         self.length = np.zeros(max_num_seqs, dtype=np.int64)
         self.num_outputs = np.zeros(max_num_seqs, dtype=np.int64)
         self.forward_hook = None
-        self._thread = DeviceThread("asyncbatch-sim-device", self._run)
+        self._thread = DeviceThread("asyncbatch-sim-device", self._run, on_start=fine_timer_slack)
 
     def output_length(self, seeds: np.ndarray) -> np.ndarray:
         """Drawn output length (tokens up to and including EOS) of requests with these seeds."""
@@ -255,7 +255,6 @@ class SimExecutor(ThreadedExecutor):
     def _sleep_until(t: float, step_id: int, label: str) -> None:
         delay = t - time.perf_counter()
         if delay > 0:
-            fine_timer_slack()
             with mark("forward", step_id, label):
                 time.sleep(delay)
 

@@ -20,10 +20,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import sys
-import threading
 
 _PR_SET_TIMERSLACK = 29
-_done = threading.local()
 
 
 def set_thread_timer_slack(ns: int) -> bool:
@@ -38,7 +36,5 @@ def set_thread_timer_slack(ns: int) -> bool:
 
 
 def fine_timer_slack() -> None:
-    """Once per thread: timer slack 1 us for the calling thread."""
-    if not getattr(_done, "set", False):
-        set_thread_timer_slack(1000)
-        _done.set = True
+    """Timer slack 1 us for the calling thread (the sim's device thread calls it when it starts)."""
+    set_thread_timer_slack(1000)

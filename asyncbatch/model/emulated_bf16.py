@@ -26,6 +26,7 @@ to compare); unset, it follows the CPU's real flags (not ``ASYNCBATCH_CPU_FLAGS`
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -63,13 +64,20 @@ class EmulatedBf16Linear(nn.Module):
 def emulate_bf16_linears(model: nn.Module) -> int:
     """Swap every ``nn.Linear`` of a loaded bfloat16 ``CausalLM`` for ``EmulatedBf16Linear`` and give it
     a float32 LM head of the same values (in place); returns how many linears were swapped."""
-    swapped = 0
-    for parent in list(model.model.modules()):  # the decoder layers; the LM head is handled below
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, EmulatedBf16Linear(child.weight, child.bias))
-                swapped += 1
+    swapped = swap_decoder_linears(model, lambda linear: EmulatedBf16Linear(linear.weight, linear.bias))
     model.emulated_lm_head = EmulatedBf16Linear(model.output_weight, None, out_dtype=torch.float32)
     if not model.tie_word_embeddings:
         del model.lm_head  # the emulated head holds its values
+    return swapped
+
+
+def swap_decoder_linears(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:
+    """Replace every ``nn.Linear`` of a ``CausalLM``'s decoder (not its LM head) by ``make(linear)``, in place;
+    returns how many were replaced."""
+    swapped = 0
+    for parent in list(model.model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, make(child))
+                swapped += 1
     return swapped

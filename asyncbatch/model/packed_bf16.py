@@ -19,10 +19,13 @@ with ``compile_decode`` (the compiler does not trace opaque oneDNN tensors), nor
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 from torch import nn
+
+from asyncbatch.model.emulated_bf16 import swap_decoder_linears
 
 PACKED_ENV = "ASYNCBATCH_BF16_PACKED"
 PACKED_MAX_ROWS = 32  # the most rows measured bit-identical to F.linear (module docstring)
@@ -35,6 +38,7 @@ def packs_bf16(dtype: torch.dtype, device: torch.device) -> bool:
     return torch.backends.mkldnn.is_available() and _packed_product_works()
 
 
+@functools.cache
 def _packed_product_works() -> bool:
     """One small packed product equal to ``F.linear``'s (the ops are internal to torch: a build without them,
     or one where they changed, keeps the plain path)."""
@@ -71,10 +75,4 @@ class PackedBf16Linear(nn.Module):
 def pack_bf16_linears(model: nn.Module) -> int:
     """Swap every ``nn.Linear`` of a loaded bfloat16 ``CausalLM``'s decoder for ``PackedBf16Linear`` (in
     place); returns how many were swapped."""
-    swapped = 0
-    for parent in list(model.model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedBf16Linear(child.weight, child.bias))
-                swapped += 1
-    return swapped
+    return swap_decoder_linears(model, lambda linear: PackedBf16Linear(linear.weight, linear.bias))
