@@ -26,12 +26,14 @@ from asyncbatch.serve.settings import ServeSettings
 SIM = SimConfig(step_fixed_ms=2.0, per_token_us=4.0, output_len_min=64, output_len_max=64)
 # The engine core in the replica's own process (engine_process=False): half the processes to start on CI's
 # 2 cores; the replica code is the same, and the study runs the default (a core process per replica).
-ENGINE = {"device": "sim", "sim": SIM, "max_num_seqs": 16, "num_kv_blocks": 256, "max_model_len": 2048,
+# Room for eight of the kill test's 8,000-token streams on one replica (the sim's KV blocks are host bookkeeping only).
+ENGINE = {"device": "sim", "sim": SIM, "max_num_seqs": 16, "num_kv_blocks": 4096, "max_model_len": 8192,
           "seed": 0, "engine_process": False}
 PREFIX = list(range(100, 100 + 8 * 16))  # 8 full blocks
 KEY = "cluster-key"  # the ingress applies asyncbatch serve's --api-key
 MAX_BODY = 64 << 10
 ALIVE_AFTER_KILL = 50  # chunks a surviving stream must still get after the first failure
+KILL_STREAM_TOKENS = 8000  # 16 s of 2 ms steps: no stream can end before the kill lands, however loaded the machine
 
 
 @pytest.fixture(scope="module")
@@ -107,13 +109,13 @@ def test_replica_kill_under_load_fails_clearly_restarts_and_recovers(cluster):
 
     async def one(k: int) -> str:
         try:
-            # 2,000 tokens at 2 ms a step: every stream is still running when the kill lands, however slowly a
-            # loaded machine got them started. Once a stream of the killed replica has failed, a stream that
-            # still gets ALIVE_AFTER_KILL chunks is on the surviving replica: it has proved that replica
-            # still serves and hangs up (its request is aborted). How long the rest of its 2,000 tokens
-            # would take on a loaded machine is not this test's subject; how long the actor takes to die
-            # after ``ray.kill`` returns is not either (chunks are counted after the first failure).
-            stream = await api.completions.create(model="sim", prompt=[7, k, 9] * 10, max_tokens=2000,
+            # KILL_STREAM_TOKENS at 2 ms a step: every stream is still running when the kill lands, however
+            # slowly a loaded machine got them started or the kill through. (CI once saw 2,000-token streams
+            # all end first: no stream failed.) Once a stream of the killed replica has failed, a stream that
+            # still gets ALIVE_AFTER_KILL chunks is on the surviving replica: it has proved that replica still
+            # serves and hangs up (its request is aborted). How long the actor takes to die after ``ray.kill``
+            # returns is not this test's subject (chunks are counted after the first failure).
+            stream = await api.completions.create(model="sim", prompt=[7, k, 9] * 10, max_tokens=KILL_STREAM_TOKENS,
                                                   stream=True, extra_body={"ignore_eos": True})
             after_kill = 0
             async for _chunk in stream:
@@ -122,7 +124,7 @@ def test_replica_kill_under_load_fails_clearly_restarts_and_recovers(cluster):
                 if after_kill >= ALIVE_AFTER_KILL:
                     await stream.close()
                     return "ok"
-            return "ended"  # all 2,000 tokens
+            return "ended"  # all of its tokens
         except openai.APIError as exc:
             failed.set()
             return f"error: {exc}"
@@ -130,7 +132,7 @@ def test_replica_kill_under_load_fails_clearly_restarts_and_recovers(cluster):
     async def load_and_kill() -> list[str]:
         tasks = [asyncio.ensure_future(one(k)) for k in range(8)]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in streaming)), timeout=30)  # all have tokens
-        victim = (await asyncio.to_thread(_replica_actor_names))[0]
+        victim = await asyncio.to_thread(_busiest_replica, handle, served_before)
         await asyncio.to_thread(ray.kill, ray.get_actor(victim, namespace="serve"), no_restart=False)
         try:
             await asyncio.wait_for(failed.wait(), timeout=60)
@@ -138,6 +140,7 @@ def test_replica_kill_under_load_fails_clearly_restarts_and_recovers(cluster):
             pytest.fail("no stream failed within 60 s of killing a replica under load")
         return await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
 
+    served_before = {pid: s["served"] for pid, s in replica_stats(handle).items()}
     before = set(_replica_actor_names())
     results = asyncio.run(load_and_kill())
     errors = [r for r in results if r.startswith("error")]
@@ -162,6 +165,21 @@ def test_replica_kill_under_load_fails_clearly_restarts_and_recovers(cluster):
 def _replica_actor_names() -> list[str]:
     return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
             if launch.REPLICA_DEPLOYMENT in a["name"] and a["namespace"] == "serve"]
+
+
+def _busiest_replica(handle, served_before: dict[int, int]) -> str:
+    """The name of the replica actor that took the most requests since ``served_before`` (served counts by pid):
+    the kill must land where streams run, whatever the router did with eight requests at once."""
+    served = {pid: s["served"] - served_before.get(pid, 0) for pid, s in replica_stats(handle).items()}
+    names = _replica_actor_names()
+    # Ray's global state is the one place a named actor's pid shows without the dashboard (this test starts Ray
+    # without it); the cluster extra pins Ray, so the private module is a known one.
+    from ray._private import state
+    pids = {a["Pid"]: a["Name"] for a in state.actors().values() if a["Name"] in names and a["State"] == "ALIVE"}
+    ranked = sorted(served, key=served.get, reverse=True)
+    busiest = next((pids[pid] for pid in ranked if pid in pids and served[pid] > 0), None)
+    assert busiest is not None, f"no replica actor took the streams: served {served}, actors by pid {pids}"
+    return busiest
 
 
 def _running_replicas() -> int:
