@@ -201,9 +201,6 @@ class EngineConfig:
             if self.device == "cuda":
                 raise ValueError("speculative_config runs on the cpu and sim devices only (for now), got "
                                  f"device={self.device!r}")
-            if self.compile_decode:
-                raise ValueError("speculative_config and compile_decode=True cannot be combined (yet): verify steps "
-                                 "run eager")
             if self.speculative_config.num_speculative_tokens >= self.block_size:
                 raise ValueError(f"speculative_config.num_speculative_tokens must be < block_size ({self.block_size}), "
                                  f"got {self.speculative_config.num_speculative_tokens}")

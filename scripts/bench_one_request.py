@@ -2,13 +2,15 @@
 """One request at a time: engine settings beside llama.cpp, side by side in one run (issue 24's one-request goals).
 
 The one-request prompts of ``bench_speculative.py``'s workloads (``--single-prompts`` of each, one after the
-other, greedy, ``--max-tokens``, EOS honoured) through one engine per ``--configs`` entry, plain decoding
-(speculation is ``bench_speculative.py``'s subject), then llama.cpp on the same token ids when
-llama-cpp-python imports. A config is ``dtype[+quantization][+compiled]``: ``float32``, ``bfloat16``,
-``float32+w8a8``, ``float32+w8a8+compiled`` (``compile_decode=True``). Every engine is built and warmed up
-first and stays alive; each repeat runs the configs in turn (the order reversed every other repeat). Figures:
-decode tok/s ((tokens - 1) / (finish - first token), summed over the prompts), medians of ``--repeats``,
-and whether each config's greedy tokens equal the first config's.
+other, greedy, ``--max-tokens``, EOS honoured) through one engine per ``--configs`` entry (speculation against
+plain decoding at 1 and 32 requests is ``bench_speculative.py``'s subject), then llama.cpp on the same token
+ids when llama-cpp-python imports. A config is ``dtype[+quantization][+compiled][+ngram]``: ``float32``,
+``bfloat16``, ``float32+w8a8``, ``float32+w8a8+compiled`` (``compile_decode=True``); ``+ngram`` adds n-gram
+speculation with ``SpeculativeConfig``'s defaults (its tokens are checked against the same config without
+it, and its mean acceptance length is reported). Every engine is built and warmed up first and stays alive;
+each repeat runs the configs in turn (the order reversed every other repeat). Figures: decode tok/s
+((tokens - 1) / (finish - first token), summed over the prompts), medians of ``--repeats``, and whether each
+config's greedy tokens equal the first config's.
 
     python scripts/bench_one_request.py --out /tmp/one_request
 """
@@ -30,20 +32,29 @@ from harness.speculative_workloads import WORKLOADS, load_workload, prompt_ids, 
 from asyncbatch import LLM, SamplingParams
 from asyncbatch.profiling.host_info import cpu_name, git_commit
 
+SWITCHES = ("compiled", "ngram")  # config flags that are not a quantization
+
 
 def engine(config: str, threads: int) -> LLM:
     dtype, *flags = config.split("+")
-    quantization = next((f for f in flags if f != "compiled"), None)
+    quantization = next((f for f in flags if f not in SWITCHES), None)
     return LLM(None, device="cpu", dtype=dtype, quantization=quantization, compile_decode="compiled" in flags,
-               num_threads=threads, seed=0)
+               speculative_config={"method": "ngram"} if "ngram" in flags else None, num_threads=threads, seed=0)
+
+
+def plain_twin(config: str) -> str:
+    return "+".join(f for f in config.split("+") if f != "ngram")
 
 
 def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    llm.reset_stats()
     outs = [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
     decode_s = sum(o.metrics.finished_time - o.metrics.first_token_time for o in outs)
+    llm.wait_settled(30.0)
     return {"decode_tok_s": sum(len(o.token_ids) - 1 for o in outs) / decode_s,
-            "tokens": [list(o.token_ids) for o in outs], "load_1min": os.getloadavg()[0]}
+            "tokens": [list(o.token_ids) for o in outs], "load_1min": os.getloadavg()[0],
+            "acceptance_length": llm.stats().get("spec_decode_mean_acceptance_length")}
 
 
 def main() -> None:
@@ -85,8 +96,12 @@ def main() -> None:
             llm.close()
     results = {w: {c: {"decode_tok_s": statistics.median(r["decode_tok_s"] for r in rs),
                        "runs": [r["decode_tok_s"] for r in rs],
+                       "acceptance_length": rs[-1]["acceptance_length"],
                        "tokens_equal_first_config": all(r["tokens"] == b["tokens"]
-                                                        for r, b in zip(rs, by_config[configs[0]]))}
+                                                        for r, b in zip(rs, by_config[configs[0]])),
+                       "tokens_equal_plain_twin": all(r["tokens"] == b["tokens"]
+                                                      for r, b in zip(rs, by_config[plain_twin(c)]))
+                       if plain_twin(c) in by_config else None}
                    for c, rs in by_config.items()} for w, by_config in runs.items()}
     llama = {} if args.skip_llamacpp else {w: llamacpp_single(args, ps) for w, ps in prompts.items()}
     doc = {"created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)), "git_commit": git_commit(mark_dirty=True),
@@ -105,6 +120,11 @@ def main() -> None:
         lines.append(f"| {w} | " + " | ".join(cells) + (f" | {lc:.1f} |" if lc else " | -- |"))
     lines += ["", "Tokens equal to the first config's (per workload): " + "; ".join(
         f"{w}: " + ", ".join(f"{c} {results[w][c]['tokens_equal_first_config']}" for c in configs) for w in prompts),
+        "", "Speculative configs, against the same config without ``+ngram``: " + "; ".join(
+        f"{w} {c}: tokens equal {results[w][c]['tokens_equal_plain_twin']}, mean acceptance length "
+        f"{results[w][c]['acceptance_length']:.2f}" for w in prompts for c in configs
+        if results[w][c]['tokens_equal_plain_twin'] is not None and results[w][c]['acceptance_length'])
+        or "none run",
         "", "Engine start (s): " + ", ".join(f"{c} {s:.1f}" for c, s in start_s.items())]
     (out / "one_request.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -65,27 +65,37 @@ def test_unsupported_combinations_raise_value_errors_naming_compile_decode(monke
 @pytest.mark.parametrize("scheme", [None, "w8a8"])
 @pytest.mark.usefixtures("make_llm")  # its teardown: no engine thread or core process left
 def test_compiled_decode_gives_the_eager_greedy_tokens_in_overlap_and_sync(tiny_llama, scheme):
-    prompts = [[3 + (i * 31 + j * 7) % 250 for j in range(3 + i * 5)] for i in range(6)]
+    """Plain decoding and n-gram speculation: a verify step is a pure decode batch of ``1 + k`` one-token rows a
+    request (each with its own block table and length), so it runs the compiled graph too. Half the prompts
+    repeat a pattern, so the n-gram proposer drafts from the prompt."""
+    prompts = [[3 + (i * 31 + j * 7) % 250 for j in range(3 + i * 5)] for i in range(3)]
+    prompts += [[5 + i, 9, 17 + i, 33] * (2 + i) for i in range(3)]
     params = [SamplingParams(max_tokens=8 + 3 * i, temperature=0.0, ignore_eos=True) for i in range(6)]
     runs = {}
-    for compiled, overlap in ((False, True), (True, True), (True, False)):
-        runs[compiled, overlap] = _greedy_tokens(tiny_llama, scheme, compiled, overlap, prompts, params)
+    for compiled, overlap, spec in ((False, True, False), (True, True, False), (True, False, False),
+                                    (True, True, True), (True, False, True)):
+        runs[compiled, overlap, spec] = _greedy_tokens(tiny_llama, scheme, compiled, overlap, prompts, params,
+                                                       speculative=spec)
         gc.collect()  # the engine is freed, and with it its w8a8 handles (the module docstring says why)
-    assert runs[True, True] == runs[False, True]
-    assert runs[True, False] == runs[False, True]
-    assert [len(t) for t in runs[False, True]] == [8 + 3 * i for i in range(6)]
+    eager = runs[False, True, False]
+    for key, tokens in runs.items():
+        assert tokens == eager, f"compiled, overlap, speculative = {key}"
+    assert [len(t) for t in eager] == [8 + 3 * i for i in range(6)]
 
 
 def _greedy_tokens(model: str, scheme: str | None, compiled: bool, overlap: bool, prompts: list[list[int]],
-                   params: list[SamplingParams]) -> list[list[int]]:
+                   params: list[SamplingParams], speculative: bool = False) -> list[list[int]]:
     """One engine's tokens for ``prompts``, after the checks every engine of the test passes; the engine is
     closed, and nothing outside this call refers to it."""
+    spec = {"method": "ngram", "num_speculative_tokens": BLOCK_SIZE - 1, "prompt_lookup_min": 1,
+            "min_acceptance": 0.0} if speculative else None
     with LLM(model, device="cpu", dtype="float32", quantization=scheme, compile_decode=compiled, overlap=overlap,
              engine_process=False, max_num_batched_tokens=24, max_num_seqs=6, block_size=BLOCK_SIZE,
-             num_kv_blocks=NUM_KV_BLOCKS, num_threads=1, debug_check_integrity=True) as llm:
+             num_kv_blocks=NUM_KV_BLOCKS, num_threads=1, debug_check_integrity=True, speculative_config=spec) as llm:
         graphs = counters["stats"]["unique_graphs"]
         tokens = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        # Warm-up compiled every graph: no step (rows 1-6, block tables growing) compiles another.
+        # Warm-up compiled every graph: no step (rows 1-6, or up to 6 x 4 verified tokens, block tables
+        # growing) compiles another.
         assert counters["stats"]["unique_graphs"] == graphs
         info = llm.executor_info
         assert info["compile_decode"] is compiled and info["quantization"] == scheme
@@ -93,6 +103,9 @@ def _greedy_tokens(model: str, scheme: str | None, compiled: bool, overlap: bool
             assert info["compiled_steps"] > 0 and info["compile_seconds"] > 0
         else:
             assert info["compiled_steps"] == 0
+        if speculative:  # drafts were verified, and some accepted: several tokens a step went through the graph
+            stats = llm.stats()
+            assert stats["spec_decode_num_drafts"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0, stats
         assert_idle_and_clean(llm)
     return tokens
 
