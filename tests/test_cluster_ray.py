@@ -132,7 +132,11 @@ def test_replica_kill_under_load_fails_clearly_restarts_and_recovers(cluster):
     async def load_and_kill() -> list[str]:
         tasks = [asyncio.ensure_future(one(k)) for k in range(8)]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in streaming)), timeout=30)  # all have tokens
-        victim = await asyncio.to_thread(_busiest_replica, handle, served_before)
+        served = await asyncio.to_thread(_served_since, handle, served_before)
+        # Eight requests at once are spread over both replicas (the router counts a choice before Ray routes it:
+        # without that, a burst saw equal loads everywhere and all of it went to one replica).
+        assert len(served) == 2 and min(served.values()) > 0, f"streams per replica pid: {served}"
+        victim = await asyncio.to_thread(_busiest_replica, served)
         await asyncio.to_thread(ray.kill, ray.get_actor(victim, namespace="serve"), no_restart=False)
         try:
             await asyncio.wait_for(failed.wait(), timeout=60)
@@ -167,10 +171,14 @@ def _replica_actor_names() -> list[str]:
             if launch.REPLICA_DEPLOYMENT in a["name"] and a["namespace"] == "serve"]
 
 
-def _busiest_replica(handle, served_before: dict[int, int]) -> str:
-    """The name of the replica actor that took the most requests since ``served_before`` (served counts by pid):
-    the kill must land where streams run, whatever the router did with eight requests at once."""
-    served = {pid: s["served"] - served_before.get(pid, 0) for pid, s in replica_stats(handle).items()}
+def _served_since(handle, served_before: dict[int, int]) -> dict[int, int]:
+    """Requests each replica (by pid) took since ``served_before``."""
+    return {pid: s["served"] - served_before.get(pid, 0) for pid, s in replica_stats(handle).items()}
+
+
+def _busiest_replica(served: dict[int, int]) -> str:
+    """The name of the replica actor that took the most of the requests ``served`` counts by pid: the kill
+    must land where streams run."""
     names = _replica_actor_names()
     # Ray's global state is the one place a named actor's pid shows without the dashboard (this test starts Ray
     # without it); the cluster extra pins Ray, so the private module is a known one.

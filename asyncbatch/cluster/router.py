@@ -7,7 +7,7 @@ replica's queue is full (``max_ongoing_requests``) or it died.
 
     replica ──record_routing_stats (every period_s)──► controller ──long poll──► RunningReplica.routing_stats
     router: prompt ids ─chain keys─► match vs (summary keys if age <= max_age_s) ∪ (keys it routed there < ttl)
-            load = max(requests this router has in flight there, running + waiting in the fresh summary)
+            load = max(requests this router has in flight or just chose there, running + waiting in the fresh summary)
 
 Decisions are counted by reason (``router_registry.CACHE_HIT``: it went to a replica holding at least
 ``min_match_blocks`` of its prompt; ``LOAD``: otherwise), read by the ingress's ``/metrics``.
@@ -15,6 +15,11 @@ Decisions are counted by reason (``router_registry.CACHE_HIT``: it went to a rep
 Staleness: a summary older than ``max_age_s`` contributes no keys (its blocks may have been evicted since);
 the keys this router itself just sent somewhere count for ``recent_ttl_s`` (the replica caches them within a
 step, and its next summary confirms them). Load from this router's own in-flight count is exact at once.
+
+Bursts: Ray Serve chooses replicas for several pending requests before the first of them is routed (and
+counted in flight). A choice therefore counts on its first-ranked replica at once (``_chosen``) until the
+request is routed, wherever it went; otherwise every request of a burst sees the same loads and the same
+ranking, and the whole burst lands on one replica.
 """
 
 from __future__ import annotations
@@ -59,6 +64,10 @@ class CacheAwareRouter(RegisteredRouter, RequestRouter):
         self._rng = random.Random(seed)
         self._in_flight: dict[str, int] = defaultdict(int)  # requests this router sent, not yet completed
         self._routed_to: dict[str, str] = {}  # internal request id -> replica id
+        # Requests chosen for a replica (its first rank) and not routed yet: internal request id -> replica id,
+        # and their count per replica, part of its load (the module docstring's "Bursts").
+        self._chosen: dict[str, str] = {}
+        self._choosing: dict[str, int] = defaultdict(int)
         # The newest summary of each replica, parsed once (the stats dict is replaced when a new one arrives).
         self._parsed: dict[str, tuple[dict, CacheSummary | None]] = {}
         # Replicas preferred for a cache hit, per internal request id, until the request is routed.
@@ -82,8 +91,8 @@ class CacheAwareRouter(RegisteredRouter, RequestRouter):
             published_load = summary.load
             num_cached = len(summary.keys)
         recent = self._recent.live(rid)
-        return ReplicaView(rid, Either(keys, recent) if recent else keys, max(self._in_flight[rid], published_load),
-                           num_cached)
+        return ReplicaView(rid, Either(keys, recent) if recent else keys,
+                           max(self._in_flight[rid] + self._choosing[rid], published_load), num_cached)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
@@ -99,13 +108,26 @@ class CacheAwareRouter(RegisteredRouter, RequestRouter):
         by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
         ranking = self._policy.choose(keys, [self._view(r, now) for r in candidate_replicas], self._rng)
         if pending_request is not None:
-            self._hits[pending_request.metadata.internal_request_id] = ranking.hits
+            request_id = pending_request.metadata.internal_request_id
+            self._hits[request_id] = ranking.hits
             if len(self._hits) > _MAX_PENDING:  # requests cancelled before they were routed never pop theirs
                 del self._hits[next(iter(self._hits))]
+            self._unchoose(request_id)  # chosen again (its first choice was full): count the new choice only
+            if ranking.order:
+                self._chosen[request_id] = ranking.order[0].replica_id
+                self._choosing[ranking.order[0].replica_id] += 1
+                if len(self._chosen) > _MAX_PENDING:
+                    self._unchoose(next(iter(self._chosen)))
         return [[by_id[v.replica_id]] for v in ranking.order]
+
+    def _unchoose(self, request_id: str) -> None:
+        rid = self._chosen.pop(request_id, None)
+        if rid is not None:
+            self._choosing[rid] = max(0, self._choosing[rid] - 1)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         rid = replica_id.to_full_id_str()
+        self._unchoose(pending_request.metadata.internal_request_id)
         self._in_flight[rid] += 1
         self._routed_to[pending_request.metadata.internal_request_id] = rid
         hits = self._hits.pop(pending_request.metadata.internal_request_id, None)
@@ -121,3 +143,4 @@ class CacheAwareRouter(RegisteredRouter, RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self._recent.forget(replica_id.to_full_id_str())
+        self._choosing.pop(replica_id.to_full_id_str(), None)
