@@ -16,7 +16,9 @@ the machine hits both alike; medians are shown, with every repeat in the JSON (`
   it out: the steps after the first). Per admitted request, wall clock and the thread's CPU time
   (``thread_time_ns``: what the work costs when the machine's other load preempts the process); best
   of 7 in each process; ``*_launch_cpu_us``: the part before the launch (the critical path; a tree whose
-  core calls ``release_drained`` after the launch leaves it out).
+  core calls ``release_drained`` after the launch leaves it out); ``metered_burst_marginal_launch_cpu_us``:
+  that less the launch CPU of the 192 rows' decode step alone, measured just before the burst arrives (what
+  admitting the 64 adds to a step the planner plans anyway).
 - ``burst``: the issue's workload through ``LLM`` (engine process, overlap): 256 requests at once,
   32-token prompts, 400-token outputs (ignore_eos), ``max_num_seqs`` 256, sim 1 ms per step; whole-run
   busy fraction from the gap report (first device start to last device end), its largest gap, the idle
@@ -46,14 +48,28 @@ from harness.common import COMMON, ROOT, cpu_seconds, ref_worktree, run_in_tree
 PROMPT_LEN = 32
 
 
-def planner_case(burst: int, decoding: int) -> tuple[float, float, float]:
+def planner_case(burst: int, decoding: int) -> tuple[float, ...]:
     """us per admitted request of the planner's work for one admission step: (wall, thread CPU, thread CPU
-    before the launch), best of 7."""
+    before the launch, that less the launch CPU of a step of the same ``decoding`` rows alone), best of 7."""
     runs = [_admission_step(burst, decoding, seed) for seed in range(7)]
-    return min(r[0] for r in runs), min(r[1] for r in runs), min(r[2] for r in runs)
+    return tuple(min(r[k] for r in runs) for k in range(4))
 
 
-def _admission_step(burst: int, decoding: int, seed: int) -> tuple[float, float, float]:
+def _launch_cpu_ns(scheduler, writer, staging, tokens, finite) -> int:
+    """Plan and write one step, GC frozen as in the engine; returns the thread CPU ns before its launch."""
+    gc.collect()
+    gc.freeze()
+    c0 = time.thread_time_ns()
+    plan = scheduler.schedule()
+    meta = writer.write(plan, staging.next_buffer())
+    c1 = time.thread_time_ns()
+    gc.unfreeze()
+    scheduler.release_drained(plan)
+    scheduler.apply(plan, tokens[:meta.num_sampled], finite[:meta.num_sampled])
+    return c1 - c0
+
+
+def _admission_step(burst: int, decoding: int, seed: int) -> tuple[float, float, float, float]:
     import numpy as np
 
     from asyncbatch.engine.block_manager import BlockManager
@@ -97,6 +113,8 @@ def _admission_step(burst: int, decoding: int, seed: int) -> tuple[float, float,
         scheduler.apply(plan, tokens[:meta.num_sampled], finite[:meta.num_sampled])
         if not plan.num_prefill:
             break
+    # The same rows' decode step without an admission: what the admission step would cost the planner anyway.
+    decode_ns = _launch_cpu_ns(scheduler, writer, staging, tokens, finite) if decoding else 0
     for r in [request(decoding + i) for i in range(burst)]:
         scheduler.add(r)
     gc.collect()
@@ -113,7 +131,7 @@ def _admission_step(burst: int, decoding: int, seed: int) -> tuple[float, float,
     # What delays the launch: trees whose core releases drained requests after the launch (it has
     # ``settle_released``) launch after schedule + write; older ones after release_drained too.
     launch_path = (c1 - c0) if hasattr(scheduler, "settle_released") else cpu
-    return elapsed / 1e3 / burst, cpu / 1e3 / burst, launch_path / 1e3 / burst
+    return elapsed / 1e3 / burst, cpu / 1e3 / burst, launch_path / 1e3 / burst, (launch_path - decode_ns) / 1e3 / burst
 
 
 def engine_case(num_requests: int, output_len: int, skip_tokenizer_init: bool) -> dict:
@@ -164,11 +182,12 @@ def engine_case(num_requests: int, output_len: int, skip_tokenizer_init: bool) -
 
 def child(args: argparse.Namespace) -> dict:
     if args.child == "planner":
-        (idle, idle_cpu, idle_launch), (metered, metered_cpu, metered_launch) = (planner_case(args.burst, 0),
-                                                                               planner_case(64, 192))
+        (idle, idle_cpu, idle_launch, _), (metered, metered_cpu, metered_launch, metered_marginal) = (
+            planner_case(args.burst, 0), planner_case(64, 192))
         return {"idle_burst_us": idle, "idle_burst_cpu_us": idle_cpu, "idle_burst_launch_cpu_us": idle_launch,
                 "metered_burst_us": metered, "metered_burst_cpu_us": metered_cpu,
-                "metered_burst_launch_cpu_us": metered_launch}
+                "metered_burst_launch_cpu_us": metered_launch,
+                "metered_burst_marginal_launch_cpu_us": metered_marginal}
     if args.child == "burst":
         return engine_case(256, 400, False)
     return engine_case(1024, 400, args.child == "running-ids")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from itertools import chain
 
 import numpy as np
 
@@ -46,7 +47,8 @@ class Admitter:
     preemption included) and is each admission's key (``RowState.admit_key``); ``seconds`` is the planner time
     spent admitting them (part of the figure behind ``admission_us_per_request``). ``batch=False`` applies each
     admission as soon as it is decided, as the per-request planner did: the reference that tests hold the
-    batched path to.
+    batched path to. ``table`` is the chunk table (``step_plan``'s ``CHUNK_*`` columns) of the first chunks the
+    last ``admit`` appended, one row each, in order (None when it admitted none): ``StepPlan.admitted``.
     """
 
     def __init__(self, rows: RowState, blocks: BlockManager, prefix: PrefixSharer, decode: DecodeSet,
@@ -65,12 +67,15 @@ class Admitter:
         self.max_num_seqs = blocks.max_num_seqs
         self.num_admissions = 0
         self.seconds = 0.0
+        self.table: np.ndarray | None = None
+        self._tables: list[np.ndarray] = []
 
     def admit(self, prefill: list[ScheduledRow], budget: int, drained: list[Request]) -> int:
         """Admit waiting requests in FIFO order while a row, the budget and blocks allow; append their first
         chunks to ``prefill`` and the ones whose only output is scheduled now to ``drained``. Returns the budget
         left."""
         waiting = self.waiting
+        self.table = None
         if not waiting or budget <= 0 or len(self.running) >= self.max_num_seqs:
             return budget
         started = time.perf_counter()
@@ -79,13 +84,15 @@ class Admitter:
         rows_left = self.max_num_seqs - len(self.running)
         available = blocks.num_free_blocks  # fresh + reclaimable: what the admissions may take
         unused = blocks.num_unused_blocks  # on the free stack: fresh blocks popped without evicting
-        batch: list[tuple[Request, int, int, int, int, int]] = []  # (request, row, target, start, n, fresh)
+        batch: list[Request] = []
+        numbers: list[tuple[int, int, int, int, int, int]] = []  # each one's (row, target, start, n, fresh, prompt)
         prompt_tokens = cached_tokens = 0
         while waiting and budget > 0 and rows_left > 0:
             request = waiting[0]
             if request.num_pending:  # a preempted request waits for its in-flight tokens; nobody overtakes it
                 break
-            target = len(request.prompt_token_ids) + request.num_outputs
+            prompt_len = len(request.prompt_token_ids)
+            target = prompt_len + request.num_outputs
             hit = prefix.hit(request, target) if caching else NO_HIT
             start = hit.num_tokens
             n = min(target - start, budget)
@@ -93,8 +100,8 @@ class Admitter:
             if fresh + hit.num_reclaimed > available:
                 break
             if fresh > unused and batch:  # it evicts: apply the batch first, so its hit saw no eviction
-                self._apply(batch, prefill, drained)
-                batch = []
+                self._apply(batch, numbers, prefill, drained)
+                batch, numbers = [], []
                 unused = blocks.num_unused_blocks
             waiting.popleft()
             row = free_rows.pop()
@@ -103,10 +110,11 @@ class Admitter:
                 cached_tokens += start
                 if start:
                     prefix.share(row, hit)
-            batch.append((request, row, target, start, n, fresh))
+            batch.append(request)
+            numbers.append((row, target, start, n, fresh, prompt_len))
             if fresh > unused or not self.batch:  # an evicting request alone: later hits must see what it evicted
-                self._apply(batch, prefill, drained)
-                batch = []
+                self._apply(batch, numbers, prefill, drained)
+                batch, numbers = [], []
                 available = blocks.num_free_blocks
                 unused = blocks.num_unused_blocks
             else:
@@ -115,23 +123,28 @@ class Admitter:
             budget -= n
             rows_left -= 1
         if batch:
-            self._apply(batch, prefill, drained)
+            self._apply(batch, numbers, prefill, drained)
+        tables = self._tables
+        if tables:
+            self.table = tables[0] if len(tables) == 1 else np.concatenate(tables)
+            tables.clear()
         if caching:
             prefix.count_admissions(prompt_tokens, cached_tokens)
         self.seconds += time.perf_counter() - started
         return budget
 
-    def _apply(self, batch: list[tuple[Request, int, int, int, int, int]], prefill: list[ScheduledRow],
-               drained: list[Request]) -> None:
-        """Rows, blocks and first chunks of the decided admissions ``batch`` (in FIFO order)."""
+    def _apply(self, requests: list[Request], numbers: list[tuple[int, int, int, int, int, int]],
+               prefill: list[ScheduledRow], drained: list[Request]) -> None:
+        """Rows, blocks and first chunks of the decided admissions ``requests`` (in FIFO order), with their
+        ``numbers`` (row, target, start, n, fresh, prompt length) from ``admit``."""
         st = self.rows
-        requests = [entry[0] for entry in batch]
-        table = np.array([entry[1:] for entry in batch], dtype=np.int64)  # [A, 5]
-        rows, targets, starts, ns = table[:, 0], table[:, 1], table[:, 2], table[:, 3]  # [A]
-        keys = np.arange(self.num_admissions + 1, self.num_admissions + 1 + len(batch), dtype=np.int64)  # [A]
-        self.num_admissions += len(batch)
+        a = len(requests)
+        table = np.fromiter(chain.from_iterable(numbers), dtype=np.int64, count=6 * a).reshape(a, 6)
+        rows, targets, starts, ns, prompt_lens = table[:, 0], table[:, 1], table[:, 2], table[:, 3], table[:, 5]
+        keys = np.arange(self.num_admissions + 1, self.num_admissions + 1 + a, dtype=np.int64)  # [A]
+        self.num_admissions += a
         self.blocks.allocate_rows(rows, table[:, 4])
-        st.admit_many(rows, requests, keys, targets)
+        st.admit_many(rows, requests, keys, targets, targets - prompt_lens)
         ends = starts + ns  # [A]
         st.num_computed[rows] = ends
         steps = st.num_scheduled[rows]  # [A] outputs scheduled before the first chunk: a recompute's outputs
@@ -142,10 +155,14 @@ class Admitter:
         st.decoding[rows[decodes]] = True
         self.decode.add_many(rows[decodes], keys[decodes])
         self.prefix.note_prefills(requests)
+        sample_steps = steps * complete  # [A]
+        # [A, 9] their chunk table (step_plan's CHUNK_* columns): what write_prefill and the sampled rows read
+        self._tables.append(np.stack([rows, starts, ns, prompt_lens, sample_steps, complete, np.ones_like(rows),
+                                      starts, st.seq[rows]], axis=1))
         owners, running = self.owners, self.running
         for request, row, start, n, samples, step, drains_now in zip(
                 requests, rows.tolist(), starts.tolist(), ns.tolist(), complete.tolist(),
-                (steps * complete).tolist(), drains.tolist()):
+                sample_steps.tolist(), drains.tolist()):
             owners[row] = request
             request.token_row = row
             running[request.arrival_seq] = request

@@ -104,12 +104,15 @@ class PrefixSharer:
         cache = self.blocks.prefix
         if cache is None:
             return NO_HIT
-        tokens = self._prefill_tokens(request)
-        if len(request.block_keys) < len(tokens) // self.blocks.block_size:  # outputs to recompute: hash them too
-            chain_keys(tokens, self.blocks.block_size, request.block_keys, request.block_contents)
-        if _scores_prompt(request):  # its blocks are still registered once computed
-            return NO_HIT
-        cached = cache.match(request.block_keys, request.block_contents, (prefill_len - 1) // self.blocks.block_size)
+        bs, keys = self.blocks.block_size, request.block_keys
+        # ``prefill_len`` is the length of ``_prefill_tokens``; the prompt's blocks were hashed on arrival, so only
+        # outputs to recompute need hashing here (an admission burst skips building the token list).
+        if len(keys) < prefill_len // bs:
+            chain_keys(self._prefill_tokens(request), bs, keys, request.block_contents)
+        limit = (prefill_len - 1) // bs
+        if not limit or (request.params.prompt_logprobs is not None and _scores_prompt(request)):
+            return NO_HIT  # no full block before the last token; or its prompt is scored (registered once computed)
+        cached = cache.match(keys, request.block_contents, limit)
         if not cached:
             return NO_HIT
         blocks = np.fromiter((rec.block for rec in cached), dtype=np.int64, count=len(cached))  # [k]

@@ -25,6 +25,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from asyncbatch.sampling_params import SamplingParams
 
 
@@ -59,10 +61,16 @@ class Request:
     block_keys: list[int] = field(default_factory=list)
     block_contents: list[tuple[int, ...]] = field(default_factory=list)
     # Its parameters as ``RowState.admit_many`` writes them (``RowState.constants_of``), computed on arrival.
-    row_constants: tuple = ()
+    row_constants: bytes = b""
+    # Its prompt as an int64 array (made with the request, off the planner's path): an admission burst joins the
+    # prompts with one ``np.concatenate`` instead of converting every token from a list.
+    prompt_array: np.ndarray = field(init=False)
     # Speculative engines: it needs sampler extras (logprobs, logit_bias, min_tokens, a grammar), so no step
     # verifies drafts while it is live (``Scheduler.add``).
     blocks_speculation: bool = False
+
+    def __post_init__(self) -> None:
+        self.prompt_array = np.asarray(self.prompt_token_ids, dtype=np.int64)
 
     @property
     def finished(self) -> bool:

@@ -45,7 +45,7 @@ from asyncbatch.engine.prefix_sharing import PrefixSharer
 from asyncbatch.engine.request import Request, RequestStatus
 from asyncbatch.engine.row_state import NO_ROWS, NO_SEQ, DecodeSet, RowState
 from asyncbatch.engine.step_apply import StepApplier
-from asyncbatch.engine.step_plan import ScheduledRow, StepPlan
+from asyncbatch.engine.step_plan import CHUNK_ROW, CHUNK_SAMPLES, CHUNK_SEQ, ScheduledRow, StepPlan
 from asyncbatch.speculative.config import SpeculativeConfig
 
 __all__ = ["ScheduledRow", "Scheduler", "StepPlan"]
@@ -175,16 +175,22 @@ class Scheduler:
             self.prefix.settle()  # idle: nothing is left parked
             return None
         self._step_id += 1
-        sample_rows, sample_seqs = decode.rows, decode.seqs
-        sampling = [p for p in prefill if p.samples]
+        admitted = self.admitter.table if num_admitted else None
+        sampling = [p for p in prefill[:len(prefill) - num_admitted] if p.samples]  # running prefills' chunks
+        row_parts, seq_parts = [decode.rows], [decode.seqs]
         if sampling:
-            sample_rows = np.concatenate([sample_rows, np.fromiter((p.token_row for p in sampling), np.int64)])
-            sample_seqs = np.concatenate([sample_seqs, np.fromiter((p.request.arrival_seq for p in sampling),
-                                                                   np.int64)])
+            row_parts.append(np.fromiter((p.token_row for p in sampling), np.int64, count=len(sampling)))
+            seq_parts.append(np.fromiter((p.request.arrival_seq for p in sampling), np.int64, count=len(sampling)))
+        if admitted is not None:
+            samples = admitted[admitted[:, CHUNK_SAMPLES] != 0]
+            row_parts.append(samples[:, CHUNK_ROW])
+            seq_parts.append(samples[:, CHUNK_SEQ])
+        sample_rows, sample_seqs = (decode.rows, decode.seqs) if len(row_parts) == 1 else (
+            np.concatenate(row_parts), np.concatenate(seq_parts))
         return StepPlan(self._step_id, decode.rows, decode.seqs, decode.positions, decode.steps, decode.grew,
                         decode.version, prefill, self.max_num_batched_tokens - budget, sample_rows, sample_seqs,
                         self.num_releases, preempted, drained, num_admitted, admit_s if num_admitted else 0.0,
-                        decode.depth)
+                        decode.depth, admitted)
 
     def _schedule_decode(self, preempted: list[Request], drained: list[Request]) -> _DecodePart:
         """One token for every request in the decode phase (1 + depth in a verify step): array operations over

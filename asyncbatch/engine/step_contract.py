@@ -24,6 +24,7 @@ Invariants the two sides share:
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -135,6 +136,38 @@ class PrefillRowMeta:
     block_count: int
 
 
+class PrefillRows(Sequence[PrefillRowMeta]):
+    """A step's prefill rows (``StepMeta.prefill_rows``), kept as one ``[P, 5]`` int64 array in
+    ``PrefillRowMeta``'s field order; the ``PrefillRowMeta`` objects are made on first access. An admission
+    burst's hundreds of rows thus cost the planner one array, and only an executor that reads them one by
+    one (the torch executor, on its own thread) pays for the objects; the ``sim`` never does."""
+
+    __slots__ = ("_rows", "columns")
+
+    def __init__(self, columns: np.ndarray) -> None:
+        self.columns = columns
+        self._rows: list[PrefillRowMeta] | None = None
+
+    def _list(self) -> list[PrefillRowMeta]:
+        if self._rows is None:
+            self._rows = list(map(PrefillRowMeta, *self.columns.T.tolist())) if len(self.columns) else []
+        return self._rows
+
+    def __len__(self) -> int:
+        return len(self.columns)
+
+    def __getitem__(self, index):
+        return self._list()[index]
+
+    def __iter__(self) -> Iterator[PrefillRowMeta]:
+        return iter(self._list())
+
+    def __eq__(self, other: object) -> bool:
+        return list(self) == list(other) if isinstance(other, Sequence) else NotImplemented
+
+    __hash__ = None
+
+
 @dataclass(slots=True)
 class CachedContext:
     """Tokens of reused cached prefixes of penalised rows, in this step's first chunks ([K] each).
@@ -229,7 +262,7 @@ class StepMeta:
     num_tokens: int
     num_decode: int
     decode_max_blocks: int
-    prefill_rows: list[PrefillRowMeta]
+    prefill_rows: Sequence[PrefillRowMeta]  # a PrefillRows from the metadata writer
     num_sampled: int
     context_tokens: int  # total context attended over, for cost models
     all_greedy: bool

@@ -33,6 +33,11 @@ class ScheduledRow:
     num_cached: int = 0  # first chunk only: tokens before ``start`` reused from the prefix cache
 
 
+# Columns of a chunk table: one int64 row per prefill chunk (``StepPlan.admitted``; ``write_prefill`` builds
+# the same for the other chunks). CHUNK_SEQ is the request's arrival_seq (admitted chunks only).
+CHUNK_ROW, CHUNK_START, CHUNK_N, CHUNK_PROMPT, CHUNK_STEP, CHUNK_SAMPLES, CHUNK_FIRST, CHUNK_CACHED, CHUNK_SEQ = range(9)
+
+
 @dataclass(slots=True)
 class StepPlan:
     step_id: int
@@ -56,6 +61,9 @@ class StepPlan:
     # Speculative engines: drafts each decode row verifies in this step (its tokens: 1 + spec_depth, the input
     # token and the drafts); ``decode_positions`` is then the last position reserved for each row.
     spec_depth: int = 0
+    # [num_admitted, 9] int64: the chunk table of the admitted chunks, the last ``num_admitted`` of ``prefill``
+    # (``Admitter.table``), so that the sampled rows and ``write_prefill`` take them without a Python pass.
+    admitted: np.ndarray | None = None
 
     @property
     def num_decode(self) -> int:
