@@ -26,7 +26,13 @@ from asyncbatch.model.loader import (
     resolve_dtype,
     resolve_model_path,
 )
-from asyncbatch.model.packed_bf16 import PACKED_ENV, PACKED_MAX_ROWS, PackedBf16Linear, packs_bf16
+from asyncbatch.model.packed_bf16 import (
+    PACKED_ENV,
+    PACKED_MAX_ROWS,
+    PackedBf16Head,
+    PackedBf16Linear,
+    packs_bf16,
+)
 from asyncbatch.model.quantization import weight_bytes
 
 CPU = torch.device("cpu")
@@ -256,6 +262,10 @@ def test_packed_bf16_linears_give_the_plain_products(llama_dir: Path, monkeypatc
         for rows in (1, 5, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 40):
             x = torch.randn(rows, reference.in_features, generator=gen).to(torch.bfloat16)
             assert torch.equal(module(x), reference(x)), rows
+    assert isinstance(packed.packed_lm_head, PackedBf16Head) and plain.packed_lm_head is None
+    for rows in (1, 5, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 40):  # the LM head: the same logits bit for bit
+        hidden = torch.randn(rows, plain.config.hidden_size, generator=gen).to(torch.bfloat16)
+        assert torch.equal(packed.compute_logits(hidden), plain.compute_logits(hidden)), rows
     assert weight_bytes(packed) == weight_bytes(plain)
 
 

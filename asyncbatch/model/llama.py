@@ -167,6 +167,8 @@ class CausalLM(nn.Module):
         self.quantized_lm_head: nn.Module | None = None
         # Set by ``emulated_bf16.emulate_bf16_linears``: bfloat16 on a CPU without bfloat16 kernels.
         self.emulated_lm_head: nn.Module | None = None
+        # Set by ``packed_bf16.pack_bf16_linears``: bfloat16 on a CPU with bfloat16 kernels, small steps.
+        self.packed_lm_head: nn.Module | None = None
         attn = self.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         cos, sin = rope_cos_sin(config, attn.head_dim, max_positions)
@@ -214,4 +216,6 @@ class CausalLM(nn.Module):
             return self.quantized_lm_head(hidden).float()
         if self.emulated_lm_head is not None:
             return self.emulated_lm_head(hidden)
+        if self.packed_lm_head is not None:
+            return self.packed_lm_head(hidden, self.output_weight).float()
         return F.linear(hidden, self.output_weight).float()
