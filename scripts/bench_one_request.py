@@ -120,11 +120,11 @@ def main() -> None:
         lines.append(f"| {w} | " + " | ".join(cells) + (f" | {lc:.1f} |" if lc else " | -- |"))
     lines += ["", "Tokens equal to the first config's (per workload): " + "; ".join(
         f"{w}: " + ", ".join(f"{c} {results[w][c]['tokens_equal_first_config']}" for c in configs) for w in prompts),
-        "", "Speculative configs, against the same config without ``+ngram``: " + "; ".join(
-        f"{w} {c}: tokens equal {results[w][c]['tokens_equal_plain_twin']}, mean acceptance length "
-        f"{results[w][c]['acceptance_length']:.2f}" for w in prompts for c in configs
-        if results[w][c]['tokens_equal_plain_twin'] is not None and results[w][c]['acceptance_length'])
-        or "none run",
+        "", "Speculative configs, against the same config without ``+ngram``: " + ("; ".join(
+            f"{w} {c}: tokens equal {results[w][c]['tokens_equal_plain_twin']}, mean acceptance length "
+            f"{results[w][c]['acceptance_length']:.2f}" for w in prompts for c in configs
+            if results[w][c]['tokens_equal_plain_twin'] is not None and results[w][c]['acceptance_length'])
+            or "none run"),
         "", "Engine start (s): " + ", ".join(f"{c} {s:.1f}" for c, s in start_s.items())]
     (out / "one_request.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
