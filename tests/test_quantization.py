@@ -109,6 +109,9 @@ def test_w8a8_handles_are_reused_once_their_linear_is_freed():
     handles (so inductor's cache serves its graphs); linears alive at once never share one."""
     import gc
 
+    # Linears an earlier test left in reference cycles (a compiled engine's model) hold handles until a collection:
+    # collect them first, or the one below frees them between ``first`` and ``second`` and lowers the free handles.
+    gc.collect()
     weight = torch.randn(16, 32)
     first = [quant.QuantizedLinear(weight, None, "w8a8") for _ in range(3)]
     handles = [layer._handle for layer in first]
