@@ -12,9 +12,10 @@ larger ones (prefill chunks, large batches) keep ``F.linear`` on the plain weigh
 before, at the cost of holding each decoder weight twice (the packed copy is not a parameter).
 
 The LM head gets a packed copy of its weight too (``PackedBf16Head``; the tied embedding table stays plain for
-the lookup): SmolLM2's 49,152 x 576 head at one row, 2 threads, 2.54 -> 1.27 ms, bit-identical. Not on a CPU that emulates bfloat16 (``emulated_bf16``), not
-with ``compile_decode`` (the compiler does not trace opaque oneDNN tensors), nor where oneDNN is missing.
-``ASYNCBATCH_BF16_PACKED=0`` keeps ``F.linear`` everywhere (to compare).
+the lookup): SmolLM2's 49,152 x 576 head at one row, 2 threads, 2.54 -> 1.27 ms, bit-identical. Not on a CPU
+that emulates bfloat16 (``emulated_bf16``), not with ``compile_decode`` (the compiler does not trace opaque
+oneDNN tensors), nor where oneDNN is missing. ``ASYNCBATCH_BF16_PACKED=0`` keeps ``F.linear`` everywhere (to
+compare).
 """
 
 from __future__ import annotations
@@ -65,10 +66,7 @@ class PackedBf16Linear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] > PACKED_MAX_ROWS:
-            return nn.functional.linear(x, self.weight, self.bias)
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        out = _product(x.reshape(-1, self.in_features), self.packed, self.weight, self.bias)
         return out.view(*x.shape[:-1], self.out_features)
 
 
@@ -84,9 +82,15 @@ class PackedBf16Head(nn.Module):
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``[R, hidden]`` -> ``[R, vocab]`` in the weight's dtype (``weight``: the plain ``output_weight``)."""
-        if hidden.shape[0] > PACKED_MAX_ROWS:
-            return nn.functional.linear(hidden, weight)
-        return torch.ops.mkldnn._linear_pointwise(hidden, self.packed, None, "none", [], "")
+        return _product(hidden, self.packed, weight, None)
+
+
+def _product(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [R, K]`` by the weight: through its ``packed`` copy up to ``PACKED_MAX_ROWS`` rows, ``F.linear`` on the
+    plain ``weight`` above (the module docstring says why)."""
+    if x.shape[0] > PACKED_MAX_ROWS:
+        return nn.functional.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def pack_bf16_linears(model: nn.Module) -> int:
