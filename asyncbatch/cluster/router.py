@@ -17,7 +17,7 @@ the keys this router itself just sent somewhere count for ``recent_ttl_s`` (the 
 step, and its next summary confirms them). Load from this router's own in-flight count is exact at once.
 
 Bursts: Ray Serve chooses replicas for several pending requests before the first of them is routed (and
-counted in flight). A choice therefore counts on its first-ranked replica at once (``_chosen``) until the
+counted in flight). A choice therefore counts on its first-ranked replica at once (``_choosing``) until the
 request is routed, wherever it went; otherwise every request of a burst sees the same loads and the same
 ranking, and the whole burst lands on one replica.
 """
@@ -64,14 +64,12 @@ class CacheAwareRouter(RegisteredRouter, RequestRouter):
         self._rng = random.Random(seed)
         self._in_flight: dict[str, int] = defaultdict(int)  # requests this router sent, not yet completed
         self._routed_to: dict[str, str] = {}  # internal request id -> replica id
-        # Requests chosen for a replica (its first rank) and not routed yet: internal request id -> replica id,
-        # and their count per replica, part of its load (the module docstring's "Bursts").
-        self._chosen: dict[str, str] = {}
+        # Requests chosen and not routed yet, per internal request id: the replicas preferred for a cache hit, and
+        # the one it ranked first; those first choices counted per replica, part of its load ("Bursts" above).
+        self._pending: dict[str, tuple[frozenset[str], str]] = {}
         self._choosing: dict[str, int] = defaultdict(int)
         # The newest summary of each replica, parsed once (the stats dict is replaced when a new one arrives).
         self._parsed: dict[str, tuple[dict, CacheSummary | None]] = {}
-        # Replicas preferred for a cache hit, per internal request id, until the request is routed.
-        self._hits: dict[str, frozenset[str]] = {}
         self.decisions: Counter = Counter()  # reason -> requests routed (router_registry.decisions)
         super().initialize_state()
 
@@ -109,28 +107,29 @@ class CacheAwareRouter(RegisteredRouter, RequestRouter):
         ranking = self._policy.choose(keys, [self._view(r, now) for r in candidate_replicas], self._rng)
         if pending_request is not None:
             request_id = pending_request.metadata.internal_request_id
-            self._hits[request_id] = ranking.hits
-            if len(self._hits) > _MAX_PENDING:  # requests cancelled before they were routed never pop theirs
-                del self._hits[next(iter(self._hits))]
-            self._unchoose(request_id)  # chosen again (its first choice was full): count the new choice only
-            if ranking.order:
-                self._chosen[request_id] = ranking.order[0].replica_id
-                self._choosing[ranking.order[0].replica_id] += 1
-                if len(self._chosen) > _MAX_PENDING:
-                    self._unchoose(next(iter(self._chosen)))
+            self._forget_choice(request_id)  # chosen again (its first choice was full): the new choice counts
+            first = ranking.order[0].replica_id
+            self._pending[request_id] = (ranking.hits, first)
+            self._choosing[first] += 1
+            if len(self._pending) > _MAX_PENDING:  # requests cancelled before they were routed never pop theirs
+                self._forget_choice(next(iter(self._pending)))
         return [[by_id[v.replica_id]] for v in ranking.order]
 
-    def _unchoose(self, request_id: str) -> None:
-        rid = self._chosen.pop(request_id, None)
-        if rid is not None:
-            self._choosing[rid] = max(0, self._choosing[rid] - 1)
+    def _forget_choice(self, request_id: str) -> frozenset[str] | None:
+        """Drop ``request_id``'s pending choice (its replica's count with it); returns its cache-hit replicas, or
+        None if it had no pending choice."""
+        entry = self._pending.pop(request_id, None)
+        if entry is None:
+            return None
+        hits, first = entry
+        self._choosing[first] = max(0, self._choosing[first] - 1)
+        return hits
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         rid = replica_id.to_full_id_str()
-        self._unchoose(pending_request.metadata.internal_request_id)
+        hits = self._forget_choice(pending_request.metadata.internal_request_id)
         self._in_flight[rid] += 1
         self._routed_to[pending_request.metadata.internal_request_id] = rid
-        hits = self._hits.pop(pending_request.metadata.internal_request_id, None)
         request = _request_of(pending_request)
         if request is not None:  # where the prefix really went (the first choice may have been full)
             self.decisions[CACHE_HIT if hits and rid in hits else LOAD] += 1
