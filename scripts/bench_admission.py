@@ -55,18 +55,21 @@ def planner_case(burst: int, decoding: int) -> tuple[float, ...]:
     return tuple(min(r[k] for r in runs) for k in range(4))
 
 
-def _launch_cpu_ns(scheduler, writer, staging, tokens, finite) -> int:
-    """Plan and write one step, GC frozen as in the engine; returns the thread CPU ns before its launch."""
+def _timed_step(scheduler, writer, staging) -> tuple[object, object, int, int, int]:
+    """Plan, write and release one step, GC frozen as in the engine after warm-up: (plan, meta, wall ns, thread
+    CPU ns before the launch, thread CPU ns in all). What delays the launch: trees whose core releases drained
+    requests after the launch (it has ``settle_released``) launch after schedule + write; older ones after
+    release_drained too."""
     gc.collect()
     gc.freeze()
-    c0 = time.thread_time_ns()
+    t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
     plan = scheduler.schedule()
     meta = writer.write(plan, staging.next_buffer())
     c1 = time.thread_time_ns()
-    gc.unfreeze()
     scheduler.release_drained(plan)
-    scheduler.apply(plan, tokens[:meta.num_sampled], finite[:meta.num_sampled])
-    return c1 - c0
+    elapsed, cpu = time.perf_counter_ns() - t0, time.thread_time_ns() - c0
+    gc.unfreeze()
+    return plan, meta, elapsed, (c1 - c0) if hasattr(scheduler, "settle_released") else cpu, cpu
 
 
 def _admission_step(burst: int, decoding: int, seed: int) -> tuple[float, float, float, float]:
@@ -114,23 +117,15 @@ def _admission_step(burst: int, decoding: int, seed: int) -> tuple[float, float,
         if not plan.num_prefill:
             break
     # The same rows' decode step without an admission: what the admission step would cost the planner anyway.
-    decode_ns = _launch_cpu_ns(scheduler, writer, staging, tokens, finite) if decoding else 0
+    decode_ns = 0
+    if decoding:
+        plan, meta, _, decode_ns, _ = _timed_step(scheduler, writer, staging)
+        scheduler.apply(plan, tokens[:meta.num_sampled], finite[:meta.num_sampled])
     for r in [request(decoding + i) for i in range(burst)]:
         scheduler.add(r)
-    gc.collect()
-    gc.freeze()  # as the engine does after warm-up
-    t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-    plan = scheduler.schedule()
-    writer.write(plan, staging.next_buffer())
-    c1 = time.thread_time_ns()
-    scheduler.release_drained(plan)
-    elapsed, cpu = time.perf_counter_ns() - t0, time.thread_time_ns() - c0
-    gc.unfreeze()
+    plan, _, elapsed, launch_path, cpu = _timed_step(scheduler, writer, staging)
     if plan.num_prefill != burst:
         raise RuntimeError(f"admitted {plan.num_prefill} of {burst}")
-    # What delays the launch: trees whose core releases drained requests after the launch (it has
-    # ``settle_released``) launch after schedule + write; older ones after release_drained too.
-    launch_path = (c1 - c0) if hasattr(scheduler, "settle_released") else cpu
     return elapsed / 1e3 / burst, cpu / 1e3 / burst, launch_path / 1e3 / burst, (launch_path - decode_ns) / 1e3 / burst
 
 
