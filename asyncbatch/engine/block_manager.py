@@ -93,7 +93,9 @@ class BlockManager:
         self._free = np.arange(num_blocks - 1, DUMMY_BLOCK, -1, dtype=np.int64)  # [num_blocks - 1]
         self._num_free = num_blocks - 1
         self.ref = np.zeros(num_blocks, dtype=np.int64)  # [num_blocks] held rows listing each block
-        self.block_table = np.zeros((max_num_seqs, max_blocks_per_seq), dtype=np.int64)  # [S, B]
+        # Resident from the start, as ``RowState.history`` and for the same reason: no page faults in the
+        # steps that admit new rows.
+        self.block_table = np.full((max_num_seqs, max_blocks_per_seq), 0, dtype=np.int64)  # [S, B]
         self.num_row_blocks = np.zeros(max_num_seqs, dtype=np.int64)  # [S]
         # Slot of position p, for p in the row's newest block: decode_slot_base[row] + p (one gather per
         # decode step instead of a division, a gather from the wide table and a modulo).
