@@ -99,7 +99,7 @@ class RowState:
         # the start (``np.full`` writes every page; ``np.zeros`` would map them lazily): a lazily mapped
         # history faults its pages in at the first outputs of new rows, in ``apply`` on the planner's
         # critical path, 0.2-5 ms per 2 MiB huge page on the 2-core VMs (5 ms of every step that admitted 64
-        # into 1,024 rows; profiles/admission-burst-intel-xeon-2core). S x (max_model_len + 6) x 4 bytes:
+        # into 1,024 rows; profiles/admission-burst-intel-xeon-2core). S x (max_model_len + 9) x 4 bytes:
         # 34 MB at 1,024 rows of 8,192, as vLLM's host token table.
         self.history = np.full((s, max_outputs + _RUN_PADDING), 0, dtype=np.int32)  # [S, max_outputs + pad]
         self._history_flat = self.history.reshape(-1)  # [S * stride] view
