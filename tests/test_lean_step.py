@@ -15,19 +15,21 @@ import torch
 from tiny_models import save_tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode  # private-name: the op counter's base class
 
+from asyncbatch.model import llama
 from asyncbatch.model.forward_batch import ForwardBatch, PrefillRow
 from asyncbatch.model.fused_projections import is_fused
 from asyncbatch.model.llama import RMSNorm
 from asyncbatch.model.loader import load_model
+from asyncbatch.model.packed_bf16 import packs_bf16
 from asyncbatch.model.rope import RopeTables, apply_rope, signed_sin
 
 CPU = torch.device("cpu")
 BLOCK = 4
 ARCHS = {"llama": ("LlamaForCausalLM", {"tie_word_embeddings": True}), "mistral": ("MistralForCausalLM", {}),
          "qwen2": ("Qwen2ForCausalLM", {"tie_word_embeddings": True}), "qwen3": ("Qwen3ForCausalLM", {})}
-# Measured per decoder layer of a one-row float32 decode step: 34 (Llama, Mistral, Qwen2), 40 (Qwen3: its q/k
+# Measured per decoder layer of a one-row float32 decode step: 32 (Llama, Mistral, Qwen2), 37 (Qwen3: its q/k
 # norms); before the lean step (separate projections, the eight-op norm, rotary and mask per layer) 70.
-# Outside the layers (embedding, rotary rows, attention plan, final norm, LM head): 18.
+# Outside the layers (embedding, rotary rows, attention plan, final norm, LM head): 20.
 MAX_OPS_PER_LAYER = 44
 MAX_OPS_OUTSIDE_LAYERS = 30
 
@@ -153,6 +155,26 @@ def count_decode_ops(model) -> tuple[list[str], list[int]]:
         for h in hooks:
             h.remove()
     return counter.ops, per_layer
+
+
+def test_a_packed_bfloat16_decode_step_fuses_gate_up_and_casts_nothing(tiny_dirs, monkeypatch):
+    """bfloat16 weights packed for oneDNN (a CPU with bfloat16 kernels): q/k/v and gate/up one product each,
+    no reshape and view around a product, and (where torch's bfloat16 norm computes in float32,
+    ``llama._UPCASTS_ON_CPU``) no casts around the norms. Measured on the tiny Llama: 34 ops a layer, 50 before
+    (separate gate and up, two casts a norm, a reshape and a view a product)."""
+    monkeypatch.setenv("ASYNCBATCH_BF16_EMULATION", "0")
+    if not packs_bf16(torch.bfloat16, CPU):
+        pytest.skip("oneDNN's packed bfloat16 product is not available in this torch build")
+    model = load_model(tiny_dirs["llama"], torch.bfloat16, CPU, max_positions=32)
+    ops, per_layer = count_decode_ops(model)
+    float_ops, _ = count_decode_ops(load_model(tiny_dirs["llama"], torch.float32, CPU, max_positions=32))
+    layers = len(model.model.layers)
+    assert is_fused(model, "gate_up_proj")
+    assert ops.count("_linear_pointwise") == 4 * layers + 1 and "linear" not in ops  # + the LM head
+    assert ops.count("reshape") <= 2 * layers + 1  # attention's own (its output), none around the products
+    if llama._UPCASTS_ON_CPU[torch.bfloat16]:
+        assert ops.count("to") == float_ops.count("to")  # the step's own casts, none at the norms
+    assert max(per_layer) <= 36, per_layer
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])

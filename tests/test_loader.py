@@ -245,22 +245,32 @@ def test_loaded_model_is_cast_frozen_and_materialised(llama_dir: Path, monkeypat
 
 def test_packed_bf16_linears_give_the_plain_products(llama_dir: Path, monkeypatch) -> None:
     """Where the CPU has bfloat16 kernels, the decoder's linears also hold a copy packed for oneDNN
-    (``packed_bf16``): each gives the plain linear's output bit for bit, through the packed copy up to
-    ``PACKED_MAX_ROWS`` rows and the plain weight above; a step's weight bytes are counted once."""
+    (``packed_bf16``): each gives the plain linears' output bit for bit (gate and up fused into one: the two
+    plain products side by side), through the packed copy up to ``PACKED_MAX_ROWS`` rows and the plain weight
+    above; a step's weight bytes are counted once."""
     monkeypatch.setenv("ASYNCBATCH_BF16_EMULATION", "0")
     if not packs_bf16(torch.bfloat16, CPU):
         pytest.skip("oneDNN's packed bfloat16 product is not available in this torch build")
     packed = load_model(llama_dir, torch.bfloat16, CPU, max_positions=32)
     monkeypatch.setenv(PACKED_ENV, "0")
     plain = load_model(llama_dir, torch.bfloat16, CPU, max_positions=32)
-    pairs = [(m, dict(plain.named_modules())[name]) for name, m in packed.named_modules()
-             if isinstance(m, PackedBf16Linear)]
-    assert len(pairs) == 5 * plain.config.num_hidden_layers  # q/k/v fused, o, gate, up, down
+    plain_modules = dict(plain.named_modules())
+
+    def reference_of(name: str):
+        if name.endswith("gate_up_proj"):
+            gate, up = plain_modules[name.replace("gate_up_proj", "gate_proj")], plain_modules[name.replace(
+                "gate_up_proj", "up_proj")]
+            assert isinstance(gate, torch.nn.Linear) and isinstance(up, torch.nn.Linear)
+            return lambda x: torch.cat([gate(x), up(x)], dim=-1)
+        assert isinstance(plain_modules[name], torch.nn.Linear)
+        return plain_modules[name]
+
+    pairs = [(m, reference_of(name)) for name, m in packed.named_modules() if isinstance(m, PackedBf16Linear)]
+    assert len(pairs) == 4 * plain.config.num_hidden_layers  # q/k/v fused, o, gate/up fused, down
     gen = torch.Generator().manual_seed(0)
     for module, reference in pairs:
-        assert isinstance(reference, torch.nn.Linear)
         for rows in (1, 5, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 40):
-            x = torch.randn(rows, reference.in_features, generator=gen).to(torch.bfloat16)
+            x = torch.randn(rows, module.in_features, generator=gen).to(torch.bfloat16)
             assert torch.equal(module(x), reference(x)), rows
     assert isinstance(packed.packed_lm_head, PackedBf16Head) and plain.packed_lm_head is None
     for rows in (1, 5, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 40):  # the LM head: the same logits bit for bit

@@ -23,7 +23,7 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
 from asyncbatch.model.cpu_features import choose_cpu_dtype
 from asyncbatch.model.default_model import DEFAULT_MODEL_ALIASES, default_gguf_path, is_default_model
 from asyncbatch.model.emulated_bf16 import emulate_bf16_linears, emulates_bf16
-from asyncbatch.model.fused_projections import fuse_projections
+from asyncbatch.model.fused_projections import ALL_GROUPS, fuse_projections
 from asyncbatch.model.gguf_cache import convert_gguf
 from asyncbatch.model.llama import SUPPORTED_ARCHITECTURES, CausalLM
 from asyncbatch.model.packed_bf16 import pack_bf16_linears, packs_bf16
@@ -127,8 +127,8 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype, device: torch.d
     ``ValueError`` listing them. ``quantization`` (CPU only: ``"int8"``, ``"int4"``, ``"w8a8"``) then swaps
     the projections and the LM head for quantized ones (``quantization.quantize_model``).
 
-    q/k/v (and gate/up, for quantized weights) are loaded under their checkpoint names, then fused into one
-    linear (``fused_projections``); ``fuse=False`` keeps q/k/v separate (the tests' reference for the fusion;
+    q/k/v (and gate/up, for quantized and packed bfloat16 weights) are loaded under their checkpoint names, then
+    fused into one linear (``fused_projections``); ``fuse=False`` keeps q/k/v separate (the tests' reference for the fusion;
     a quantized model is fused either way). bfloat16 weights on a CPU with bfloat16 dot products are packed for
     oneDNN (``packed_bf16``) unless ``pack_bf16`` is False (``compile_decode`` traces the plain ones).
     """
@@ -164,6 +164,8 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype, device: torch.d
     elif emulates_bf16(dtype, device):
         emulate_bf16_linears(model)
     elif pack_bf16 and packs_bf16(dtype, device):
+        if fuse:
+            fuse_projections(model, ALL_GROUPS)  # gate/up too: one packed product a layer (``pack_bf16_linears``)
         pack_bf16_linears(model)
     return model
 
