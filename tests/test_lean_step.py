@@ -87,15 +87,16 @@ def _transformers_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) ->
     return weight * x.to(dtype)
 
 
+@pytest.mark.parametrize("width", [576, 896, 2048, 4100])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_is_transformers_arithmetic_bit_for_bit(dtype):
+def test_rms_norm_is_transformers_arithmetic_bit_for_bit(dtype, width):
     gen = torch.Generator().manual_seed(0)
-    norm = RMSNorm(576, 1e-5)
+    norm = RMSNorm(width, 1e-5)
     with torch.no_grad():
-        norm.weight.copy_(torch.randn(576, generator=gen))
+        norm.weight.copy_(torch.randn(width, generator=gen))
     norm = norm.to(dtype)
     for scale in (1e-3, 1.0, 300.0):
-        x = (torch.randn(5, 3, 576, generator=gen) * scale).to(dtype)
+        x = (torch.randn(5, 3, width, generator=gen) * scale).to(dtype)
         with torch.inference_mode():
             assert torch.equal(norm(x), _transformers_rms_norm(x, norm.weight, 1e-5))
             assert torch.equal(norm.normalize(x) * norm.weight, _transformers_rms_norm(x, norm.weight, 1e-5))

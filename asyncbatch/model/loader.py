@@ -128,9 +128,10 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype, device: torch.d
     the projections and the LM head for quantized ones (``quantization.quantize_model``).
 
     q/k/v (and gate/up, for quantized and packed bfloat16 weights) are loaded under their checkpoint names, then
-    fused into one linear (``fused_projections``); ``fuse=False`` keeps q/k/v separate (the tests' reference for the fusion;
-    a quantized model is fused either way). bfloat16 weights on a CPU with bfloat16 dot products are packed for
-    oneDNN (``packed_bf16``) unless ``pack_bf16`` is False (``compile_decode`` traces the plain ones).
+    fused into one linear (``fused_projections``); ``fuse=False`` keeps them separate (the tests' reference for
+    the fusion; a quantized model is fused either way). bfloat16 weights on a CPU with bfloat16 dot products
+    are packed for oneDNN (``packed_bf16``) unless ``pack_bf16`` is False (``compile_decode`` traces the plain
+    ones).
     """
     try:
         from accelerate import init_empty_weights
