@@ -87,14 +87,20 @@ def _transformers_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) ->
     return weight * x.to(dtype)
 
 
+@pytest.mark.parametrize("direct", [False, True], ids=["cast", "direct"])
 @pytest.mark.parametrize("width", [576, 896, 2048, 4100])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_is_transformers_arithmetic_bit_for_bit(dtype, width):
+def test_rms_norm_is_transformers_arithmetic_bit_for_bit(dtype, width, direct):
+    """Both ways of the bfloat16 norm (``direct``: the bfloat16 tensor handed to torch's norm, which a CPU model
+    uses where ``rms_norm_upcasts`` holds)."""
+    if direct and dtype == torch.bfloat16 and not llama.rms_norm_upcasts(dtype):
+        pytest.skip("this torch build's bfloat16 norm does not compute in float32: the engine keeps the casts")
     gen = torch.Generator().manual_seed(0)
     norm = RMSNorm(width, 1e-5)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(width, generator=gen))
     norm = norm.to(dtype)
+    norm.direct = direct
     for scale in (1e-3, 1.0, 300.0):
         x = (torch.randn(5, 3, width, generator=gen) * scale).to(dtype)
         with torch.inference_mode():
@@ -161,7 +167,7 @@ def count_decode_ops(model) -> tuple[list[str], list[int]]:
 def test_a_packed_bfloat16_decode_step_fuses_gate_up_and_casts_nothing(tiny_dirs, monkeypatch):
     """bfloat16 weights packed for oneDNN (a CPU with bfloat16 kernels): q/k/v and gate/up one product each,
     no reshape and view around a product, and (where torch's bfloat16 norm computes in float32,
-    ``llama._UPCASTS_ON_CPU``) no casts around the norms. Measured on the tiny Llama: 34 ops a layer, 50 before
+    ``llama.rms_norm_upcasts``) no casts around the norms. Measured on the tiny Llama: 34 ops a layer, 50 before
     (separate gate and up, two casts a norm, a reshape and a view a product)."""
     monkeypatch.setenv("ASYNCBATCH_BF16_EMULATION", "0")
     if not packs_bf16(torch.bfloat16, CPU):
@@ -173,7 +179,7 @@ def test_a_packed_bfloat16_decode_step_fuses_gate_up_and_casts_nothing(tiny_dirs
     assert is_fused(model, "gate_up_proj")
     assert ops.count("_linear_pointwise") == 4 * layers + 1 and "linear" not in ops  # + the LM head
     assert ops.count("reshape") <= 2 * layers + 1  # attention's own (its output), none around the products
-    if llama._UPCASTS_ON_CPU[torch.bfloat16]:
+    if llama.rms_norm_upcasts(torch.bfloat16):
         assert ops.count("to") == float_ops.count("to")  # the step's own casts, none at the norms
     assert max(per_layer) <= 36, per_layer
 

@@ -9,6 +9,7 @@ tokens agree with it.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -32,11 +33,14 @@ class StepContext(NamedTuple):
     attention: AttentionPlan | None  # the torch reference's masks and block lists; None on Triton
 
 
-def _rms_norm_upcasts(dtype: torch.dtype) -> bool:
+@functools.cache
+def rms_norm_upcasts(dtype: torch.dtype) -> bool:
     """Whether the CPU ``torch.rms_norm`` of a ``dtype`` tensor is the float32 norm rounded once to ``dtype``
     (torch computes in float32 inside, eps included, in the versions measured): checked on probes of several
     widths (vector tails included) at three scales, the smallest where eps dominates, so a build that rounds
-    otherwise keeps the explicit casts. A few milliseconds, once."""
+    otherwise keeps the explicit casts. A few milliseconds, once per process, at model load: never at import,
+    because the engine's fork server imports this module, and a torch op there starts the OpenMP pool that
+    its forked core processes would then deadlock on."""
     gen = torch.Generator().manual_seed(0)
     for width in (64, 576, 1000, 2048, 4096):
         for scale in (1e-3, 1.0, 300.0):
@@ -47,8 +51,15 @@ def _rms_norm_upcasts(dtype: torch.dtype) -> bool:
     return True
 
 
-# Decided at import, not on first use: a compiled graph (``compile_decode``) must not trace the probe.
-_UPCASTS_ON_CPU = {dtype: _rms_norm_upcasts(dtype) for dtype in (torch.bfloat16, torch.float16)}
+def use_direct_norms(model: nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Let every ``RMSNorm`` of a loaded CPU model in ``dtype`` (bfloat16, float16) take its input as it is
+    (``RMSNorm.direct``) where ``rms_norm_upcasts`` holds. Set once at load, so a compiled graph reads a
+    constant attribute."""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or not rms_norm_upcasts(dtype):
+        return
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.direct = True
 
 
 class RMSNorm(nn.Module):
@@ -57,15 +68,16 @@ class RMSNorm(nn.Module):
 
     ``torch.rms_norm`` runs the same decomposition (pow, mean, add, rsqrt, mul) in C++ instead of eight
     Python-dispatched ops. In float32 it is the whole norm; in bfloat16 its fused weight product would
-    round once where transformers rounds twice, so the weight is applied after the norm. On the CPU the
-    bfloat16 norm takes the bfloat16 tensor as it is (it computes in float32 inside, ``_UPCASTS_ON_CPU``),
-    two casts a norm fewer; elsewhere it is given float32 and cast back. Checked equal element for element
-    in ``tests/test_lean_step.py``."""
+    round once where transformers rounds twice, so the weight is applied after the norm. ``direct`` (set at
+    load on the CPU, ``use_direct_norms``): the bfloat16 norm takes the bfloat16 tensor as it is (torch
+    computes it in float32 inside), two casts a norm fewer; otherwise it is given float32 and cast back.
+    Checked equal element for element in ``tests/test_lean_step.py``."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.direct = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
@@ -74,7 +86,7 @@ class RMSNorm(nn.Module):
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
         """The norm without the weight, in ``x``'s dtype (the caller multiplies by its weight)."""
-        if x.dtype == torch.float32 or (x.is_cpu and _UPCASTS_ON_CPU.get(x.dtype, False)):
+        if x.dtype == torch.float32 or self.direct:
             return torch.rms_norm(x, self.weight.shape, None, self.eps)
         return torch.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 

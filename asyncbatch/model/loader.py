@@ -25,7 +25,7 @@ from asyncbatch.model.default_model import DEFAULT_MODEL_ALIASES, default_gguf_p
 from asyncbatch.model.emulated_bf16 import emulate_bf16_linears, emulates_bf16
 from asyncbatch.model.fused_projections import ALL_GROUPS, fuse_projections
 from asyncbatch.model.gguf_cache import convert_gguf
-from asyncbatch.model.llama import SUPPORTED_ARCHITECTURES, CausalLM
+from asyncbatch.model.llama import SUPPORTED_ARCHITECTURES, CausalLM, use_direct_norms
 from asyncbatch.model.packed_bf16 import pack_bf16_linears, packs_bf16
 from asyncbatch.model.quantization import check_quantization, quantize_model
 from asyncbatch.model.tokenizer_cache import load_tokenizer_cached
@@ -160,6 +160,7 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype, device: torch.d
         fuse_projections(model)
     model.to(device)  # moves the rotary buffers; parameters are already there
     model = model.eval().requires_grad_(False)
+    use_direct_norms(model, dtype, device)
     if quantization is not None:
         quantize_model(model, quantization, path)
     elif emulates_bf16(dtype, device):
