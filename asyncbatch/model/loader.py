@@ -23,7 +23,7 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
 from asyncbatch.model.cpu_features import choose_cpu_dtype
 from asyncbatch.model.default_model import DEFAULT_MODEL_ALIASES, default_gguf_path, is_default_model
 from asyncbatch.model.emulated_bf16 import emulate_bf16_linears, emulates_bf16
-from asyncbatch.model.fused_projections import ALL_GROUPS, fuse_projections
+from asyncbatch.model.fused_projections import ALL_GROUPS, FLOAT_GROUPS, fuse_projections
 from asyncbatch.model.gguf_cache import convert_gguf
 from asyncbatch.model.llama import SUPPORTED_ARCHITECTURES, CausalLM, use_direct_norms
 from asyncbatch.model.packed_bf16 import pack_bf16_linears, packs_bf16
@@ -156,18 +156,18 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype, device: torch.d
     _check_keys(path, expected, set(state))
     model.load_state_dict(state, strict=True, assign=True)
     del state  # the model holds the weights now: fusing below frees the separate q/k/v and gate/up ones
-    if fuse:
-        fuse_projections(model)
+    emulated = quantization is None and emulates_bf16(dtype, device)
+    packed = quantization is None and not emulated and pack_bf16 and packs_bf16(dtype, device)
+    if fuse:  # gate/up too where the weights are packed: one packed product a layer (``pack_bf16_linears``)
+        fuse_projections(model, ALL_GROUPS if packed else FLOAT_GROUPS)
     model.to(device)  # moves the rotary buffers; parameters are already there
     model = model.eval().requires_grad_(False)
     use_direct_norms(model, dtype, device)
     if quantization is not None:
         quantize_model(model, quantization, path)
-    elif emulates_bf16(dtype, device):
+    elif emulated:
         emulate_bf16_linears(model)
-    elif pack_bf16 and packs_bf16(dtype, device):
-        if fuse:
-            fuse_projections(model, ALL_GROUPS)  # gate/up too: one packed product a layer (``pack_bf16_linears``)
+    elif packed:
         pack_bf16_linears(model)
     return model
 
