@@ -159,6 +159,9 @@ class _NoEvent:
     def synchronize(self) -> None:
         assert self.time is not None, "waited on an event that was never recorded"
 
+    def query(self) -> bool:
+        return self.time is not None
+
     def elapsed_time(self, other) -> float:
         return (other.time - self.time) * 1e3
 

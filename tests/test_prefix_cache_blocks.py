@@ -258,7 +258,8 @@ def test_an_output_still_in_flight_is_not_cached():
 
 def test_released_blocks_stay_parked_until_settled_and_what_arrives_settles_them_first():
     """A finished request's row is free at once; its blocks are registered and freed by ``settle_released``,
-    within its budget (at least one request a call), or all at once when a plan might need them."""
+    within its budget and until its ``stop`` says the awaited step is done (at least one request a call), or
+    all at once when a plan might need them."""
     r = rig(block_size=4, num_blocks=64, max_seqs=4, budget=64)
     prompts = [list(range(500 + 20 * i, 506 + 20 * i)) for i in range(3)]
     admit(r, *prompts, max_tokens=7)  # 6 + 6 known tokens each: 3 full blocks
@@ -274,9 +275,19 @@ def test_released_blocks_stay_parked_until_settled_and_what_arrives_settles_them
     assert (r.sched.rows.seq == -1).all() and r.sched.prefix.num_pending == 3
     assert r.blocks.num_parked_blocks == 9 and r.blocks.num_free_blocks == r.blocks.num_usable_blocks - 9
     assert r.blocks.prefix.num_cached == 3  # the prompts' first blocks, registered when their prefill was planned
-    assert r.sched.settle_released(0.0) == 2  # one a call at the least
+    asked: list[int] = []
+
+    def step_done() -> bool:  # the core's stop: the step it waits for is done (here: at the first question)
+        asked.append(r.sched.prefix.num_pending)
+        return True
+
+    assert r.sched.settle_released(1.0, stop=step_done) == 2  # one a call at the least, whatever ``stop`` says
+    assert asked == [2]  # asked after each release settled, and it stopped at the first yes
     r.sched.check_integrity()
     assert r.blocks.num_parked_blocks == 6 and r.blocks.prefix.num_cached == 5
+    assert r.sched.settle_released(0.0, stop=lambda: False) == 1  # the step still runs, the budget is spent
+    r.sched.check_integrity()
+    assert r.blocks.num_parked_blocks == 3 and r.blocks.prefix.num_cached == 7
     # A request that waits settles the rest before it is admitted, so it reuses the outputs' blocks.
     rows = admit(r, prompts[2] + r.outputs[2] + [9])
     assert rows[0].num_cached == 12 and r.sched.prefix.num_pending == 0

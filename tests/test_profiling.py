@@ -196,6 +196,10 @@ def test_release_work_after_a_launch_is_idle_time_only_where_it_outlasts_the_ste
     assert c["planning"] == pytest.approx(1.0) and c["launch"] == pytest.approx(0.5)
     assert sum(c.values()) == pytest.approx(2.5)
     assert summarize([first, second])["settle_ms_per_step"] == pytest.approx(1.5)
+    # Recorded where it began (the core releases after sending the held outputs): 3.5-4.5 here, 1 ms past the end.
+    first.settle_start, first.settle_ms = 3.5e-3, 1.0
+    c = attribute_gaps([first, second]).causes_ms
+    assert c["release"] == pytest.approx(0.5) and sum(c.values()) == pytest.approx(2.5)
 
 
 def test_a_wait_for_grammar_masks_inside_a_step_is_idle_time_of_its_own():

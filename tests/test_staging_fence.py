@@ -37,17 +37,17 @@ def run_with_checked_copies(make_llm, overwrite_step: int | None = None) -> int:
 
     core.writer.write = write
     executor = core.executor
-    real_run = executor._run
+    real_prepare = executor._prepare  # the sim's copy out of the staging happens here
     mismatches = []
 
-    def slow_run(meta, handle):
+    def slow_prepare(meta, handle):
         time.sleep(SLOW_COPY_S)  # the copy starts late, as a busy copy engine would
         seen = np.concatenate([meta.staging.positions[:meta.num_tokens], meta.staging.sample_step[:meta.num_sampled]])
         if not np.array_equal(seen, written[meta.step_id]):
             mismatches.append(meta.step_id)
-        return real_run(meta, handle)
+        return real_prepare(meta, handle)
 
-    executor._thread._run_step = slow_run
+    executor._thread._prepare = slow_prepare
     llm.generate([[300 + i] * (4 + i) for i in range(16)], SamplingParams(max_tokens=40, temperature=0.0),
                  use_tqdm=False)
     return len(mismatches)

@@ -7,8 +7,8 @@ columnar ``StepOutputs`` per applied step goes out.
 
 Overlap mode (``overlap_loop``): step N+1 is launched before step N is waited for.
 
-    planner   [plan+launch N+1][release][send N-1][wait N][apply N][fill N+1][plan+launch N+2][release][send N][wait N+1]
-    device    [...... step N ...........................][........ step N+1 ...........................][.. step N+2 ..
+    planner   [plan+launch N+1][send N-1][release...][wait N][apply N][fill N+1][plan+launch N+2][send N][release.][wait N+1]
+    device    [...... step N .......................][........ step N+1 ..............................][.. step N+2 ..
     frontend                                                                                  [detok N, stops N]
 
 From the end of step N to the launch of step N+2 the planner is on the
@@ -18,10 +18,14 @@ planned. Sending N's outputs (the sender thread pickles them, holding the GIL)
 waits until N+2 is launched; any other message to the frontend sends the held
 outputs first, so the frontend sees messages in the order they were made.
 
-``release`` (after a launch, while the step runs): the blocks the plan's prefill
-chunks fill become cached, drained requests give back their rows, and a slice
-of earlier releases' parked blocks is registered and freed
-(``Scheduler.release_drained``, ``settle_released``).
+``release`` (after a launch and the send, while step N runs): the blocks N+1's
+prefill chunks fill become cached and N+1's drained requests give back their
+rows (``Scheduler.release_drained``); then earlier releases' parked blocks are
+registered and freed (``settle_released``), one at least, then more while step N
+still runs, within ``SETTLE_BUDGET_S``: the slice stops as soon as N is done, so
+that it fills the planner's wait for N instead of delaying N's apply (a wave of
+finishing requests parks more than a step's slack can settle; the rest waits
+for later slack, for a plan that needs the blocks, or for the engine to idle).
 
 Synchronous mode (``sync_loop``, the ablation): plan N, launch N, wait N, apply
 N, send N, wait for the frontend's ``StepAck`` of N, then plan N+1.
@@ -175,6 +179,8 @@ class EngineCore:
                 last = None
             current = self._launch_next(in_flight=last is not None)
             self._flush_held()
+            if current is not None:
+                self._release(current, awaited=last if last is not None else current)
             if last is not None:
                 self._finish_step(last, fill=current, hold=current is not None)
             elif current is None:
@@ -194,6 +200,7 @@ class EngineCore:
             if step is None:
                 self._check_not_stalled()
                 continue
+            self._release(step, awaited=step)
             self._finish_step(step)
             if not self._await_ack(step.plan.step_id):
                 return
@@ -226,15 +233,6 @@ class EngineCore:
             handle = self.executor.launch(meta)
             if mask is not None and not in_flight:
                 self.executor.masks_ready(handle)
-        # While the step runs, not before its launch: registering the blocks its prefill chunks fill, releasing
-        # drained requests, and a slice of the costly part of earlier releases (registering their output
-        # blocks), so that neither an admission burst nor a wave of finishing requests delays the launch.
-        settle_start = time.perf_counter()
-        with mark("release", plan.step_id):
-            self.scheduler.release_drained(plan)
-            if self.scheduler.num_parked_releases:
-                self.scheduler.settle_released(SETTLE_BUDGET_S)
-        record.settle_ms = (time.perf_counter() - settle_start) * 1e3
         record.num_tokens, record.num_decode = plan.num_tokens, plan.num_decode
         record.num_prefill, record.num_sampled = plan.num_prefill, meta.num_sampled
         record.num_admitted, record.admit_ms = plan.num_admitted, plan.admit_s * 1e3
@@ -246,9 +244,23 @@ class EngineCore:
         record.kv_blocks_used = record.kv_blocks_usable - blocks.num_free_blocks
         record.after_idle, self._idle = self._idle, False
         self.last_launched_step = plan.step_id
-        if self.config.debug_check_integrity:
-            self.scheduler.check_integrity()
         return InFlight(plan, meta, handle, record, nvtx)
+
+    def _release(self, launched: InFlight, awaited: InFlight) -> None:
+        """What ``launched``'s plan leaves to do once it runs, off the launch path: register the blocks its
+        prefill chunks fill and release its drained requests (all of it: the next plan needs both), then settle
+        parked releases (``settle_released``) while ``awaited`` (the step the planner waits for next) runs: one
+        at least, more until it is done or ``SETTLE_BUDGET_S`` is spent. Timed in ``launched``'s record."""
+        record, scheduler, executor = launched.record, self.scheduler, self.executor
+        record.settle_start = time.perf_counter()
+        with mark("release", launched.plan.step_id):
+            scheduler.release_drained(launched.plan)
+            if scheduler.num_parked_releases:
+                handle = awaited.handle
+                scheduler.settle_released(SETTLE_BUDGET_S, stop=lambda: executor.is_done(handle))
+        record.settle_ms = (time.perf_counter() - record.settle_start) * 1e3
+        if self.config.debug_check_integrity:
+            scheduler.check_integrity()
 
     def _fill(self, mask: GrammarMask, record: StepRecord) -> None:
         """Fill a step's grammar masks: every earlier step is applied."""

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -183,14 +184,16 @@ class PrefixSharer:
         """Released requests whose blocks are parked until ``settle``."""
         return len(self._pending)
 
-    def settle(self, budget_s: float | None = None) -> int:
+    def settle(self, budget_s: float | None = None, stop: Callable[[], bool] | None = None) -> int:
         """Register and free parked releases, oldest first: all of them, or (``budget_s``) until that many
-        seconds have passed, at least one. Returns how many are left."""
+        seconds have passed or ``stop()`` says so, at least one. Returns how many are left."""
         pending = self._pending
         deadline = None if budget_s is None else time.perf_counter() + budget_s
         while pending:
             self._settle_one(pending.popleft())
             if deadline is not None and time.perf_counter() >= deadline:
+                break
+            if stop is not None and stop():
                 break
         return len(pending)
 

@@ -33,6 +33,7 @@ until the planner has written this step's metadata and calls
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -332,10 +333,11 @@ class Scheduler:
         """Released requests whose blocks wait for ``settle_released``."""
         return self.prefix.num_pending
 
-    def settle_released(self, budget_s: float | None = None) -> int:
+    def settle_released(self, budget_s: float | None = None, stop: Callable[[], bool] | None = None) -> int:
         """Register and free the blocks of released requests (``PrefixSharer.settle``): all, or within
-        ``budget_s`` seconds (the planner calls it once a step is launched). Returns how many are left."""
-        return self.prefix.settle(budget_s)
+        ``budget_s`` seconds and until ``stop()`` (the planner: while the step it waits for next runs). Returns
+        how many are left."""
+        return self.prefix.settle(budget_s, stop)
 
     def _short_of_blocks(self) -> bool:
         """Whether this plan might need blocks that are parked: every running row one more block (decode) plus

@@ -72,6 +72,10 @@ class StepHandle:
         self._error = error
         self._done.set()
 
+    def is_done(self) -> bool:
+        """Whether the result (or the error) is in: ``result`` would not block."""
+        return self._done.is_set()
+
     def result(self) -> StepResult:
         self._done.wait()
         if self._error is not None:
@@ -89,6 +93,11 @@ class Executor(ABC):
 
     @abstractmethod
     def wait(self, handle: StepHandle) -> StepResult: ...
+
+    def is_done(self, handle: StepHandle) -> bool:
+        """Whether ``wait(handle)`` would return without blocking (never blocks; a backend that cannot tell says
+        False). The planner fills the time until then with work no step needs yet (``EngineCore``)."""
+        return handle.is_done()
 
     def masks_ready(self, handle: StepHandle) -> None:
         """The step's ``GrammarMask`` is filled: its sampling may run. Threaded backends wait on the mask's

@@ -254,6 +254,11 @@ class CudaExecutor(Executor):
             self._set_free[plan.set_index] = ev.d2h
         handle._waiter = (ev, r)
 
+    def is_done(self, handle: StepHandle) -> bool:
+        """The step's D2H copy has completed (``Event.query``: no synchronisation); False while a grammar step's
+        sampling is not enqueued yet."""
+        return handle._waiter is not None and handle._waiter[0].d2h.query()
+
     def wait(self, handle: StepHandle) -> StepResult:
         if handle._waiter is None:
             raise RuntimeError(f"step {handle.step_id} has a grammar mask that was never marked ready "

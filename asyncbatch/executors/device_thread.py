@@ -1,4 +1,4 @@
-"""A thread that plays the device for the ``cpu`` and ``sim`` backends.
+"""Threads that play the device for the ``cpu`` and ``sim`` backends.
 
     planner thread         device thread
     launch(N) ──queue──►   copy staging → fence.signal() → run step N → handle.set_result
@@ -10,6 +10,11 @@ that step's handle (and so to whoever waits on it); the thread keeps serving
 until ``stop``. ``on_start`` runs first on the thread (the ``cpu`` backend
 claims its kernel threads there, ``kernel_threads``), and ``call`` runs other
 one-off work on it in the same queue (a compile warm-up).
+
+``PipelinedDeviceThread`` (the ``sim`` backend) models a device queue whose
+step times are known in advance: it prepares step N+1 as soon as it is
+launched, while step N's modelled time runs, and only delivers results at the
+modelled ends (see its docstring).
 """
 
 from __future__ import annotations
@@ -17,8 +22,10 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TypeVar
 
 from asyncbatch.engine.step_contract import StepMeta
@@ -73,6 +80,87 @@ class DeviceThread:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+
+@dataclass(slots=True)
+class PreparedStep:
+    """A step whose work is done but whose modelled end may lie ahead (``PipelinedDeviceThread``).
+
+    ``complete`` waits for ``end`` (and whatever else the step waits for, a grammar mask) and returns the result.
+    ``final``: everything a later step reads from this one (device token buffer, device state) is written
+    already, so the next step may be prepared before this one completes."""
+
+    end: float
+    final: bool
+    complete: Callable[[], StepResult]
+
+
+class PipelinedDeviceThread(DeviceThread):
+    """A device thread that prepares the next step during the current step's modelled time (the ``sim`` backend).
+
+        planner   launch N         launch N+1                      launch N+2
+        thread    [prepare N][sleep ........ ][deliver N][sleep .......... ][deliver N+1]
+                                 [prepare N+1]                [prepare N+2]
+        device    [............ step N ......][.......... step N+1 .........][... N+2 ...
+
+    The plain ``DeviceThread`` prepares step N+1 (copies, pseudo-tokens: host work holding the GIL) only once
+    step N is delivered, which is when the planner applies N and plans N+2: both then want the GIL at the same
+    moment, and on a busy 2-core host the simulated results came back up to a step late (a real device's queue
+    has no such work). Here ``prepare`` runs when the step is launched (the planner's slack), and what is left
+    at the modelled end is waking up and delivering. Results are delivered in launch order, each at its modelled
+    end; a step that is not ``final`` (its tokens wait for a grammar mask) is completed before the next one is
+    prepared, and ``call`` work runs after every pending step has completed."""
+
+    def __init__(self, name: str, prepare: Callable[[StepMeta, StepHandle], PreparedStep],
+                 on_start: Callable[[], None] | None = None) -> None:
+        self._prepare = prepare
+        super().__init__(name, self._run_alone, on_start)
+
+    def _run_alone(self, meta: StepMeta, handle: StepHandle) -> StepResult:
+        return self._prepare(meta, handle).complete()
+
+    def _loop(self) -> None:
+        if self._on_start is not None:
+            self._on_start()
+        pending: deque[tuple[PreparedStep, StepHandle]] = deque()
+        while True:
+            item = None
+            if not pending:
+                item = self._queue.get()
+            else:
+                wait = pending[0][0].end - time.perf_counter()
+                if wait > 0 and pending[-1][0].final:
+                    try:
+                        item = self._queue.get(timeout=wait)
+                    except queue.Empty:
+                        item = None
+                if item is None:  # the oldest step's end has come: deliver it
+                    self._complete(*pending.popleft())
+                    continue
+            if item is _STOP or isinstance(item[1], Future):
+                while pending:  # steps before a stop or a call complete first, in order
+                    self._complete(*pending.popleft())
+                if item is _STOP:
+                    return
+                fn, done = item
+                try:
+                    done.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - raised in the caller
+                    done.set_exception(exc)
+                continue
+            meta, handle = item
+            try:
+                pending.append((self._prepare(meta, handle), handle))
+            except BaseException as exc:  # noqa: BLE001 - delivered to the waiting planner
+                meta.staging.fence.signal()
+                handle.set_error(exc)
+
+    @staticmethod
+    def _complete(step: PreparedStep, handle: StepHandle) -> None:
+        try:
+            handle.set_result(step.complete())
+        except BaseException as exc:  # noqa: BLE001 - delivered to the waiting planner
+            handle.set_error(exc)
 
 
 class ThreadedExecutor(Executor):

@@ -7,7 +7,10 @@ until the modelled end with the GIL released, its timer slack at 1 us
 (``executors/timer_slack.py``: the default 50 us slack put the result a
 sixth of a 1 ms step late, on the planner's critical path). Modelling the queue (instead of
 timing the thread) keeps the Python thread's own wake-up jitter out of the
-device timeline, as a real GPU's queue would.
+device timeline, as a real GPU's queue would. A step's host work (the copy, the
+pseudo-tokens) is done when it is launched, during the step before it
+(``PipelinedDeviceThread``), so that at a modelled end the thread only wakes and
+delivers.
 
 Pseudo-token of a sampled row = hash(request seed, output index, input token),
 where the input token of a decode row is read from the device token buffer: a
@@ -29,7 +32,7 @@ import numpy as np
 from asyncbatch.config import SimConfig
 from asyncbatch.engine.step_contract import StepMeta
 from asyncbatch.executors.base import StepHandle, StepResult
-from asyncbatch.executors.device_thread import DeviceThread, ThreadedExecutor
+from asyncbatch.executors.device_thread import PipelinedDeviceThread, PreparedStep, ThreadedExecutor
 from asyncbatch.executors.timer_slack import fine_timer_slack
 from asyncbatch.profiling.marks import mark
 from asyncbatch.sampling.logprobs import TokenLogprobs
@@ -114,7 +117,7 @@ class SimExecutor(ThreadedExecutor):
         self.length = np.zeros(max_num_seqs, dtype=np.int64)
         self.num_outputs = np.zeros(max_num_seqs, dtype=np.int64)
         self.forward_hook = None
-        self._thread = DeviceThread("asyncbatch-sim-device", self._run, on_start=fine_timer_slack)
+        self._thread = PipelinedDeviceThread("asyncbatch-sim-device", self._prepare, on_start=fine_timer_slack)
 
     def output_length(self, seeds: np.ndarray) -> np.ndarray:
         """Drawn output length (tokens up to and including EOS) of requests with these seeds."""
@@ -129,7 +132,9 @@ class SimExecutor(ThreadedExecutor):
         extra = np.floor(np.log1p(-u) / np.log1p(-1.0 / (mean_extra + 1.0))).astype(np.int64)
         return np.minimum(lo + extra, hi)
 
-    def _run(self, meta: StepMeta, handle: StepHandle) -> StepResult:
+    def _prepare(self, meta: StepMeta, handle: StepHandle) -> PreparedStep:
+        """Everything of a step but waiting for its modelled end: the copy, the pseudo-tokens and (unless
+        grammar rows must wait for their mask first) the device state the next step reads."""
         s, t, nd, r = meta.staging, meta.num_tokens, meta.num_decode, meta.num_sampled
         t0 = time.perf_counter()
         with mark("h2d", meta.step_id):
@@ -140,6 +145,7 @@ class SimExecutor(ThreadedExecutor):
             seeds = s.sample_seed[:r].copy()
             steps = s.sample_step[:r].copy()
             s.slot_mapping[:t].sum()  # touch the metadata a real copy would move
+            positions = s.positions[logits_idx[nd:]].copy() if self.speculative and r > nd else None
         s.fence.signal()
         h2d_ms = (time.perf_counter() - t0) * 1e3
 
@@ -150,7 +156,7 @@ class SimExecutor(ThreadedExecutor):
         if self.forward_hook is not None:
             self.forward_hook(meta)
         if self.speculative and meta.spec_depth:
-            return self._run_verify(meta, handle, start, end, h2d_ms)
+            return self._prepare_verify(meta, start, end, h2d_ms)
         if self.speculative:  # decode rows' output counts live on the device (the planner's are upper bounds)
             steps[:nd] = self.num_outputs[decode_rows]
         input_ids[:nd] = self.token_buffer[decode_rows]
@@ -159,30 +165,48 @@ class SimExecutor(ThreadedExecutor):
         extras = meta.extras
         banned_eos = self._eos_banned(extras, r)
         tokens = self._pseudo_tokens(h, steps, seeds, banned_eos)
-        self._sleep_until(end, meta.step_id, " sim")
-        forward_ms, wait_ms, wait_start = (end - start) * 1e3, 0.0, 0.0
-        if extras is not None and extras.grammar is not None:
+        grammar = extras.grammar if extras is not None else None
+
+        def commit(end: float) -> None:
+            """The device state after this step: what the next step reads."""
+            self._device_free_at = end
+            self.token_buffer[sample_rows] = tokens
+            if self.speculative:  # one token a row: advance the modelled device state
+                self.length[decode_rows] += 1
+                self.num_outputs[decode_rows] += 1
+                if r > nd:
+                    self.length[sample_rows[nd:]] = positions + 1
+                    self.num_outputs[sample_rows[nd:]] = steps[nd:] + 1
+
+        def result(end: float, wait_ms: float = 0.0, wait_start: float = 0.0) -> StepResult:
+            out = StepResult(meta.step_id, tokens, np.ones(r, dtype=bool), device_start=start, device_end=end,
+                             h2d_ms=h2d_ms, forward_ms=forward_ms, mask_wait_ms=wait_ms, mask_wait_start=wait_start)
+            if extras is not None:
+                out.logprobs, out.prompt_logprobs = self._pseudo_logprobs(extras, tokens)
+            return out
+
+        forward_ms = (end - start) * 1e3
+        if grammar is None:
+            commit(end)
+            done = result(end)
+
+            def complete() -> StepResult:
+                self._sleep_until(end, meta.step_id, " sim")
+                return done
+
+            return PreparedStep(end, True, complete)
+
+        def complete_after_mask() -> StepResult:
             # The forward is done at ``end``; sampling waits for the host's mask like a real device would.
-            wait_start = end
-            grammar = extras.grammar
+            self._sleep_until(end, meta.step_id, " sim")
             with mark("grammar_mask_wait", meta.step_id):
                 grammar.wait_ready()
-            end = max(end, grammar.ready_time)
-            wait_ms = (end - wait_start) * 1e3
+            sampled = max(end, grammar.ready_time)
             tokens[grammar.index] = allowed_pick(grammar.bitmask, h[grammar.index])
-        self._device_free_at = end
-        self.token_buffer[sample_rows] = tokens
-        if self.speculative:  # one token a row: advance the modelled device state
-            self.length[decode_rows] += 1
-            self.num_outputs[decode_rows] += 1
-            if r > nd:
-                self.length[sample_rows[nd:]] = s.positions[logits_idx[nd:]] + 1
-                self.num_outputs[sample_rows[nd:]] = steps[nd:] + 1
-        result = StepResult(meta.step_id, tokens, np.ones(r, dtype=bool), device_start=start, device_end=end,
-                            h2d_ms=h2d_ms, forward_ms=forward_ms, mask_wait_ms=wait_ms, mask_wait_start=wait_start)
-        if extras is not None:
-            result.logprobs, result.prompt_logprobs = self._pseudo_logprobs(extras, tokens)
-        return result
+            commit(sampled)
+            return result(sampled, (sampled - end) * 1e3, end)
+
+        return PreparedStep(end, False, complete_after_mask)
 
     @staticmethod
     def _hash(seeds: np.ndarray, steps: np.ndarray, fed: np.ndarray) -> np.ndarray:
@@ -200,7 +224,7 @@ class SimExecutor(ThreadedExecutor):
         """``_hash`` from its ``_hash_base`` and the fed token."""
         return mix64(base ^ (fed.astype(np.uint64, copy=False) << np.uint64(20)))
 
-    def _run_verify(self, meta: StepMeta, handle: StepHandle, start: float, end: float, h2d_ms: float) -> StepResult:
+    def _prepare_verify(self, meta: StepMeta, start: float, end: float, h2d_ms: float) -> PreparedStep:
         """A speculative engine's step (no grammar or logprob rows: the scheduler keeps them out of these).
 
         Each decode row's tokens are the plain chain (output ``n`` = hash(seed, n, output ``n - 1``)) from its
@@ -242,14 +266,19 @@ class SimExecutor(ThreadedExecutor):
         emitted = np.ones(r, dtype=np.int64)
         emitted[:nd] += np.logical_and.accumulate(accept, axis=1).sum(axis=1)
         drafted = usable > 0
-        self._sleep_until(end, meta.step_id, " sim")
         self._device_free_at = end
         self.token_buffer[rows] = tokens[np.arange(r), emitted - 1]
         self.length[rows[:nd]] += emitted[:nd]
         self.num_outputs[rows] += emitted
-        return StepResult(meta.step_id, tokens, np.ones(r, dtype=bool), device_start=start, device_end=end,
+        done = StepResult(meta.step_id, tokens, np.ones(r, dtype=bool), device_start=start, device_end=end,
                           h2d_ms=h2d_ms, forward_ms=(end - start) * 1e3, num_emitted=emitted,
                           spec_counts=(int(drafted.sum()), int(usable.sum()), int((emitted[:nd] - 1).sum())))
+
+        def complete() -> StepResult:
+            self._sleep_until(end, meta.step_id, " sim")
+            return done
+
+        return PreparedStep(end, True, complete)
 
     @staticmethod
     def _sleep_until(t: float, step_id: int, label: str) -> None:

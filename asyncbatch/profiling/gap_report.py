@@ -179,7 +179,7 @@ def _host_intervals(records: Sequence[StepRecord], h2d_before_start: bool) -> di
         raw["planning"] += [(s, e, gc_fraction) for s, e in planning if _valid(s, e)]
         pairs = {"staging_fence": (r.fence_start, r.fence_end), "apply": (r.wait_end, r.apply_end),
                  "reconcile": (r.wait_end, min(r.wait_end + r.reconcile_ms * 1e-3, r.apply_end)),
-                 "release": (r.launch_end, r.launch_end + r.settle_ms * 1e-3),
+                 "release": (r.settle_start or r.launch_end, (r.settle_start or r.launch_end) + r.settle_ms * 1e-3),
                  "d2h": (r.device_end, r.device_end + r.d2h_ms * 1e-3),
                  "output": (r.output_start, r.output_end)}
         if h2d_before_start:

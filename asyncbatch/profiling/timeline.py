@@ -47,7 +47,10 @@ class StepRecord:
     num_admitted: int = 0  # waiting requests the step admitted
     admit_ms: float = 0.0  # planner time admitting them (``StepPlan.admit_s``)
     gc_ms: float = 0.0  # Python GC pauses that overlapped the planner's work on this step
-    settle_ms: float = 0.0  # after the launch, while the step ran: registering blocks, releasing requests
+    # After the launch (and the send of held outputs), while the step before it ran: registering blocks,
+    # releasing requests (``EngineCore._release``); 0.0: not recorded (then it began at ``launch_end``).
+    settle_start: float = 0.0
+    settle_ms: float = 0.0
     # Structured outputs: the device idled inside the step, its forward done, until the host filled the
     # step's grammar masks (``mask_wait_*``; not busy time, the gap report's ``grammar_mask``);
     # ``mask_fill_ms`` is the host's time filling them for ``grammar_rows`` rows.
