@@ -200,6 +200,34 @@ def test_large_batches_verify_no_drafts(make_llm, tiny_model, method):
         assert [o.token_ids for o in outs] == [o.token_ids for o in expected]
 
 
+def test_waiting_prompts_take_the_budget_before_drafts(make_llm):
+    """``prefill_first`` (the default): while requests wait for a token row, a verify step's drafts take only
+    what their prompts leave of the token budget, so a burst is admitted step for step as fast as without
+    speculation; ``prefill_first=False`` (vLLM's order) lets drafts take the budget first and the burst trickles
+    in. The tokens are the plain ones either way (the sim's chain)."""
+    prompts = [[300 + i] * 8 for i in range(16)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    sim = SimConfig(step_fixed_ms=0.2, per_token_us=0.0, per_context_token_ns=0.0)
+    common = {"device": "sim", "sim": sim, "engine_process": False, "max_num_seqs": 16, "max_num_batched_tokens": 64,
+              "debug_check_integrity": True}
+    runs = {}
+    for name, spec in (("plain", None), ("prefill_first", {"disable_by_batch_size": None}),
+                       ("drafts_first", {"disable_by_batch_size": None, "prefill_first": False})):
+        llm = make_llm(speculative_config=spec, **common)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        records = sorted(llm.timeline.records, key=lambda r: r.step_id)
+        runs[name] = ([o.token_ids for o in outs], [r for r in records if r.num_admitted])
+    tokens, admitting = runs["plain"]
+    assert [r.num_admitted for r in admitting] == [8, 7, 1]  # 64 tokens a step: 8 prompts, then 56 beside 8 rows
+    assert [r.num_admitted for r in runs["prefill_first"][1]] == [8, 7, 1]
+    # The step that admits 7 beside 8 decode rows has no budget left for drafts; the last one has (2 a row).
+    assert [r.spec_draft_tokens for r in runs["prefill_first"][1]][:2] == [0, 0]
+    first_drafts = runs["drafts_first"][1]
+    assert len(first_drafts) > 3 and first_drafts[1].spec_draft_tokens > 0  # drafts took the budget first
+    assert sum(r.num_admitted for r in first_drafts) == 16
+    assert runs["prefill_first"][0] == tokens and runs["drafts_first"][0] == tokens
+
+
 @pytest.mark.model
 def test_speculative_tokens_equal_plain_tokens_on_the_default_model(make_llm):
     """Input-grounded chat (rewrite a given text) and open-ended prompts on SmolLM2, greedy and seeded; n-gram in
@@ -232,6 +260,7 @@ def test_speculative_tokens_equal_plain_tokens_on_the_default_model(make_llm):
 @pytest.mark.parametrize(("field", "value"), [
     ("num_speculative_tokens", 0), ("num_speculative_tokens", 9), ("prompt_lookup_min", 0),
     ("prompt_lookup_max", 1), ("method", "medusa"), ("disable_by_batch_size", 0), ("min_acceptance", 1.5),
+    ("prefill_first", "yes"),
 ])
 def test_bad_speculative_config_is_a_value_error_naming_the_field(field, value):
     settings = {"prompt_lookup_min": 2, field: value}

@@ -16,7 +16,7 @@ import random
 import numpy as np
 import pytest
 
-from asyncbatch.engine.block_manager import BlockManager
+from asyncbatch.engine.block_manager import BlockManager, IntegrityError
 from asyncbatch.engine.emitted_cut import first_finish
 from asyncbatch.engine.messages import AppliedStep, Finish
 from asyncbatch.engine.request import Request
@@ -150,3 +150,40 @@ def test_per_token_layout_puts_the_finish_on_a_rows_last_token() -> None:
     assert flat.seqs.tolist() == [7, 7, 7, 9]
     assert flat.token_ids.tolist() == [1, 2, 3, 4]
     assert flat.finish.tolist() == [0, 0, 0, Finish.EOS]
+
+
+def test_a_row_keeps_at_most_two_steps_of_rejected_drafts():
+    """``check_integrity``'s bound on what a speculative row may hold past its counted tokens: 2k. Step A
+    reserves 1 + k positions from 24, step B (planned before A is reconciled) 1 + k more after A's drafts, both
+    steps' drafts are all rejected, and step C, which a request needing sampler extras keeps from verifying,
+    counts one token: the row then holds blocks 2k - 1 tokens past its count, a block more than a (k + 1)-token
+    bound allows. One block more than that is a leak and is caught."""
+    sched = _scheduler(True, 64)
+    request = Request("0", 0, list(range(4, 28)), SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True), 0,
+                      0.0)
+    sched.add(request)
+
+    def plan_and_release():
+        plan = sched.schedule()
+        sched.release_drained(plan)
+        return plan
+
+    prefill = plan_and_release()
+    sched.apply(prefill, np.array([5]), np.ones(1, dtype=bool))
+    step_a = plan_and_release()
+    step_b = plan_and_release()
+    assert step_a.spec_depth == step_b.spec_depth == DEPTH
+    rejected = (np.full((1, DEPTH + 1), 5, dtype=np.int64), np.ones(1, dtype=np.int64), np.ones(1, dtype=bool))
+    sched.apply_verified(step_a, *rejected)
+    sched.add(Request("1", 1, [6, 7, 8], SamplingParams(max_tokens=4, temperature=0.0, logprobs=1), 1, 0.0))
+    step_c = plan_and_release()
+    assert step_c.spec_depth == 0
+    sched.apply_verified(step_b, *rejected)
+    row = request.token_row
+    counted, held = int(sched.rows.num_computed[row]), int(sched.blocks.num_row_blocks[row])
+    assert (counted, held) == (27, 3)  # blocks for 24 + 2 * (1 + k) = 34 tokens, 7 past the count
+    assert held > sched.blocks.blocks_for(counted + DEPTH + 1)
+    sched.check_integrity()
+    sched.blocks.append_block(np.array([row]))  # a block nothing reserved
+    with pytest.raises(IntegrityError, match="holds blocks for other than its computed tokens"):
+        sched.check_integrity()

@@ -32,6 +32,7 @@ until the planner has written this step's metadata and calls
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable
 from typing import NamedTuple
@@ -94,7 +95,13 @@ class Scheduler:
         # and its counters are upper bounds until ``apply`` reconciles them.
         self.speculative = speculative
         self._spec_blockers = 0  # live requests that need sampler extras: no verify step while any is
-        self._reserve_slack = 0 if speculative is None else speculative.num_speculative_tokens + 1
+        # How far past its (upper-bound) computed count a speculative row's blocks may reach: a verify step
+        # reserves its 1 + d tokens after the previous step's drafts, counted as accepted until they are
+        # reconciled, and the row keeps those blocks when they were not (``StepApplier._reconcile``). A reach
+        # made of two steps' rejected drafts (2k tokens) can outlive both reconciliations; the newest step's own
+        # tokens count in ``num_computed``, so the excess is largest when that step verifies nothing (a depth that
+        # drops from k to 0: ``prefill_first``, ``disable_by_batch_size``, a request that needs sampler extras).
+        self._reserve_slack = 0 if speculative is None else 2 * speculative.num_speculative_tokens
         self.max_num_seqs = block_manager.max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_id = eos_token_id
@@ -237,13 +244,45 @@ class Scheduler:
 
     def _verify_depth(self, num_decode: int) -> int:
         """Drafts each decode row verifies in this step: 0 without speculation, when a live request needs sampler
-        extras, or when the batch is larger than ``disable_by_batch_size``; and what the token budget allows."""
+        extras, or when the batch is larger than ``disable_by_batch_size``; and what the token budget allows,
+        less (``prefill_first``) what prefill may take of it this step (``_prefill_demand``)."""
         spec = self.speculative
         if spec is None or self._spec_blockers:
             return 0
         if spec.disable_by_batch_size is not None and num_decode > spec.disable_by_batch_size:
             return 0
-        return max(0, min(spec.num_speculative_tokens, self.max_num_batched_tokens // num_decode - 1))
+        budget = self.max_num_batched_tokens
+        if spec.prefill_first:
+            budget -= self._prefill_demand(budget - num_decode)
+        return max(0, min(spec.num_speculative_tokens, budget // num_decode - 1))
+
+    def _prefill_demand(self, cap: int) -> int:
+        """Prefill tokens this step could schedule, counted up to ``cap``: the rest of each running request's
+        prefill, then the prompts (and outputs to recompute) of the waiting requests, in FIFO order, while a
+        token row and the free KV blocks would take them. An upper bound where the prefix cache would supply a
+        part; O(1) with nothing waiting or prefilling, and at most ``cap`` tokens' worth of requests otherwise."""
+        if cap <= 0:
+            return 0
+        st, blocks = self.rows, self.blocks
+        demand = 0
+        for request in self._prefilling:
+            if request.status is _RUNNING:
+                row = request.token_row
+                demand += int(st.prefill_len[row]) - int(st.num_computed[row])
+                if demand >= cap:
+                    return cap
+        free_blocks = blocks.num_free_blocks
+        for request in itertools.islice(self.waiting, self.max_num_seqs - len(self.running)):
+            if request.num_pending:  # admission stops at it (FIFO): nothing behind it goes in either
+                break
+            tokens = len(request.prompt_token_ids) + request.num_outputs
+            free_blocks -= blocks.blocks_for(tokens)
+            if free_blocks < 0:
+                break
+            demand += tokens
+            if demand >= cap:
+                return cap
+        return demand
 
     def _schedule_prefills(self, prefill: list[ScheduledRow], budget: int, preempted: list[Request],
                            drained: list[Request]) -> int:
@@ -406,7 +445,7 @@ class Scheduler:
             row = request.token_row
             if self._owners[row] is not request or st.seq[row] != request.arrival_seq:
                 raise IntegrityError(f"row {row} does not record its request {request.request_id}")
-            # A speculative row may keep what it reserved for drafts that were not accepted: up to 1 + k tokens more.
+            # A speculative row may keep what it reserved for drafts that were not accepted: up to 2k tokens more.
             computed, cap = int(st.num_computed[row]), int(st.token_cap[row])
             have, slack = int(self.blocks.num_row_blocks[row]), self._reserve_slack
             if not self.blocks.blocks_for(min(computed, cap)) <= have <= self.blocks.blocks_for(min(computed + slack,

@@ -37,6 +37,11 @@ class SpeculativeConfig:
     field): a large batch is compute-bound, where checking drafts costs what they save. None: never.
     ``min_acceptance``: a row whose recent acceptance rate (drafted tokens accepted, an exponential average
     over its verify steps) is below this stops drafting, and tries again every ``retry_every`` steps.
+    ``prefill_first``: a verify step's drafts take only the token budget that prefill leaves: the next chunks
+    of running requests still prefilling and the prompts of the waiting requests that a free token row (and
+    the free KV blocks) would admit come first, so a burst of arrivals is admitted as fast as without
+    speculation (time to first token) and its steps stay prefill steps. False: drafts first (vLLM's order),
+    prefill gets what they leave.
     """
 
     method: str | None = None
@@ -47,6 +52,7 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = 8
     min_acceptance: float = 0.1
     retry_every: int = 16
+    prefill_first: bool = True
 
     def __post_init__(self) -> None:
         self._resolve_method()
@@ -62,6 +68,9 @@ class SpeculativeConfig:
                 or not 0.0 <= self.min_acceptance <= 1.0:
             raise ValueError(f"speculative_config.min_acceptance must be in [0, 1], got {self.min_acceptance!r}")
         _int_in("retry_every", self.retry_every, 1, 1 << 20)
+        if not isinstance(self.prefill_first, bool):  # a ValueError naming the field, as every bad config value
+            raise ValueError(f"speculative_config.prefill_first must be True or False, "  # noqa: TRY004
+                             f"got {self.prefill_first!r}")
 
     def _resolve_method(self) -> None:
         """``method`` from ``model`` where it is None (vLLM's inference), then ``model`` checked against it."""
