@@ -36,7 +36,9 @@ T = TypeVar("T")
 
 
 class DeviceThread:
-    def __init__(self, name: str, run_step: Callable[[StepMeta, StepHandle], StepResult],
+    """``run_step`` runs one step on this thread (None: a subclass's ``_loop`` runs steps its own way)."""
+
+    def __init__(self, name: str, run_step: Callable[[StepMeta, StepHandle], StepResult] | None,
                  on_start: Callable[[], None] | None = None) -> None:
         self._run_step = run_step
         self._on_start = on_start
@@ -62,16 +64,12 @@ class DeviceThread:
                 return
             meta, handle = item
             if isinstance(handle, Future):  # ``call``
-                try:
-                    handle.set_result(meta())
-                except BaseException as exc:  # noqa: BLE001 - raised in the caller
-                    handle.set_exception(exc)
+                _run_call(meta, handle)
                 continue
             try:
                 handle.set_result(self._run_step(meta, handle))
             except BaseException as exc:  # noqa: BLE001 - delivered to the waiting planner
-                meta.staging.fence.signal()
-                handle.set_error(exc)
+                _fail_step(meta, handle, exc)
 
     def stop(self) -> None:
         self._queue.put(_STOP)
@@ -80,6 +78,20 @@ class DeviceThread:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+
+def _run_call(fn: Callable[[], object], done: Future) -> None:
+    """A ``call``'s function, its result or error for the caller."""
+    try:
+        done.set_result(fn())
+    except BaseException as exc:  # noqa: BLE001 - raised in the caller
+        done.set_exception(exc)
+
+
+def _fail_step(meta: StepMeta, handle: StepHandle, exc: BaseException) -> None:
+    """A step that raised: its staging is free again and its error goes to whoever waits on it."""
+    meta.staging.fence.signal()
+    handle.set_error(exc)
 
 
 @dataclass(slots=True)
@@ -114,10 +126,7 @@ class PipelinedDeviceThread(DeviceThread):
     def __init__(self, name: str, prepare: Callable[[StepMeta, StepHandle], PreparedStep],
                  on_start: Callable[[], None] | None = None) -> None:
         self._prepare = prepare
-        super().__init__(name, self._run_alone, on_start)
-
-    def _run_alone(self, meta: StepMeta, handle: StepHandle) -> StepResult:
-        return self._prepare(meta, handle).complete()
+        super().__init__(name, None, on_start)
 
     def _loop(self) -> None:
         if self._on_start is not None:
@@ -142,18 +151,13 @@ class PipelinedDeviceThread(DeviceThread):
                     self._complete(*pending.popleft())
                 if item is _STOP:
                     return
-                fn, done = item
-                try:
-                    done.set_result(fn())
-                except BaseException as exc:  # noqa: BLE001 - raised in the caller
-                    done.set_exception(exc)
+                _run_call(*item)
                 continue
             meta, handle = item
             try:
                 pending.append((self._prepare(meta, handle), handle))
             except BaseException as exc:  # noqa: BLE001 - delivered to the waiting planner
-                meta.staging.fence.signal()
-                handle.set_error(exc)
+                _fail_step(meta, handle, exc)
 
     @staticmethod
     def _complete(step: PreparedStep, handle: StepHandle) -> None:

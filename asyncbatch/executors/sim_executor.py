@@ -188,13 +188,7 @@ class SimExecutor(ThreadedExecutor):
         forward_ms = (end - start) * 1e3
         if grammar is None:
             commit(end)
-            done = result(end)
-
-            def complete() -> StepResult:
-                self._sleep_until(end, meta.step_id, " sim")
-                return done
-
-            return PreparedStep(end, True, complete)
+            return self._delivered_at(end, result(end))
 
         def complete_after_mask() -> StepResult:
             # The forward is done at ``end``; sampling waits for the host's mask like a real device would.
@@ -270,13 +264,17 @@ class SimExecutor(ThreadedExecutor):
         self.token_buffer[rows] = tokens[np.arange(r), emitted - 1]
         self.length[rows[:nd]] += emitted[:nd]
         self.num_outputs[rows] += emitted
-        done = StepResult(meta.step_id, tokens, np.ones(r, dtype=bool), device_start=start, device_end=end,
-                          h2d_ms=h2d_ms, forward_ms=(end - start) * 1e3, num_emitted=emitted,
-                          spec_counts=(int(drafted.sum()), int(usable.sum()), int((emitted[:nd] - 1).sum())))
+        return self._delivered_at(end, StepResult(
+            meta.step_id, tokens, np.ones(r, dtype=bool), device_start=start, device_end=end, h2d_ms=h2d_ms,
+            forward_ms=(end - start) * 1e3, num_emitted=emitted,
+            spec_counts=(int(drafted.sum()), int(usable.sum()), int((emitted[:nd] - 1).sum()))))
+
+    def _delivered_at(self, end: float, result: StepResult) -> PreparedStep:
+        """A step whose result is known now and whose device state is written: final, delivered at ``end``."""
 
         def complete() -> StepResult:
-            self._sleep_until(end, meta.step_id, " sim")
-            return done
+            self._sleep_until(end, result.step_id, " sim")
+            return result
 
         return PreparedStep(end, True, complete)
 
