@@ -11,8 +11,10 @@ the same load on a shared machine, and reports medians of ``--rounds`` rounds:
 * engine tokens/s of one request alone (``LLM(None, device="cpu", dtype=...)``, a ``--prompt``-token
   prompt, ``--tokens`` greedy tokens, ``ignore_eos``): decode tok/s after the first token, and TTFT;
 * the memory floor: weight bytes a step reads in full (``quantization.weight_bytes``) over the read
-  bandwidth measured between rounds (best of a sum over a 512 MiB float32 tensor, one thread: a
-  decode GEMV only reads its weights, so a copy's read + write figure is not the floor's).
+  bandwidth measured between rounds (best of a sum over a 512 MiB float32 tensor on ``--threads`` torch
+  threads, as many as the step uses: a decode GEMV only reads its weights, so a copy's read + write figure
+  is not the floor's; one thread reads about half of what two read on the 2-core VMs, 12.4 against 24.2
+  GB/s, so a one-thread probe halves the floor of a two-thread step).
 
 The "before" side is a worktree of ``--ref`` with this script and ``harness/`` copied in (the same
 measuring code on both sides). Writes ``lean_step.json`` and ``lean_step.md`` into ``--out``.
@@ -129,10 +131,11 @@ class Child:
         self.proc.wait(timeout=60)
 
 
-def read_bandwidth_gb_s(mib: int = 512, repeats: int = 5) -> float:
+def read_bandwidth_gb_s(threads: int, mib: int = 512, repeats: int = 5) -> float:
+    """Best read bandwidth of a sum over ``mib`` MiB on ``threads`` torch threads (the step's own count)."""
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     a = torch.ones(mib * 2**20 // 4)
     a.sum()
     times = []
@@ -148,7 +151,7 @@ def markdown(doc: dict) -> str:
              f"Command: `{doc['command']}`", "",
              (f"{doc['rounds']} interleaved rounds, medians; {doc['threads']} torch thread(s); context {doc['context']} "
              f"per row; load average {doc['load_start']} at start, {doc['load_end']} at end."), "",
-             (f"Read bandwidth (sum over 512 MiB, 1 thread): median of rounds' best {doc['bandwidth_gb_s']:.1f} GB/s "
+             (f"Read bandwidth (sum over 512 MiB, {doc['threads']} thread(s)): median of rounds' best {doc['bandwidth_gb_s']:.1f} GB/s "
              f"(per round: {', '.join(f'{b:.1f}' for b in doc['bandwidth_rounds'])})."), ""]
     for dtype, d in doc["dtypes"].items():
         lines += [f"## {dtype}", "",
@@ -209,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         tokens: dict = {}
         try:
             for rnd in range(args.rounds):
-                doc["bandwidth_rounds"].append(read_bandwidth_gb_s())
+                doc["bandwidth_rounds"].append(read_bandwidth_gb_s(args.threads))
                 log(f"round {rnd + 1}: bandwidth {doc['bandwidth_rounds'][-1]:.1f} GB/s")
                 for dt in dtypes:
                     for r in rows:
