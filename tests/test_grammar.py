@@ -317,6 +317,37 @@ def test_default_model_tokenizer_padded_vocab_and_special_tokens(default_tokeniz
             ids.append(token)
 
 
+@pytest.mark.parametrize("backend", PARAMS)
+def test_json_strings_never_allow_a_control_character_token(default_tokenizer, backend):
+    """Inside a JSON string every state allows string text but no token holding a control character (U+0000 to
+    U+001F: JSON forbids them raw); xgrammar would allow some there, so its JSON grammars are compiled against a
+    vocabulary without them. Checked at the start of a string value and along it, on the default tokenizer."""
+    vocab = 49152
+    eos = default_tokenizer.eos_token_id
+    special = grammar_special_ids(default_tokenizer) | {eos}
+    control = {i for i in range(vocab) if i not in special
+               and any(ord(ch) < 0x20 for ch in default_tokenizer.decode([i], skip_special_tokens=False))}
+    assert control  # newline, tab and friends are tokens of their own, and parts of others
+    compiler = GrammarCompiler(default_tokenizer, vocab, eos, backend=backend)
+    # A bounded string: xgrammar's rule for it is the one that takes control characters (0.2.9).
+    params = StructuredOutputsParams(json={"type": "object", "properties": {"note": {"type": "string", "maxLength": 400}},
+                                           "required": ["note"], "additionalProperties": False})
+    matcher = compiler.matcher(params)
+    bitmask, rng, ids, inside = allocate_bitmask(1, vocab), random.Random(2), [], 0
+    for _ in range(24):  # a walk into the string value and along it (no quote once inside: it stays open)
+        matcher.fill_bitmask(bitmask, 0)
+        ok = set(allowed(bitmask, vocab=vocab).tolist())
+        assert ok and not ok & control
+        if default_tokenizer.decode(ids).count('"') == 3:  # the key's two quotes and the value's opening one
+            inside += 1
+            assert len(ok) > 100  # string text is allowed (no escape is started: no backslash is taken)
+            ok = {t for t in ok if not {'"', "\\"} & set(default_tokenizer.decode([t]))}  # the string stays open
+        token = rng.choice(sorted(ok))
+        assert matcher.accept(token)
+        ids.append(token)
+    assert inside >= 10
+
+
 def grammar_special_ids(tokenizer) -> set[int]:
     from asyncbatch.sampling.grammar_libs import special_token_ids
 
@@ -330,7 +361,7 @@ XGRAMMAR_PUBLIC = pytest.param("xgrammar-public", id="xgrammar-public-wrappers",
 @pytest.mark.parametrize("backend", [*PARAMS, XGRAMMAR_PUBLIC])
 def test_batched_fill_and_accept_equal_one_row_at_a_time(default_tokenizer, backend, monkeypatch):
     """``fill_bitmasks`` and ``accept_tokens`` (xgrammar: one library call each) do exactly what per-row
-    ``fill_bitmask`` and ``accept`` do, for rows at the start state, mid-walk (JSON filter, UTF-8 repairs
+    ``fill_bitmask`` and ``accept`` do, for rows at the start state, mid-walk (UTF-8 repairs
     included) and terminated, in any row order: two sets of matchers walk the same tokens, one each way.
     ``xgrammar-public``: without the private FFI entry points the wrapper uses (another xgrammar version),
     through xgrammar's public batch calls."""

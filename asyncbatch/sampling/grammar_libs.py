@@ -63,7 +63,6 @@ def pack_bits(allowed: np.ndarray) -> np.ndarray:
 class Compiled:
     grammar: Any  # the library's compiled form (llguidance: a matcher at the start state, to copy)
     start: np.ndarray  # int32 [W]: the start state's row
-    token_filter: np.ndarray | None = None  # int32 [W] ANDed into every row (xgrammar JSON), or None
 
 
 class Matcher:
