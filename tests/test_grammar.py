@@ -317,18 +317,22 @@ def test_default_model_tokenizer_padded_vocab_and_special_tokens(default_tokeniz
             ids.append(token)
 
 
+@pytest.fixture(scope="module")
+def control_token_ids(default_tokenizer) -> set[int]:
+    """The default tokenizer's ids (below 49,152, special ones left out) whose text holds a control character."""
+    special = grammar_special_ids(default_tokenizer) | {default_tokenizer.eos_token_id}
+    return {i for i in range(49152) if i not in special
+            and any(ord(ch) < 0x20 for ch in default_tokenizer.decode([i], skip_special_tokens=False))}
+
+
 @pytest.mark.parametrize("backend", PARAMS)
-def test_json_strings_never_allow_a_control_character_token(default_tokenizer, backend):
+def test_json_strings_never_allow_a_control_character_token(default_tokenizer, control_token_ids, backend):
     """Inside a JSON string every state allows string text but no token holding a control character (U+0000 to
     U+001F: JSON forbids them raw); xgrammar would allow some there, so its JSON grammars are compiled against a
     vocabulary without them. Checked at the start of a string value and along it, on the default tokenizer."""
-    vocab = 49152
-    eos = default_tokenizer.eos_token_id
-    special = grammar_special_ids(default_tokenizer) | {eos}
-    control = {i for i in range(vocab) if i not in special
-               and any(ord(ch) < 0x20 for ch in default_tokenizer.decode([i], skip_special_tokens=False))}
+    vocab, control = 49152, control_token_ids
     assert control  # newline, tab and friends are tokens of their own, and parts of others
-    compiler = GrammarCompiler(default_tokenizer, vocab, eos, backend=backend)
+    compiler = GrammarCompiler(default_tokenizer, vocab, default_tokenizer.eos_token_id, backend=backend)
     # A bounded string: xgrammar's rule for it is the one that takes control characters (0.2.9).
     params = StructuredOutputsParams(json={"type": "object", "properties": {"note": {"type": "string", "maxLength": 400}},
                                            "required": ["note"], "additionalProperties": False})

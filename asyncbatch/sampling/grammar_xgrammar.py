@@ -126,8 +126,15 @@ class XGrammarLib:
         for token, idx in tokenizer.get_vocab().items():
             if 0 <= idx < vocab_size and idx not in special:
                 encoded[idx] = token
-        self.info = xgr.TokenizerInfo(encoded, detected.vocab_type, vocab_size=vocab_size, stop_token_ids=[eos],
-                                      add_prefix_space=detected.add_prefix_space)
+
+        def compiler_for(tokens: list[str]) -> tuple[Any, Any]:
+            """A vocabulary of ``tokens`` (the tokenizer's type, EOS the stop token) and a compiler over it.
+            ``grammar.GrammarCompiler`` keeps a bounded cache; xgrammar's own is unbounded by default."""
+            info = xgr.TokenizerInfo(tokens, detected.vocab_type, vocab_size=vocab_size, stop_token_ids=[eos],
+                                     add_prefix_space=detected.add_prefix_space)
+            return info, xgr.GrammarCompiler(info, max_threads=min(8, os.cpu_count() or 1), cache_enabled=False)
+
+        self.info, self._compiler = compiler_for(encoded)
         decoded = self.info.decoded_vocab
         control = re.compile(rb"[\x00-\x1f]")
         holds_control = [control.search(t) is not None for t in decoded]
@@ -135,17 +142,10 @@ class XGrammarLib:
         # so never allowed): the same masks as ANDing every JSON row with a filter of those tokens after each
         # fill (checked over 2,457 states of random walks), a sixth less fill time (0.20 -> 0.165 ms a step for
         # 128 JSON rows at vocab 49k, on the planner's chain; profiles/structured-output-sim-intel-xeon-2core).
-        json_encoded = ["" if bad else token for token, bad in zip(encoded, holds_control)]
-        json_info = xgr.TokenizerInfo(json_encoded, detected.vocab_type, vocab_size=vocab_size, stop_token_ids=[eos],
-                                      add_prefix_space=detected.add_prefix_space)
+        _, self._json_compiler = compiler_for(["" if bad else token for token, bad in zip(encoded, holds_control)])
         self.ends_with_ed = frozenset(i for i, t in enumerate(decoded) if t.endswith(b"\xed"))
         self.no_surrogate_tail = pack_bits(np.array([not (t and 0xA0 <= t[0] <= 0xBF) for t in decoded],
                                                     dtype=bool))
-        # grammar.GrammarCompiler keeps a bounded cache; xgrammar's own is unbounded by default.
-        self._compiler = xgr.GrammarCompiler(self.info, max_threads=min(8, os.cpu_count() or 1),
-                                             cache_enabled=False)
-        self._json_compiler = xgr.GrammarCompiler(json_info, max_threads=min(8, os.cpu_count() or 1),
-                                                  cache_enabled=False)
         # One call fills many rows on xgrammar's threads: per-row calls cost ~100 us each in their Python
         # wrapper at vocab 49k, the batch ~3-13 us a row (profiles/grammar-backends-amd-epyc-2core).
         self._batch = xgr.BatchGrammarMatcher(max_threads="auto")
