@@ -25,6 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from kv_shadow import ShadowDevice
 
+from asyncbatch.engine import prefix_sharing
 from asyncbatch.engine.block_manager import BlockManager, IntegrityError, blocks_for_tokens
 from asyncbatch.engine.host_staging import StagingPair
 from asyncbatch.engine.prefix_cache import PrefixCache, chain_keys
@@ -256,10 +257,10 @@ def test_an_output_still_in_flight_is_not_cached():
     assert r.sched.prefix_cache_stats()["cached_blocks"] == 1
 
 
-def test_released_blocks_stay_parked_until_settled_and_what_arrives_settles_them_first():
-    """A finished request's row is free at once; its blocks are registered and freed by ``settle_released``,
-    within its budget and until its ``stop`` says the awaited step is done (at least one request a call), or
-    all at once when a plan might need them."""
+def test_released_blocks_stay_parked_until_settled_and_what_arrives_settles_them_first(monkeypatch):
+    """A finished request's row is free at once; its blocks are registered and freed by ``settle_released`` in
+    pieces, within its budget and while its ``stop`` says the awaited step still runs (asked before every piece,
+    the first included), or all at once when a plan might need them."""
     r = rig(block_size=4, num_blocks=64, max_seqs=4, budget=64)
     prompts = [list(range(500 + 20 * i, 506 + 20 * i)) for i in range(3)]
     admit(r, *prompts, max_tokens=7)  # 6 + 6 known tokens each: 3 full blocks
@@ -277,17 +278,27 @@ def test_released_blocks_stay_parked_until_settled_and_what_arrives_settles_them
     assert r.blocks.prefix.num_cached == 3  # the prompts' first blocks, registered when their prefill was planned
     asked: list[int] = []
 
-    def step_done() -> bool:  # the core's stop: the step it waits for is done (here: at the first question)
-        asked.append(r.sched.prefix.num_pending)
-        return True
+    def step_done_after(n: int):  # the core's stop: the step it waits for is done at the n-th question
+        def stop() -> bool:
+            asked.append(r.sched.prefix.num_pending)
+            return len(asked) >= n
+        return stop
 
-    assert r.sched.settle_released(1.0, stop=step_done) == 2  # one a call at the least, whatever ``stop`` says
-    assert asked == [2]  # asked after each release settled, and it stopped at the first yes
+    assert r.sched.settle_released(1.0, stop=step_done_after(1)) == 3  # done already: nothing settled
+    assert asked == [3] and r.blocks.num_parked_blocks == 9 and r.blocks.prefix.num_cached == 3
+    asked.clear()
+    assert r.sched.settle_released(1.0, stop=step_done_after(2)) == 2  # one piece (a whole release here)
+    assert asked == [3, 2]  # asked before each piece, and it stopped at the first yes
     r.sched.check_integrity()
     assert r.blocks.num_parked_blocks == 6 and r.blocks.prefix.num_cached == 5
     assert r.sched.settle_released(0.0, stop=lambda: False) == 1  # the step still runs, the budget is spent
     r.sched.check_integrity()
     assert r.blocks.num_parked_blocks == 3 and r.blocks.prefix.num_cached == 7
+    # Pieces smaller than a release: its blocks are cached piece by piece and freed with the last one.
+    monkeypatch.setattr(prefix_sharing, "SETTLE_PIECE_BLOCKS", 1)
+    assert r.sched.settle_released(0.0, stop=lambda: False) == 1
+    r.sched.check_integrity()
+    assert r.blocks.num_parked_blocks == 3 and r.blocks.prefix.num_cached == 8
     # A request that waits settles the rest before it is admitted, so it reuses the outputs' blocks.
     rows = admit(r, prompts[2] + r.outputs[2] + [9])
     assert rows[0].num_cached == 12 and r.sched.prefix.num_pending == 0

@@ -21,11 +21,12 @@ outputs first, so the frontend sees messages in the order they were made.
 ``release`` (after a launch and the send, while step N runs): the blocks N+1's
 prefill chunks fill become cached and N+1's drained requests give back their
 rows (``Scheduler.release_drained``); then earlier releases' parked blocks are
-registered and freed (``settle_released``), one at least, then more while step N
-still runs, within ``SETTLE_BUDGET_S``: the slice stops as soon as N is done, so
-that it fills the planner's wait for N instead of delaying N's apply (a wave of
-finishing requests parks more than a step's slack can settle; the rest waits
-for later slack, for a plan that needs the blocks, or for the engine to idle).
+registered and freed (``settle_released``) in pieces of a few blocks, only
+while step N still runs and within ``SETTLE_STEP_SHARE`` of a step's device
+time: the slice looks at N before every piece, so that it fills the planner's
+wait for N instead of delaying N's apply (a wave of finishing requests parks
+more than a step's slack can settle; the rest waits for later slack, for a plan
+that needs the blocks, or for the engine to idle).
 
 Synchronous mode (``sync_loop``, the ablation): plan N, launch N, wait N, apply
 N, send N, wait for the frontend's ``StepAck`` of N, then plan N+1.
@@ -66,7 +67,7 @@ from asyncbatch.engine.messages import (
     StepOutputs,
     ended_only,
 )
-from asyncbatch.engine.scheduler import SETTLE_BUDGET_S, Scheduler, StepPlan
+from asyncbatch.engine.scheduler import SETTLE_STEP_SHARE, Scheduler, StepPlan
 from asyncbatch.engine.step_contract import GrammarMask
 from asyncbatch.engine.step_extras import StepExtrasWriter
 from asyncbatch.engine.step_metadata import StepMeta, StepMetadataWriter
@@ -117,6 +118,7 @@ class EngineCore:
         self._acked = 0  # synchronous mode: the newest step the frontend has processed
         self.last_launched_step = 0  # the newest launched step's id (``LastLaunchedStep``)
         self._idle = False  # the planner blocked for lack of work since the last launched step
+        self._last_step_s = 0.0  # the device time of the newest applied step: what a release slice may take a share of
         self._gc_pause = 0.0
         self._gc_started = 0.0
         self.control = ControlHandler(self, self._send)  # answers the frontend's control calls between two steps
@@ -249,15 +251,16 @@ class EngineCore:
     def _release(self, launched: InFlight, awaited: InFlight) -> None:
         """What ``launched``'s plan leaves to do once it runs, off the launch path: register the blocks its
         prefill chunks fill and release its drained requests (all of it: the next plan needs both), then settle
-        parked releases (``settle_released``) while ``awaited`` (the step the planner waits for next) runs: one
-        at least, more until it is done or ``SETTLE_BUDGET_S`` is spent. Timed in ``launched``'s record."""
+        parked releases (``settle_released``) while ``awaited`` (the step the planner waits for next) runs, for
+        at most ``SETTLE_STEP_SHARE`` of the last step's device time. Timed in ``launched``'s record."""
         record, scheduler, executor = launched.record, self.scheduler, self.executor
         record.settle_start = time.perf_counter()
         with mark("release", launched.plan.step_id):
             scheduler.release_drained(launched.plan)
             if scheduler.num_parked_releases:
                 handle = awaited.handle
-                scheduler.settle_released(SETTLE_BUDGET_S, stop=lambda: executor.is_done(handle))
+                scheduler.settle_released(SETTLE_STEP_SHARE * self._last_step_s,
+                                          stop=lambda: executor.is_done(handle))
         record.settle_ms = (time.perf_counter() - record.settle_start) * 1e3
         if self.config.debug_check_integrity:
             scheduler.check_integrity()
@@ -285,6 +288,7 @@ class EngineCore:
         with stage(record, "wait_start", "wait_end", "wait_step"):
             result = self.executor.wait(step.handle)
         record.device_start, record.device_end = result.device_start, result.device_end
+        self._last_step_s = max(result.device_end - result.device_start, 0.0)
         record.h2d_ms, record.forward_ms = result.h2d_ms, result.forward_ms
         record.sample_ms, record.d2h_ms = result.sample_ms, result.d2h_ms
         record.mask_wait_ms, record.mask_wait_start = result.mask_wait_ms, result.mask_wait_start

@@ -55,10 +55,13 @@ __all__ = ["ScheduledRow", "Scheduler", "StepPlan"]
 _RUNNING = RequestStatus.RUNNING
 
 
-# Seconds of release work (registering finished requests' output blocks in the prefix cache) the planner does
-# per launched step, while the step runs; the rest waits for the next steps, or is done at once when a plan
-# may need those blocks. 0.25 ms: ~25 blocks of 16 tokens, a 400-token output per step on a 2-core VM.
-SETTLE_BUDGET_S = 0.00025
+# Release work (registering finished requests' output blocks in the prefix cache) the planner does per launched
+# step, while the step runs, as a share of the last step's device time; the rest waits for the next steps, or is
+# done at once when a plan may need those blocks. The other threads of the planner's process (the sender, a
+# cpu or sim device thread) need the interpreter in that time too: on a 2-core VM at 1 ms steps a 0.25 ms slice
+# left a finishing wave's steps without it (profiles/speculative-intel-xeon-2core). 5 %: 50 us (two pieces of
+# ``SETTLE_PIECE_BLOCKS``) at 1 ms, 1 ms at a 20 ms step.
+SETTLE_STEP_SHARE = 0.05
 
 
 class _DecodePart(NamedTuple):
@@ -373,9 +376,9 @@ class Scheduler:
         return self.prefix.num_pending
 
     def settle_released(self, budget_s: float | None = None, stop: Callable[[], bool] | None = None) -> int:
-        """Register and free the blocks of released requests (``PrefixSharer.settle``): all, or within
-        ``budget_s`` seconds and until ``stop()`` (the planner: while the step it waits for next runs). Returns
-        how many are left."""
+        """Register and free the blocks of released requests (``PrefixSharer.settle``): all, or in pieces within
+        ``budget_s`` seconds while ``stop()`` says no (the planner: while the step it waits for next runs).
+        Returns how many are left."""
         return self.prefix.settle(budget_s, stop)
 
     def _short_of_blocks(self) -> bool:
