@@ -62,7 +62,7 @@ class StepHandle:
         self._done = threading.Event()
         self._result: StepResult | None = None
         self._error: BaseException | None = None
-        self._waiter = None  # backend-specific completion (a CUDA event and a finisher)
+        self._waiter = None  # backend-specific completion (a CUDA event and a finisher; sim: the modelled end)
 
     def set_result(self, result: StepResult) -> None:
         self._result = result

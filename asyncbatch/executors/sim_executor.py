@@ -155,6 +155,9 @@ class SimExecutor(ThreadedExecutor):
             end += self.sim.draft_seconds(t, meta.context_tokens, nd, meta.spec_depth)
         if self.forward_hook is not None:
             self.forward_hook(meta)
+        extras = meta.extras
+        grammar = extras.grammar if extras is not None else None
+        handle._waiter = end if grammar is None else None  # when the modelled device is done (``is_done``)
         if self.speculative and meta.spec_depth:
             return self._prepare_verify(meta, start, end, h2d_ms)
         if self.speculative:  # decode rows' output counts live on the device (the planner's are upper bounds)
@@ -162,10 +165,8 @@ class SimExecutor(ThreadedExecutor):
         input_ids[:nd] = self.token_buffer[decode_rows]
         fed = input_ids[logits_idx]
         h = self._hash(seeds, steps, fed)
-        extras = meta.extras
         banned_eos = self._eos_banned(extras, r)
         tokens = self._pseudo_tokens(h, steps, seeds, banned_eos)
-        grammar = extras.grammar if extras is not None else None
 
         def commit(end: float) -> None:
             """The device state after this step: what the next step reads."""
@@ -268,6 +269,14 @@ class SimExecutor(ThreadedExecutor):
             meta.step_id, tokens, np.ones(r, dtype=bool), device_start=start, device_end=end, h2d_ms=h2d_ms,
             forward_ms=(end - start) * 1e3, num_emitted=emitted,
             spec_counts=(int(drafted.sum()), int(usable.sum()), int((emitted[:nd] - 1).sum()))))
+
+    def is_done(self, handle: StepHandle) -> bool:
+        """The modelled device has finished the step (its end has passed), or its result is in. A real device's
+        completion event says so at the end of the step whatever the host does; the thread that delivers the
+        result here needs the interpreter first, which the planner may be holding (a step whose sampling waits
+        for a grammar mask is done when delivered)."""
+        end = handle._waiter
+        return handle.is_done() or (end is not None and time.perf_counter() >= end)
 
     def _delivered_at(self, end: float, result: StepResult) -> PreparedStep:
         """A step whose result is known now and whose device state is written: final, delivered at ``end``."""
