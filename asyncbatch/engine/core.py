@@ -118,7 +118,7 @@ class EngineCore:
         self._acked = 0  # synchronous mode: the newest step the frontend has processed
         self.last_launched_step = 0  # the newest launched step's id (``LastLaunchedStep``)
         self._idle = False  # the planner blocked for lack of work since the last launched step
-        self._last_step_s = 0.0  # the device time of the newest applied step: what a release slice may take a share of
+        self._last_step_s = 0.0  # device time of the newest applied step (a release slice takes a share)
         self._gc_pause = 0.0
         self._gc_started = 0.0
         self.control = ControlHandler(self, self._send)  # answers the frontend's control calls between two steps

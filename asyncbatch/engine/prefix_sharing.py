@@ -72,9 +72,9 @@ NO_HIT = PrefixHit([], np.zeros(0, dtype=np.int64), 0, 0)
 _NONE = np.zeros(0, dtype=np.int64)
 
 
-# Blocks ``PrefixSharer.settle`` registers between two looks at its ``stop``: ~20 us of a 2-core VM's planner, so a
-# slice that starts just before the step it fills ends overruns it by that much at most, not by a whole 400-token
-# release (~70-250 us, profiles/speculative-intel-xeon-2core).
+# Blocks ``PrefixSharer.settle`` registers between two looks at its ``stop``: ~20 us of a 2-core VM's planner (a
+# 26-block, 400-token release took 64 us at the median, up to 0.7 ms cold), so a slice that starts just before the
+# step it fills ends overruns it by that much, not by a whole release (profiles/speculative-intel-xeon-2core).
 SETTLE_PIECE_BLOCKS = 8
 
 
