@@ -10,7 +10,8 @@ timing the thread) keeps the Python thread's own wake-up jitter out of the
 device timeline, as a real GPU's queue would. A step's host work (the copy, the
 pseudo-tokens) is done when it is launched, during the step before it
 (``PipelinedDeviceThread``), so that at a modelled end the thread only wakes and
-delivers.
+delivers. ``is_done`` reads the modelled end, as a real device's completion
+event would, not the delivery, which waits for the interpreter.
 
 Pseudo-token of a sampled row = hash(request seed, output index, input token),
 where the input token of a decode row is read from the device token buffer: a
