@@ -306,6 +306,63 @@ def test_released_blocks_stay_parked_until_settled_and_what_arrives_settles_them
     assert r.blocks.num_free_blocks == r.blocks.num_usable_blocks
 
 
+def _step_without_settling(r: Rig):
+    """One step as ``step`` runs it, but with no release slice: finished requests stay parked. Returns the plan."""
+    plan = r.sched.schedule()
+    meta = r.writer.write(plan, r.staging.next_buffer())
+    r.sched.release_drained(plan)
+    tokens = r.device.run(plan, meta, meta.staging)
+    applied = r.sched.apply(plan, tokens, np.ones(plan.num_sampled, dtype=bool))
+    for seq, token in zip(applied.seqs.tolist(), applied.token_ids.tolist()):
+        r.outputs.setdefault(seq, []).append(token)
+    r.sched.check_integrity()
+    return plan
+
+
+def _run_without_settling(r: Rig) -> None:
+    while r.sched.has_work():
+        _step_without_settling(r)
+
+
+def _arrive(r: Rig, prompt: list[int], max_tokens: int = 2):
+    """Submit one request and run one step; returns its plan."""
+    seq = len(r.requests)
+    r.requests[seq] = request = Request(str(seq), seq, list(prompt), SamplingParams(max_tokens=max_tokens), 0, 0.0)
+    r.sched.add(request)
+    return _step_without_settling(r)
+
+
+def test_a_waiting_request_settles_only_the_releases_it_may_reuse():
+    """Before a plan, the parked releases whose registered blocks a waiting request's prompt passes through (its
+    next blocks may be their outputs) are settled and reused; the others stay parked for the release slices; a
+    release with no registered block is settled with all the rest (any prompt may start with its outputs)."""
+    r = rig(block_size=4, num_blocks=64, max_seqs=4, budget=64)
+    prompts = [list(range(500 + 20 * i, 506 + 20 * i)) for i in range(3)]
+    for i, prompt in enumerate(prompts):
+        r.requests[i] = request = Request(str(i), i, prompt, SamplingParams(max_tokens=7), 0, 0.0)
+        r.outputs[i] = []
+        r.sched.add(request)
+    _run_without_settling(r)
+    assert r.sched.prefix.num_pending == 3
+    _arrive(r, list(range(900, 906)))  # shares nothing with them
+    assert r.sched.prefix.num_pending == 3
+    _run_without_settling(r)
+    plan = _arrive(r, prompts[1] + r.outputs[1] + [9])  # the second one's next turn
+    assert r.sched.prefix.num_pending == 2  # that release alone, and its outputs reused
+    assert plan.prefill[0].num_cached == 12
+    _run_without_settling(r)
+    r.sched.settle_released()
+    r.requests[99] = short = Request("short", 99, [700, 701, 702], SamplingParams(max_tokens=7), 0, 0.0)
+    r.sched.add(short)
+    _run_without_settling(r)
+    assert r.sched.prefix.num_pending == 1  # parked with nothing registered: its prompt fills no block
+    _arrive(r, list(range(950, 956)))
+    assert r.sched.prefix.num_pending == 0
+    _run_without_settling(r)
+    r.sched.settle_released()
+    assert r.blocks.num_free_blocks == r.blocks.num_usable_blocks
+
+
 def test_parked_blocks_are_settled_before_anyone_is_preempted():
     """A decode row that needs a block while the free ones are parked takes a settled one, not a victim."""
     r = rig(block_size=2, num_blocks=12, max_seqs=2, budget=16)  # 11 usable blocks

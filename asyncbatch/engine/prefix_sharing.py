@@ -35,7 +35,8 @@ Two moments satisfy (a) and (b):
   block that needs it is not registered. Decode rows never hash anything
   while they run: planning a pure-decode step stays array work. The row is
   given back at once; its blocks are parked (held) and registered, then freed,
-  by ``settle``: a slice per launched step while the step runs, or all at once
+  by ``settle``: a slice per launched step while the step runs, before a plan
+  that may admit a request reusing them (``settle_reusable``), or all at once
   when a plan may need them (``Scheduler.schedule``, the preemptor) or the
   engine goes idle. Registering later is as safe as registering at once: the
   tokens were copied at the release, and stream order still holds.
@@ -49,7 +50,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -209,6 +210,38 @@ class PrefixSharer:
             if time.perf_counter() >= deadline:
                 break
         return len(pending)
+
+    def settle_reusable(self, waiting: Iterable[Request]) -> None:
+        """Settle, now and whole, every parked release that one of ``waiting`` (the requests the next plan may
+        admit) could reuse beyond what is cached: a release whose registered blocks end where a waiting request's
+        hashed prompt blocks pass through (chained keys: an equal key is an equal prefix), so that its next
+        blocks may be that release's outputs. A release with no block registered, or a waiting request with
+        outputs to recompute (its keys past the prompt are not hashed yet), settles them all. Releases nobody
+        can reuse stay parked for the slices: settling them here would put their registration on the path to
+        the next launch at every arrival."""
+        pending = self._pending
+        if not pending:
+            return
+        tails: dict[int, list[_PendingRelease]] = {}
+        for release in pending:
+            n = len(release.parked.chain)
+            if not n:
+                self.settle()
+                return
+            tails.setdefault(release.request.block_keys[n - 1], []).append(release)
+        reused: set[int] = set()
+        for request in waiting:
+            if request.num_outputs:
+                self.settle()
+                return
+            reused.update(key for key in request.block_keys if key in tails)
+        if not reused:
+            return
+        chosen = {id(release) for key in reused for release in tails[key]}
+        self._pending = deque(release for release in pending if id(release) not in chosen)
+        for release in pending:  # oldest first
+            if id(release) in chosen:
+                self._settle_one(release)
 
     def _settle_one(self, pending: _PendingRelease) -> None:
         self._settle_piece(pending, None)

@@ -163,8 +163,11 @@ class Scheduler:
         self.prefix.register_planned()  # normally done by ``release_drained`` of the last plan
         if self._unreleased:
             self._release_all(self._unreleased)
-        if self.prefix.num_pending and (self.waiting or self._short_of_blocks()):
-            self.prefix.settle()  # what is waiting may reuse or need those blocks
+        if self.prefix.num_pending:
+            if self._short_of_blocks():
+                self.prefix.settle()  # the plan may need those blocks
+            elif self.waiting:  # what may be admitted now may reuse some of them
+                self.prefix.settle_reusable(itertools.islice(self.waiting, self.max_num_seqs - len(self.running)))
         preempted: list[Request] = []
         drained: list[Request] = []
         decode = self._schedule_decode(preempted, drained)
