@@ -363,6 +363,29 @@ def test_a_waiting_request_settles_only_the_releases_it_may_reuse():
     assert r.blocks.num_free_blocks == r.blocks.num_usable_blocks
 
 
+def test_parked_blocks_that_stop_the_queue_are_settled_in_the_same_plan():
+    """A waiting request that reuses evictable blocks takes more free blocks than the plan's estimate counts; if
+    parked releases (which it cannot reuse) hold the rest, they are settled and it is admitted in the same plan,
+    never left waiting with nothing running."""
+    r = rig(block_size=4, num_blocks=22, max_seqs=4, budget=8)  # 21 usable blocks
+    p = list(range(300, 320))  # 5 full blocks, cached and evictable once it ends
+    _arrive(r, p, max_tokens=1)
+    _run_without_settling(r)
+    assert r.blocks.num_unused_blocks == 16 and r.blocks.num_free_blocks == 21
+    for i in range(2):  # two 32-token requests: 16 blocks, parked when they end
+        r.requests[10 + i] = request = Request(str(10 + i), 10 + i, list(range(600 + 40 * i, 616 + 40 * i)),
+                                               SamplingParams(max_tokens=16), 0, 0.0)
+        r.sched.add(request)
+    _run_without_settling(r)
+    assert r.sched.prefix.num_pending == 2 and r.blocks.num_free_blocks == 5  # P's evictable blocks
+    plan = _arrive(r, p + [1, 2, 3, 4])  # 5 blocks reused + 1 fresh > 5 free; it reuses nothing parked
+    assert plan is not None and plan.prefill[0].num_cached == 20
+    assert r.sched.prefix.num_pending == 0
+    _run_without_settling(r)
+    r.sched.settle_released()
+    assert r.blocks.num_free_blocks == r.blocks.num_usable_blocks
+
+
 def test_parked_blocks_are_settled_before_anyone_is_preempted():
     """A decode row that needs a block while the free ones are parked takes a settled one, not a victim."""
     r = rig(block_size=2, num_blocks=12, max_seqs=2, budget=16)  # 11 usable blocks

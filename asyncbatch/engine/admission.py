@@ -47,8 +47,9 @@ class Admitter:
     preemption included) and is each admission's key (``RowState.admit_key``); ``seconds`` is the planner time
     spent admitting them (part of the figure behind ``admission_us_per_request``). ``batch=False`` applies each
     admission as soon as it is decided, as the per-request planner did: the reference that tests hold the
-    batched path to. ``table`` is the chunk table (``step_plan``'s ``CHUNK_*`` columns) of the first chunks the
-    last ``admit`` appended, one row each, in order (None when it admitted none): ``StepPlan.admitted``.
+    batched path to. ``short_of_blocks``: the last ``admit`` stopped at a request the free blocks could not
+    hold. ``table`` is the chunk table (``step_plan``'s ``CHUNK_*`` columns) of the first chunks the last
+    ``admit`` appended, one row each, in order (None when it admitted none): ``StepPlan.admitted``.
     """
 
     def __init__(self, rows: RowState, blocks: BlockManager, prefix: PrefixSharer, decode: DecodeSet,
@@ -68,6 +69,7 @@ class Admitter:
         self.num_admissions = 0
         self.seconds = 0.0
         self.table: np.ndarray | None = None
+        self.short_of_blocks = False  # the last ``admit`` stopped at a request its free blocks could not hold
         self._tables: list[np.ndarray] = []
 
     def admit(self, prefill: list[ScheduledRow], budget: int, drained: list[Request]) -> int:
@@ -76,6 +78,7 @@ class Admitter:
         left."""
         waiting = self.waiting
         self.table = None
+        self.short_of_blocks = False
         if not waiting or budget <= 0 or len(self.running) >= self.max_num_seqs:
             return budget
         started = time.perf_counter()
@@ -98,6 +101,7 @@ class Admitter:
             n = min(target - start, budget)
             fresh = blocks.blocks_for(start + n) - len(hit.cached)
             if fresh + hit.num_reclaimed > available:
+                self.short_of_blocks = True
                 break
             if fresh > unused and batch:  # it evicts: apply the batch first, so its hit saw no eviction
                 self._apply(batch, numbers, prefill, drained)

@@ -176,6 +176,13 @@ class Scheduler:
         budget = self._schedule_prefills(prefill, budget, preempted, drained)
         admitted_before, admit_s = self.admitter.num_admissions, self.admitter.seconds
         budget = self.admitter.admit(prefill, budget, drained)
+        if self.admitter.short_of_blocks and self.prefix.num_pending:
+            # Parked blocks stopped the queue (``settle_reusable`` left them, ``_short_of_blocks`` did not see it
+            # coming: a cache hit on evictable blocks takes free blocks too): free them for this plan if it
+            # admitted nobody, else for the next.
+            self.prefix.settle()
+            if self.admitter.num_admissions == admitted_before:
+                budget = self.admitter.admit(prefill, budget, drained)
         num_admitted = self.admitter.num_admissions - admitted_before
         if num_admitted:
             admit_s = self.admitter.seconds - admit_s
