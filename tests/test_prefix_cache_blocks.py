@@ -257,6 +257,32 @@ def test_an_output_still_in_flight_is_not_cached():
     assert r.sched.prefix_cache_stats()["cached_blocks"] == 1
 
 
+def _step_without_settling(r: Rig):
+    """One step as ``step`` runs it, but with no release slice: finished requests stay parked. Returns the plan."""
+    plan = r.sched.schedule()
+    meta = r.writer.write(plan, r.staging.next_buffer())
+    r.sched.release_drained(plan)
+    tokens = r.device.run(plan, meta, meta.staging)
+    applied = r.sched.apply(plan, tokens, np.ones(plan.num_sampled, dtype=bool))
+    for seq, token in zip(applied.seqs.tolist(), applied.token_ids.tolist()):
+        r.outputs.setdefault(seq, []).append(token)
+    r.sched.check_integrity()
+    return plan
+
+
+def _run_without_settling(r: Rig) -> None:
+    while r.sched.has_work():
+        _step_without_settling(r)
+
+
+def _arrive(r: Rig, prompt: list[int], max_tokens: int = 2):
+    """Submit one request and run one step; returns its plan."""
+    seq = len(r.requests)
+    r.requests[seq] = request = Request(str(seq), seq, list(prompt), SamplingParams(max_tokens=max_tokens), 0, 0.0)
+    r.sched.add(request)
+    return _step_without_settling(r)
+
+
 def test_released_blocks_stay_parked_until_settled_and_what_arrives_settles_them_first(monkeypatch):
     """A finished request's row is free at once; its blocks are registered and freed by ``settle_released`` in
     pieces, within its budget and while its ``stop`` says the awaited step still runs (asked before every piece,
@@ -264,15 +290,7 @@ def test_released_blocks_stay_parked_until_settled_and_what_arrives_settles_them
     r = rig(block_size=4, num_blocks=64, max_seqs=4, budget=64)
     prompts = [list(range(500 + 20 * i, 506 + 20 * i)) for i in range(3)]
     admit(r, *prompts, max_tokens=7)  # 6 + 6 known tokens each: 3 full blocks
-    while r.sched.has_work():
-        plan = r.sched.schedule()
-        meta = r.writer.write(plan, r.staging.next_buffer())
-        r.sched.release_drained(plan)
-        tokens = r.device.run(plan, meta, meta.staging)
-        applied = r.sched.apply(plan, tokens, np.ones(plan.num_sampled, dtype=bool))
-        for seq, token in zip(applied.seqs.tolist(), applied.token_ids.tolist()):
-            r.outputs.setdefault(seq, []).append(token)
-        r.sched.check_integrity()
+    _run_without_settling(r)
     assert (r.sched.rows.seq == -1).all() and r.sched.prefix.num_pending == 3
     assert r.blocks.num_parked_blocks == 9 and r.blocks.num_free_blocks == r.blocks.num_usable_blocks - 9
     assert r.blocks.prefix.num_cached == 3  # the prompts' first blocks, registered when their prefill was planned
@@ -304,32 +322,6 @@ def test_released_blocks_stay_parked_until_settled_and_what_arrives_settles_them
     assert rows[0].num_cached == 12 and r.sched.prefix.num_pending == 0
     finish_all(r)
     assert r.blocks.num_free_blocks == r.blocks.num_usable_blocks
-
-
-def _step_without_settling(r: Rig):
-    """One step as ``step`` runs it, but with no release slice: finished requests stay parked. Returns the plan."""
-    plan = r.sched.schedule()
-    meta = r.writer.write(plan, r.staging.next_buffer())
-    r.sched.release_drained(plan)
-    tokens = r.device.run(plan, meta, meta.staging)
-    applied = r.sched.apply(plan, tokens, np.ones(plan.num_sampled, dtype=bool))
-    for seq, token in zip(applied.seqs.tolist(), applied.token_ids.tolist()):
-        r.outputs.setdefault(seq, []).append(token)
-    r.sched.check_integrity()
-    return plan
-
-
-def _run_without_settling(r: Rig) -> None:
-    while r.sched.has_work():
-        _step_without_settling(r)
-
-
-def _arrive(r: Rig, prompt: list[int], max_tokens: int = 2):
-    """Submit one request and run one step; returns its plan."""
-    seq = len(r.requests)
-    r.requests[seq] = request = Request(str(seq), seq, list(prompt), SamplingParams(max_tokens=max_tokens), 0, 0.0)
-    r.sched.add(request)
-    return _step_without_settling(r)
 
 
 def test_a_waiting_request_settles_only_the_releases_it_may_reuse():
