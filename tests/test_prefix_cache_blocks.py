@@ -108,7 +108,7 @@ class Rig:
                 meta = self.writer.write(plan, buffer)
                 self.sched.release_drained(plan)
                 in_flight.append((plan, self.device.run(plan, meta, buffer)))
-                self.sched.settle_released(0.0)  # as the core does while a step runs; 0: one release a step
+                self.sched.settle_released(0.0)  # as the core does while a step runs; 0: one piece a step
             if in_flight and (len(in_flight) > self.lag or plan is None):
                 done, tokens = in_flight.popleft()
                 applied = self.sched.apply(done, tokens, np.ones(len(tokens), dtype=bool))
@@ -195,7 +195,7 @@ def step(r: Rig):
     meta = r.writer.write(plan, r.staging.next_buffer())
     r.sched.release_drained(plan)
     tokens = r.device.run(plan, meta, meta.staging)
-    r.sched.settle_released(0.0)  # as the core does while a step runs; 0: one release a step
+    r.sched.settle_released(0.0)  # as the core does while a step runs; 0: one piece a step
     applied = r.sched.apply(plan, tokens, np.ones(plan.num_sampled, dtype=bool))
     for seq, token in zip(applied.seqs.tolist(), applied.token_ids.tolist()):
         r.outputs.setdefault(seq, []).append(token)

@@ -81,7 +81,7 @@ def drive(specs, block_size, num_blocks, max_seqs, budget, lag, caching=False):
                             if row.first and row.request.num_preemptions == 0)
             sched.release_drained(plan)
             in_flight.append(plan)
-            sched.settle_released(0.0)  # as the core does while a step runs; 0: one release a step
+            sched.settle_released(0.0)  # as the core does while a step runs; 0: one piece a step
         if in_flight and (len(in_flight) > lag or plan is None):
             done = in_flight.popleft()
             n = done.num_sampled
