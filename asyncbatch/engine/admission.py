@@ -5,11 +5,18 @@ requests in the queue at once, and the step that admits them is planned while
 the device runs the step before it: its planning is device idle time if it
 outlasts that step. So admission is cheap per request: a short Python pass
 decides who goes in (FIFO, while a token row, the token budget and KV blocks
-allow, reusing cached prefix blocks), and everything that writes per-row state
-is done for all of them at once with numpy (``BlockManager.allocate_rows``,
-``RowState.admit_many``, the completion flags). ``Scheduler`` owns this object
-and shares its state with it by reference, like ``Preemptor`` and
-``StepApplier``.
+allow, reusing cached prefix blocks) and works out, as plain integers, every
+number the admission sets: one row of an int64 table per request (its chunk,
+``RowState``'s counters, where its blocks go). Everything that writes per-row
+state is then done for all of them at once with numpy, a few scatters from
+that table (``BlockManager.allocate_admitted``, ``RowState.admit_many``), and
+the table's chunk columns are what the metadata writer reads
+(``StepPlan.admitted``). No reduction or prefix sum over the batch is left
+to numpy: a step's fixed cost is a handful of array operations, which matters
+most where the caches are cold (the step after the planner slept) and the
+batch small (long prompts leave the token budget room for a few).
+``Scheduler`` owns this object and shares its state with it by reference,
+like ``Preemptor`` and ``StepApplier``.
 
 Equivalence with admitting one request at a time (``tests/test_planner_equivalence.py``
 holds the per-request reference). Within a batch, cached blocks are shared as
@@ -29,13 +36,32 @@ from itertools import chain
 
 import numpy as np
 
-from asyncbatch.engine.block_manager import BlockManager
+from asyncbatch.engine.block_manager import BlockManager, IntegrityError
 from asyncbatch.engine.prefix_sharing import NO_HIT, PrefixSharer
 from asyncbatch.engine.request import Request, RequestStatus
-from asyncbatch.engine.row_state import DecodeSet, RowState
-from asyncbatch.engine.step_plan import ScheduledRow
+from asyncbatch.engine.row_state import ROW_COUNTERS, DecodeSet, RowState
+from asyncbatch.engine.step_plan import (
+    CHUNK_BLOCKS,
+    CHUNK_COLUMNS,
+    CHUNK_END,
+    CHUNK_N,
+    CHUNK_ROW,
+    CHUNK_SAMPLES,
+    CHUNK_START,
+    CHUNK_STEP,
+    ScheduledRow,
+)
 
 _RUNNING, _DRAINING = RequestStatus.RUNNING, RequestStatus.DRAINING
+# Columns of the admission table (built by ``Admitter.admit``): step_plan's chunk table (CHUNK_ROW .. CHUNK_SEQ), whose
+# last two columns, the chunk's end and the request's seq, are also the first two of ``RowState``'s counters
+# (``ROW_COUNTERS``: num_computed, seq, ...); then what the blocks need (the blocks the row gets fresh, the index
+# of its last one among those the batch pops, and where its first goes in the flattened block table less its
+# index among them), and whether it decodes or drains after this step.
+_COUNTERS = slice(CHUNK_END, CHUNK_END + len(ROW_COUNTERS))
+_ADMIT_KEY = CHUNK_END + ROW_COUNTERS.index("admit_key")
+_FRESH, _LAST, _FLAT, _DECODES, _DRAINS = range(_COUNTERS.stop, _COUNTERS.stop + 5)
+_TABLE_WIDTH = _DRAINS + 1
 
 
 class Admitter:
@@ -66,6 +92,7 @@ class Admitter:
         self.free_rows = free_rows
         self.batch = batch  # False: each admission is applied as it is decided (the one-at-a-time reference)
         self.max_num_seqs = blocks.max_num_seqs
+        self.max_blocks_per_seq = blocks.max_blocks_per_seq
         self.num_admissions = 0
         self.seconds = 0.0
         self.table: np.ndarray | None = None
@@ -88,7 +115,14 @@ class Admitter:
         available = blocks.num_free_blocks  # fresh + reclaimable: what the admissions may take
         unused = blocks.num_unused_blocks  # on the free stack: fresh blocks popped without evicting
         batch: list[Request] = []
-        numbers: list[tuple[int, int, int, int, int, int]] = []  # each one's (row, target, start, n, fresh, prompt)
+        # Each one's row of the admission table (columns as ``_apply`` reads them), built in this Python pass so
+        # that applying a batch and writing its metadata are a few array operations whatever its size, none of
+        # them a reduction or a prefix sum over the batch.
+        records: list[tuple[int, ...]] = []
+        popped = 0  # fresh blocks the batch takes so far
+        num_tokens = 0  # tokens of the chunks decided so far
+        key = self.num_admissions  # the last admission's key
+        max_blocks, bs = self.max_blocks_per_seq, blocks.block_size
         prompt_tokens = cached_tokens = 0
         while waiting and budget > 0 and rows_left > 0:
             request = waiting[0]
@@ -99,13 +133,18 @@ class Admitter:
             hit = prefix.hit(request, target) if caching else NO_HIT
             start = hit.num_tokens
             n = min(target - start, budget)
-            fresh = blocks.blocks_for(start + n) - len(hit.cached)
+            end = start + n
+            shared = len(hit.cached)
+            fresh = (end + bs - 1) // bs - shared  # at least one: the chunk starts at a block boundary
+            if fresh < 1 or shared + fresh > max_blocks:  # Scheduler.add refuses what the table cannot hold
+                raise IntegrityError(f"{request.request_id} would hold {shared} + {fresh} blocks; 1 <= fresh and "
+                                     f"the table's {max_blocks} allowed")
             if fresh + hit.num_reclaimed > available:
                 self.short_of_blocks = True
                 break
             if fresh > unused and batch:  # it evicts: apply the batch first, so its hit saw no eviction
-                self._apply(batch, numbers, prefill, drained)
-                batch, numbers = [], []
+                self._apply(batch, records, popped, prefill, drained)
+                batch, records, popped = [], [], 0
                 unused = blocks.num_unused_blocks
             waiting.popleft()
             row = free_rows.pop()
@@ -114,11 +153,25 @@ class Admitter:
                 cached_tokens += start
                 if start:
                     prefix.share(row, hit)
+            outputs = target - prompt_len  # a preempted request's outputs, recomputed in this prefill
+            samples = end == target  # the chunk ends the prefill, and samples
+            max_tokens = request.params.max_tokens
+            drains = samples and outputs >= max_tokens - 1  # its only output left is scheduled now
+            key += 1
+            popped += fresh
             batch.append(request)
-            numbers.append((row, target, start, n, fresh, prompt_len))
+            records.append((row, start, n, prompt_len, outputs if samples else 0, samples, 1, start, num_tokens,
+                            shared + fresh,
+                            # RowState's counters (ROW_COUNTERS): num_computed (the chunk's end) and seq, the chunk
+                            # table's last two columns, then admit_key, prefill_len, num_scheduled, num_outputs,
+                            # token_cap, spec_over
+                            end, request.arrival_seq, key, target, outputs + samples, outputs, prompt_len + max_tokens,
+                            0, fresh, popped - 1, row * max_blocks + shared + fresh - popped, samples and not drains,
+                            drains))
+            num_tokens += n
             if fresh > unused or not self.batch:  # an evicting request alone: later hits must see what it evicted
-                self._apply(batch, numbers, prefill, drained)
-                batch, numbers = [], []
+                self._apply(batch, records, popped, prefill, drained)
+                batch, records, popped = [], [], 0
                 available = blocks.num_free_blocks
                 unused = blocks.num_unused_blocks
             else:
@@ -126,8 +179,9 @@ class Admitter:
                 unused -= fresh
             budget -= n
             rows_left -= 1
+        self.num_admissions = key
         if batch:
-            self._apply(batch, numbers, prefill, drained)
+            self._apply(batch, records, popped, prefill, drained)
         tables = self._tables
         if tables:
             self.table = tables[0] if len(tables) == 1 else np.concatenate(tables)
@@ -137,44 +191,34 @@ class Admitter:
         self.seconds += time.perf_counter() - started
         return budget
 
-    def _apply(self, requests: list[Request], numbers: list[tuple[int, int, int, int, int, int]],
+    def _apply(self, requests: list[Request], records: list[tuple[int, ...]], popped: int,
                prefill: list[ScheduledRow], drained: list[Request]) -> None:
         """Rows, blocks and first chunks of the decided admissions ``requests`` (in FIFO order), with their
-        ``numbers`` (row, target, start, n, fresh, prompt length) from ``admit``."""
-        st = self.rows
+        admission table rows ``records`` (``admit``) and the fresh blocks they take (``popped``)."""
         a = len(requests)
-        table = np.fromiter(chain.from_iterable(numbers), dtype=np.int64, count=6 * a).reshape(a, 6)
-        rows, targets, starts, ns, prompt_lens = table[:, 0], table[:, 1], table[:, 2], table[:, 3], table[:, 5]
-        keys = np.arange(self.num_admissions + 1, self.num_admissions + 1 + a, dtype=np.int64)  # [A]
-        self.num_admissions += a
-        self.blocks.allocate_rows(rows, table[:, 4])
-        st.admit_many(rows, requests, keys, targets, targets - prompt_lens)
-        ends = starts + ns  # [A]
-        st.num_computed[rows] = ends
-        steps = st.num_scheduled[rows]  # [A] outputs scheduled before the first chunk: a recompute's outputs
-        complete = ends == targets  # [A] the chunk ends the prefill and samples
-        st.num_scheduled[rows[complete]] = steps[complete] + 1
-        drains = complete & (steps + 1 >= st.max_tokens[rows])  # [A] its only output left is scheduled now
-        decodes = complete & ~drains
-        st.decoding[rows[decodes]] = True
-        self.decode.add_many(rows[decodes], keys[decodes])
+        table = np.fromiter(chain.from_iterable(records), dtype=np.int64, count=_TABLE_WIDTH * a)
+        table = table.reshape(a, _TABLE_WIDTH)  # [A, _TABLE_WIDTH]
+        rows = table[:, CHUNK_ROW]  # [A]
+        self.blocks.allocate_admitted(rows, table[:, _FRESH], table[:, CHUNK_BLOCKS], table[:, _LAST], table[:, _FLAT],
+                                      popped)
+        decodes = table[:, _DECODES]  # [A]
+        self.rows.admit_many(rows, requests, table[:, _COUNTERS], decodes)
+        if decodes.any():
+            completed = decodes != 0  # [A]
+            self.decode.add_many(rows[completed], table[completed, _ADMIT_KEY])
         self.prefix.note_prefills(requests)
-        sample_steps = steps * complete  # [A]
-        # [A, 9] their chunk table (step_plan's CHUNK_* columns): what write_prefill and the sampled rows read
-        self._tables.append(np.stack([rows, starts, ns, prompt_lens, sample_steps, complete, np.ones_like(rows),
-                                      starts, st.seq[rows]], axis=1))
+        self._tables.append(table[:, :CHUNK_COLUMNS])  # [A, CHUNK_COLUMNS] the chunk table
         owners, running = self.owners, self.running
-        for request, row, start, n, samples, step, drains_now in zip(
-                requests, rows.tolist(), starts.tolist(), ns.tolist(), complete.tolist(),
-                sample_steps.tolist(), drains.tolist()):
+        for request, record in zip(requests, records):
+            row, start, samples = record[CHUNK_ROW], record[CHUNK_START], record[CHUNK_SAMPLES]
             owners[row] = request
             request.token_row = row
             running[request.arrival_seq] = request
-            if drains_now:
+            if record[_DRAINS]:
                 request.status = _DRAINING
                 drained.append(request)
             else:
                 request.status = _RUNNING
                 if not samples:
                     self.prefilling.append(request)
-            prefill.append(ScheduledRow(request, row, start, n, samples, step, True, start))
+            prefill.append(ScheduledRow(request, row, start, record[CHUNK_N], samples, record[CHUNK_STEP], True, start))

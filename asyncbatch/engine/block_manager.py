@@ -96,6 +96,7 @@ class BlockManager:
         # Resident from the start, as ``RowState.history`` and for the same reason: no page faults in the
         # steps that admit new rows.
         self.block_table = np.full((max_num_seqs, max_blocks_per_seq), 0, dtype=np.int64)  # [S, B]
+        self._table_flat = self.block_table.reshape(-1)  # [S * B] view
         self.num_row_blocks = np.zeros(max_num_seqs, dtype=np.int64)  # [S]
         # Slot of position p, for p in the row's newest block: decode_slot_base[row] + p (one gather per
         # decode step instead of a division, a gather from the wide table and a modulo).
@@ -182,22 +183,29 @@ class BlockManager:
 
     def allocate_rows(self, rows: np.ndarray, counts: np.ndarray) -> None:
         """Give each of ``rows`` (distinct, [A] int64) ``counts[i]`` more blocks ([A] int64), rows in order: the
-        blocks and table entries that ``allocate`` row by row would give, from one pop (an admission burst)."""
+        blocks and table entries that ``allocate`` row by row would give, from one pop."""
+        got = counts > 0  # [A]
+        rows, counts = rows[got], counts[got]
         total = int(counts.sum())
         if not total:
             return
-        have = self.num_row_blocks[rows]  # [A]
-        grown = have + counts  # [A]
+        grown = self.num_row_blocks[rows] + counts  # [A]
         if int(grown.max()) > self.max_blocks_per_seq:
             raise IntegrityError(f"a row needs {int(grown.max())} blocks, the table holds {self.max_blocks_per_seq}")
+        lasts = np.cumsum(counts) - 1  # [A]
+        self.allocate_admitted(rows, counts, grown, lasts, rows * self.max_blocks_per_seq + grown - 1 - lasts, total)
+
+    def allocate_admitted(self, rows: np.ndarray, counts: np.ndarray, grown: np.ndarray, lasts: np.ndarray,
+                          flat: np.ndarray, total: int) -> None:
+        """``allocate_rows`` for an admission burst, with what its Python pass already knows: each of ``rows``
+        ([A] int64, distinct) gets ``counts[i] >= 1`` blocks, ``total`` in all, to hold ``grown[i] <=
+        max_blocks_per_seq``; its last is the ``lasts[i]``-th block popped (``cumsum(counts) - 1``), and the
+        ``k``-th block popped goes to ``block_table.flat[k + flat[i]]`` (``flat = rows * max_blocks_per_seq +
+        grown - 1 - lasts``). No reduction over the batch, so a burst pays for a few scatters."""
         new = self._pop(total)  # [N] rows[0]'s blocks first
-        firsts = np.cumsum(counts) - counts  # [A] index in ``new`` of each row's first block
-        owner = np.repeat(rows, counts)  # [N]
-        columns = np.arange(total, dtype=np.int64) + np.repeat(have - firsts, counts)  # [N]
-        self.block_table[owner, columns] = new
+        self._table_flat[np.arange(total, dtype=np.int64) + np.repeat(flat, counts)] = new
         self.num_row_blocks[rows] = grown
-        got = counts > 0  # [A]
-        self.decode_slot_base[rows[got]] = (new[(firsts + counts - 1)[got]] - (grown - 1)[got]) * self.block_size
+        self.decode_slot_base[rows] = (new[lasts] - (grown - 1)) * self.block_size
         self.ref[new] = 1
 
     def append_block(self, rows: np.ndarray) -> None:

@@ -4,12 +4,14 @@
 buffer; this module writes the prefill chunks after them. A burst of
 admissions is hundreds of chunks in one plan, so no step here is per chunk
 for them: the scheduler hands over the admitted chunks' table
-(``StepPlan.admitted``), their tokens are gathered from the requests' prompt
-arrays (made on arrival) in one indexing, and the rows' metadata stays an
-array (``PrefillRows``). The chunks of running prefills (a few per step) take
-one Python pass that reads each ``ScheduledRow`` once. Positions, slot
-mappings, owner rows, output flags, block tables and row spans are computed
-for all chunks at once. Only the rare penalised chunk that reuses cached
+(``StepPlan.admitted``, with each chunk's token offset, end and block count
+worked out in the Python pass that admitted it), their tokens are views of
+the requests' prompt arrays (made on arrival) joined into the staging buffer
+by one concatenate, and the rows' metadata stays an array (``PrefillRows``).
+The chunks of running prefills (a few per step) take one Python pass that
+reads each ``ScheduledRow`` once. Positions, slot mappings, owner rows,
+output flags, block tables and row spans are computed for all chunks at
+once. Only the rare penalised chunk that reuses cached
 blocks goes through Python again (``CachedContext``).
 
 Columns of ``prefill_block_tables`` past a chunk's block count receive stale
@@ -29,10 +31,20 @@ from asyncbatch.engine.block_manager import BlockManager
 from asyncbatch.engine.request import Request
 from asyncbatch.engine.row_state import NO_ROWS, RowState
 from asyncbatch.engine.step_contract import CachedContext, PrefillRowMeta, PrefillRows, StagingBuffer
-from asyncbatch.engine.step_plan import CHUNK_SEQ, ScheduledRow, StepPlan
-
-# Columns of the per-chunk table (one row per chunk): step_plan's chunk table (CHUNK_ROW ...) up to its CHUNK_SEQ.
-_ROW, _START, _N, _PROMPT, _STEP, _SAMPLES, _FIRST, _CACHED = range(CHUNK_SEQ)
+from asyncbatch.engine.step_plan import (
+    CHUNK_BLOCKS,
+    CHUNK_CACHED,
+    CHUNK_END,
+    CHUNK_FIRST,
+    CHUNK_N,
+    CHUNK_OFFSET,
+    CHUNK_PROMPT,
+    CHUNK_ROW,
+    CHUNK_SAMPLES,
+    CHUNK_START,
+    CHUNK_STEP,
+    StepPlan,
+)
 
 
 class PrefillWrite(NamedTuple):
@@ -62,49 +74,53 @@ def write_prefill(plan: StepPlan, staging: StagingBuffer, rows: RowState, blocks
     running = plan.prefill[:len(plan.prefill) - len(admitted)] if admitted is not None else plan.prefill
     parts: list[np.ndarray] = []  # each chunk's tokens
     spec = []
+    offset = 0
     for row in running:  # the one Python pass per chunk of a running prefill
         request, start, n = row.request, row.start, row.num_tokens
         parts.append(_tokens(request, start, start + n))
         spec.append((row.token_row, start, n, len(request.prompt_token_ids), row.sample_step, row.samples, row.first,
-                     row.num_cached))
+                     row.num_cached, offset, blocks.blocks_for(start + n), start + n, request.arrival_seq))
+        offset += n
     if admitted is None:
-        c = np.array(spec, dtype=np.int64)  # [P, 8]
+        c = np.array(spec, dtype=np.int64)  # [P, CHUNK_COLUMNS]
     else:
-        c = admitted[:, :CHUNK_SEQ]
+        c = admitted
         if spec:
             c = np.concatenate([np.array(spec, dtype=np.int64), c])
-        parts.append(_admitted_tokens(plan.prefill[len(spec):], admitted))
-    token_rows, starts, ns = c[:, _ROW], c[:, _START], c[:, _N]  # [P]
-    ends = starts + ns  # [P]
-    token_starts = nd + np.cumsum(ns) - ns  # [P] each chunk's first index in the step's tokens
-    total = int(token_starts[-1] + ns[-1]) - nd
+            c[len(spec):, CHUNK_OFFSET] += offset  # the admitted chunks' tokens come after the running ones'
+        for row in plan.prefill[len(spec):]:  # the admitted chunks: their tokens are slices of their prompts
+            parts.append(_tokens(row.request, row.start, row.start + row.num_tokens))
+    token_rows, starts, ns, ends = c[:, CHUNK_ROW], c[:, CHUNK_START], c[:, CHUNK_N], c[:, CHUNK_END]  # [P]
+    offsets = c[:, CHUNK_OFFSET]  # [P] each chunk's first index among the step's prefill tokens
+    total = int(c[-1, CHUNK_OFFSET] + c[-1, CHUNK_N])
     t = nd + total
     owner = np.repeat(token_rows, ns)  # [T]
-    pos = np.arange(total, dtype=np.int64) + np.repeat(starts - (token_starts - nd), ns)  # [T]
+    pos = np.arange(total, dtype=np.int64) + np.repeat(starts - offsets, ns)  # [T]
     np.concatenate(parts, out=staging.input_ids[nd:t])
     staging.positions[nd:t] = pos
     staging.slot_mapping[nd:t] = _slots(table, owner, pos, bs)
-    staging.token_is_output[nd:t] = pos >= np.repeat(c[:, _PROMPT], ns)
+    staging.token_is_output[nd:t] = pos >= np.repeat(c[:, CHUNK_PROMPT], ns)
     staging.token_owner_row[nd:t] = owner
-    block_counts = (ends + bs - 1) // bs  # [P]
+    block_counts = c[:, CHUNK_BLOCKS]  # [P]
     p = len(c)
     widest = int(block_counts.max())
     staging.prefill_block_tables[:p, :widest] = table[token_rows, :widest]
+    token_starts = offsets + nd  # [P] each chunk's first index in the step's tokens
     spans = staging.prefill_row_spans[:p]  # [P, 3]
     spans[:, 0], spans[:, 1], spans[:, 2] = token_starts, ns, ends
     meta = PrefillRows(np.stack([token_starts, ns, ends, token_rows, block_counts], axis=1))
-    first = token_rows[c[:, _FIRST] != 0]  # [F]
+    first = token_rows[c[:, CHUNK_FIRST] != 0]  # [F]
     staging.first_chunk_token_rows[:len(first)] = first
     penalised = rows.uses_penalty[token_rows]  # [P]
     # Non-sampling chunks of a penalised request must still feed its penalty state; a reused cached prefix
     # is not computed, so its tokens travel in the CachedContext.
-    reused = (penalised & (c[:, _CACHED] > 0)).nonzero()[0]
-    samples = c[:, _SAMPLES] != 0  # [P]
-    cached = (c[:, _CACHED] > 0).nonzero()[0] if history else NO_ROWS
+    reused = (penalised & (c[:, CHUNK_CACHED] > 0)).nonzero()[0]
+    samples = c[:, CHUNK_SAMPLES] != 0  # [P]
+    cached = (c[:, CHUNK_CACHED] > 0).nonzero()[0] if history else NO_ROWS
     return PrefillWrite(total, int(ends.sum()), bool(penalised.any()), meta, first.tolist(),
                         _cached_context(plan, reused.tolist()) if len(reused) else None,
                         _cached_context(plan, cached.tolist()) if len(cached) else None, token_rows[samples],
-                        c[samples, _STEP], (token_starts + ns - 1)[samples])
+                        c[samples, CHUNK_STEP], (token_starts + ns - 1)[samples])
 
 
 def _tokens(request: Request, start: int, end: int) -> np.ndarray:
@@ -122,22 +138,6 @@ def _slots(table: np.ndarray, owner: np.ndarray, pos: np.ndarray, bs: int) -> np
     # One flat gather with shifts: a third of the 2-D gather with division's time for a burst's 8,192 tokens.
     shift = bs.bit_length() - 1
     return table.ravel()[owner * table.shape[1] + (pos >> shift)] * bs + (pos & (bs - 1))
-
-
-def _admitted_tokens(chunks: list[ScheduledRow], table: np.ndarray) -> np.ndarray:
-    """The tokens of admitted first chunks (``table``: their chunk table) in order: the requests' prompt arrays
-    joined once, then one gather (no per-chunk slicing). A chunk past its prompt (outputs to recompute after a
-    preemption) takes the request's whole sequence instead."""
-    whole = [row.request.prompt_array for row in chunks]
-    lengths = table[:, _PROMPT].copy()  # [A]
-    ns = table[:, _N]
-    for i in np.flatnonzero(table[:, _START] + ns > lengths).tolist():  # rare: recomputed outputs
-        whole[i] = np.asarray(chunks[i].request.all_token_ids(), dtype=np.int64)
-        lengths[i] = len(whole[i])
-    # Each chunk's tokens are its sequence's start .. start + n - 1: offsets into the joined sequences.
-    first = np.cumsum(lengths) - lengths + table[:, _START]  # [A]
-    index = np.arange(int(ns.sum()), dtype=np.int64) + np.repeat(first - (np.cumsum(ns) - ns), ns)  # [T]
-    return np.concatenate(whole)[index]
 
 
 def _cached_context(plan: StepPlan, indices: list[int]) -> CachedContext:

@@ -22,14 +22,17 @@ from asyncbatch.sampling_params import SamplingParams
 from asyncbatch.speculative.config import MAX_SPECULATIVE_TOKENS
 
 NO_SEQ = -1  # ``RowState.seq`` of a row no request holds
-# A request's parameters as ``RowState.admit_many`` reads them (``RowState.constants_of``): 11 ints (seq,
-# max_tokens, ignore_eos, has stop ids, seed, top_k, uses penalties, logprobs, min_tokens, has bias, has grammar)
-# and 6 floats (temperature, top_p, min_p, presence, frequency, repetition).
-ROW_CONSTANTS = np.dtype([("ints", np.int64, 11), ("floats", np.float32, 6)])
-# Where ``RowState``'s grouped constants come from in those 11 ints: max_tokens, seed, top_k, logprobs,
-# min_tokens; and its flags (ignore_eos, has stop ids, uses penalties, has bias, has grammar).
-_INT_FROM = np.array([1, 4, 5, 7, 8])
-_FLAGS_FROM = np.array([2, 3, 6, 9, 10])
+# A request's parameters as ``RowState.admit_many`` writes them (``RowState.constants_of``, made on arrival): the
+# int64 constants (max_tokens, seed, top_k, logprobs, min_tokens), the float32 ones (temperature, top_p, min_p,
+# presence, frequency, repetition) and the flags (ignore_eos, has stop ids, uses penalties, has bias (or
+# min_tokens), has grammar, needs extras), each group in ``RowState``'s column order.
+ROW_CONSTANTS = np.dtype([("ints", np.int64, 5), ("floats", np.float32, 6), ("flags", np.bool_, 6)], align=True)
+INT_SEED, INT_TOP_K = 1, 2  # columns of ``RowState.int_constants``
+FLOAT_TEMPERATURE, FLOAT_TOP_P, FLOAT_MIN_P = 0, 1, 2  # columns of ``RowState.float_constants``
+# ``RowState``'s counters, the columns of its ``counters`` table in this order: what admission sets per row
+# (``admit_many`` takes them as one ``[A, 8]`` block) and planning and ``apply`` update.
+ROW_COUNTERS = ("num_computed", "seq", "admit_key", "prefill_len", "num_scheduled", "num_outputs", "token_cap",
+                "spec_over")
 _RUN_PADDING = MAX_SPECULATIVE_TOKENS + 1  # history columns past max_outputs: a verify step's widest run
 
 NO_ROWS = np.zeros(0, dtype=np.int64)  # an empty, read-only set of token rows
@@ -56,41 +59,42 @@ class RowState:
 
     def __init__(self, max_num_seqs: int, max_outputs: int) -> None:
         s = max_num_seqs
-        self.seq = np.full(s, NO_SEQ, dtype=np.int64)  # [S] owner's arrival_seq
-        self.admit_key = np.zeros(s, dtype=np.int64)  # [S] admission counter: orders the decode rows
-        self.num_computed = np.zeros(s, dtype=np.int64)  # [S] tokens whose KV is scheduled (launched included)
-        self.prefill_len = np.zeros(s, dtype=np.int64)  # [S] prompt (+ outputs after a preemption) to compute
-        self.num_scheduled = np.zeros(s, dtype=np.int64)  # [S] outputs received + outputs in flight
-        self.num_outputs = np.zeros(s, dtype=np.int64)  # [S] outputs received
-        # The constants a request's parameters fix, written once at admission: three grouped arrays, so that a
-        # burst fills them with three assignments; the named arrays are their column views (``_INT_FROM``, ...).
-        self._int_constants = np.zeros((s, len(_INT_FROM)), dtype=np.int64)  # [S, 5]
-        self._float_constants = np.zeros((s, 6), dtype=np.float32)  # [S, 6] ROW_CONSTANTS' floats, in order
-        self._flags = np.zeros((s, len(_FLAGS_FROM)), dtype=bool)  # [S, 5]
-        self.max_tokens = self._int_constants[:, 0]  # [S]
-        # Speculative decoding: the most tokens the request can ever hold (its prompt + max_tokens), which bounds
-        # the KV the planner reserves for it, and the drafts of planned steps not applied yet (the planner's
-        # ``num_computed`` and ``num_scheduled`` count every draft as accepted until ``apply`` says otherwise).
-        self.token_cap = np.zeros(s, dtype=np.int64)  # [S]
-        self.spec_over = np.zeros(s, dtype=np.int64)  # [S]
-        self.ignore_eos = self._flags[:, 0]  # [S]
-        self.has_stop_ids = self._flags[:, 1]  # [S] apply checks stop ids in Python for these rows only
-        self.decoding = np.zeros(s, dtype=bool)  # [S] running and past its prefill: a member of the DecodeSet
-        # Sampling constants, gathered per sampled row by the metadata writer.
-        self.seed = self._int_constants[:, 1]  # [S]
-        self.top_k = self._int_constants[:, 2]  # [S] 0 = off
+        # The counters (``ROW_COUNTERS``) as one table, so that an admission burst writes them with one
+        # assignment; the named arrays are its column views:
+        #   num_computed  [S] tokens whose KV is scheduled (launched included)
+        #   seq           [S] owner's arrival_seq
+        #   admit_key     [S] admission counter: orders the decode rows
+        #   prefill_len   [S] prompt (+ outputs after a preemption) to compute
+        #   num_scheduled [S] outputs received + outputs in flight
+        #   num_outputs   [S] outputs received
+        #   token_cap     [S] speculative decoding: the most tokens the request can ever hold (its prompt +
+        #                 max_tokens), which bounds the KV the planner reserves for it
+        #   spec_over     [S] speculative decoding: drafts of planned steps not applied yet (the planner's
+        #                 ``num_computed`` and ``num_scheduled`` count every draft as accepted until ``apply``
+        #                 says otherwise)
+        self.counters = np.zeros((s, len(ROW_COUNTERS)), dtype=np.int64)  # [S, 8]
+        (self.num_computed, self.seq, self.admit_key, self.prefill_len, self.num_scheduled, self.num_outputs,
+         self.token_cap, self.spec_over) = self.counters.T
+        self.seq[:] = NO_SEQ
+        # The constants a request's parameters fix, written once at admission: three grouped arrays in
+        # ``ROW_CONSTANTS``' column order, so that a burst fills them with three assignments and the metadata
+        # writer gathers a sampled row's with two; the named arrays are their column views.
+        self.int_constants = np.zeros((s, 5), dtype=np.int64)  # [S, 5]
+        self.float_constants = np.zeros((s, 6), dtype=np.float32)  # [S, 6]
+        self._flags = np.zeros((s, 6), dtype=bool)  # [S, 6]
+        self.max_tokens, self.seed, self.top_k, self.logprobs_k, self.min_tokens = self.int_constants.T  # [S] each
+        # top_k: 0 = off; logprobs_k: alternatives asked for, -1 = no logprobs
+        self.logprobs_k[:] = -1
         self.temperature, self.top_p, self.min_p, self.presence, self.frequency, self.repetition = (
-            self._float_constants.T)  # [S] each
+            self.float_constants.T)  # [S] each; sampling constants, gathered per sampled row by the writer
         self.top_p[:] = 1.0
         self.repetition[:] = 1.0
-        self.uses_penalty = self._flags[:, 2]  # [S]
-        # Sampler extras (``step_extras``): which rows need more than the plain sampler, and what.
-        self.logprobs_k = self._int_constants[:, 3]  # [S] alternatives asked for; -1 = no logprobs
-        self.logprobs_k[:] = -1
-        self.min_tokens = self._int_constants[:, 4]  # [S]
-        self.has_bias = self._flags[:, 3]  # [S] logit_bias, or min_tokens > 0
-        self.has_grammar = self._flags[:, 4]  # [S] structured_outputs
-        self.needs_extras = np.zeros(s, dtype=bool)  # [S] any of the three above
+        # ``has_stop_ids``: apply checks stop ids in Python for these rows only. Sampler extras
+        # (``step_extras``): which rows need more than the plain sampler (``needs_extras``: any of ``has_bias``
+        # (logit_bias, or min_tokens > 0), ``has_grammar`` (structured_outputs) and logprobs), and what.
+        (self.ignore_eos, self.has_stop_ids, self.uses_penalty, self.has_bias, self.has_grammar,
+         self.needs_extras) = self._flags.T  # [S] each
+        self.decoding = np.zeros(s, dtype=bool)  # [S] running and past its prefill: a member of the DecodeSet
         self.params: list[SamplingParams | None] = [None] * s  # read for the few rows with a bias
         # Each biased row's logit_bias as ([B] int64 token ids, [B] float32 values), built once at admission.
         self.bias: list[tuple[np.ndarray, np.ndarray]] = [_NO_BIAS] * s
@@ -114,40 +118,31 @@ class RowState:
         with one ``bytes.join`` and reads them as one array (a tenth of the cost of converting the same numbers
         from Python tuples, or of joining small arrays)."""
         p = request.params
-        ints = (request.arrival_seq, p.max_tokens, p.ignore_eos, bool(p.stop_token_ids), request.seed,
-                max(p.top_k, 0), p.uses_penalties, -1 if p.logprobs is None else p.logprobs, p.min_tokens,
-                bool(p.logit_bias) or p.min_tokens > 0, p.structured_outputs is not None)
+        logprobs = -1 if p.logprobs is None else p.logprobs
+        bias, grammar = bool(p.logit_bias) or p.min_tokens > 0, p.structured_outputs is not None
+        ints = (p.max_tokens, request.seed, max(p.top_k, 0), logprobs, p.min_tokens)
         floats = (p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
-        return np.array([(ints, floats)], dtype=ROW_CONSTANTS).tobytes()
+        flags = (p.ignore_eos, bool(p.stop_token_ids), p.uses_penalties, bias, grammar, bias or grammar or logprobs >= 0)
+        return np.array([(ints, floats, flags)], dtype=ROW_CONSTANTS).tobytes()
 
-    def admit_many(self, rows: np.ndarray, requests: list[Request], admit_keys: np.ndarray,
-                   prefill_lens: np.ndarray, outputs: np.ndarray | None = None) -> None:
-        """Fill ``rows`` ([A] int64, distinct) for ``requests`` (new, or preempted and now recomputed) at once,
-        from each request's ``Request.row_constants`` (``constants_of``), one assignment per array."""
+    def admit_many(self, rows: np.ndarray, requests: list[Request], counters: np.ndarray,
+                   decoding: np.ndarray) -> None:
+        """Fill ``rows`` ([A] int64, distinct) for ``requests`` (new, or preempted and now recomputed) at once:
+        ``counters`` ([A, 8] int64) their ``ROW_COUNTERS`` as admission sets them, ``decoding`` ([A] bool or
+        int) which of them complete their prefill in the admitting step, and the constants from each request's
+        ``Request.row_constants`` (``constants_of``): one assignment per group."""
         constants = np.frombuffer(b"".join([r.row_constants or self.constants_of(r) for r in requests]),
                                   dtype=ROW_CONSTANTS)
-        i, f = constants["ints"], constants["floats"]  # [A, 11] int64, [A, 6] float32
-        if outputs is None:  # [A] each one's outputs (a preempted request's, to recompute), if not given
-            outputs = np.fromiter((r.num_outputs for r in requests), dtype=np.int64, count=len(requests))
-        self.seq[rows] = i[:, 0]
-        self.admit_key[rows] = admit_keys
-        self.num_computed[rows] = 0
-        self.prefill_len[rows] = prefill_lens
-        self.num_scheduled[rows] = outputs
-        self.num_outputs[rows] = outputs
-        self.token_cap[rows] = prefill_lens - outputs + i[:, 1]
-        self.spec_over[rows] = 0
-        self.decoding[rows] = False
-        self._int_constants[rows] = i[:, _INT_FROM]
-        self._float_constants[rows] = f
-        flags = i[:, _FLAGS_FROM] != 0  # [A, 5]
-        self._flags[rows] = flags
-        self.needs_extras[rows] = flags[:, 3] | flags[:, 4] | (i[:, 7] >= 0)  # bias, grammar, logprobs
+        self.counters[rows] = counters
+        self.decoding[rows] = decoding
+        self.int_constants[rows] = constants["ints"]
+        self.float_constants[rows] = constants["floats"]
+        self._flags[rows] = constants["flags"]
         params, bias = self.params, self.bias
         for row, request in zip(rows.tolist(), requests):
             p = request.params
             params[row] = p
-            bias[row] = _bias_arrays(p.logit_bias)
+            bias[row] = _bias_arrays(p.logit_bias) if p.logit_bias else _NO_BIAS
             if request.num_outputs:  # a preempted request's outputs, to recompute
                 self.history[row, :request.num_outputs] = request.output_token_ids
 

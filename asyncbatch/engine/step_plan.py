@@ -34,9 +34,14 @@ class ScheduledRow:
 
 
 # Columns of a chunk table: one int64 row per prefill chunk (``StepPlan.admitted``; ``write_prefill`` builds
-# the same for the other chunks). CHUNK_SEQ is the request's arrival_seq (admitted chunks only).
-CHUNK_ROW, CHUNK_START, CHUNK_N, CHUNK_PROMPT, CHUNK_STEP, CHUNK_SAMPLES, CHUNK_FIRST, CHUNK_CACHED, CHUNK_SEQ = range(9)
-
+# the same for the other chunks): its token row, first position, token count, the request's prompt length, its
+# sample step, whether it samples, whether it is the first chunk since the (re)admission, the tokens reused from
+# the prefix cache before it (first chunks), its first token's offset among the plan's prefill tokens of the
+# same table, the blocks it reaches (``blocks_for(start + n)``), its end (``start + n``) and the request's
+# arrival_seq (admitted chunks only).
+(CHUNK_ROW, CHUNK_START, CHUNK_N, CHUNK_PROMPT, CHUNK_STEP, CHUNK_SAMPLES, CHUNK_FIRST, CHUNK_CACHED, CHUNK_OFFSET,
+ CHUNK_BLOCKS, CHUNK_END, CHUNK_SEQ) = range(12)
+CHUNK_COLUMNS = CHUNK_SEQ + 1
 
 @dataclass(slots=True)
 class StepPlan:
@@ -61,7 +66,7 @@ class StepPlan:
     # Speculative engines: drafts each decode row verifies in this step (its tokens: 1 + spec_depth, the input
     # token and the drafts); ``decode_positions`` is then the last position reserved for each row.
     spec_depth: int = 0
-    # [num_admitted, 9] int64: the chunk table of the admitted chunks, the last ``num_admitted`` of ``prefill``
+    # [num_admitted, CHUNK_COLUMNS] int64: the chunk table of the admitted chunks, the last ``num_admitted`` of ``prefill``
     # (``Admitter.table``), so that the sampled rows and ``write_prefill`` take them without a Python pass.
     admitted: np.ndarray | None = None
 
