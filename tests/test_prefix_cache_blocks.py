@@ -435,11 +435,20 @@ def test_eviction_takes_free_blocks_first_then_least_recently_released_tails_fir
 def test_a_hash_collision_costs_a_hit_never_wrong_tokens():
     cache = PrefixCache(8, 2)
     key = 12345
-    assert cache.register(1, key, 0, (1, 2), 0) == 1
-    assert cache.register(2, key, 0, (3, 4), 0) is None  # same key, other content: not registered
+    first: list[int] = []
+    cache.register_chains([(first, [1], [key], [(1, 2)], 1)])
+    assert first == [1] and cache.cached[1]  # serial 1
+    collided: list[int] = []  # same key, other content: not registered, and the chain ends there
+    cache.register_chains([(collided, [2, 3], [key, 99], [(3, 4), (5, 6)], 2)])
+    assert collided == [] and not cache.cached[2] and not cache.cached[3] and cache.num_cached == 1
     assert cache.match([key], [(3, 4)], 1) == []  # the key matches, the tokens do not
     assert cache.match([key], [(1, 2)], 1)[0].block == 1
-    assert cache.register(3, key, 0, (1, 2), 7) is None  # same tokens after another prefix
+    other_prefix = [7]  # same tokens after another prefix (serial 7, key 5): not registered
+    cache.register_chains([(other_prefix, [0, 4], [5, key], [(9, 9), (1, 2)], 2)])
+    assert other_prefix == [7] and not cache.cached[4]
+    again: list[int] = []  # the same content after the same prefix: the record names it, the block stays uncached
+    cache.register_chains([(again, [5], [key], [(1, 2)], 1)])
+    assert again == [1] and not cache.cached[5] and cache.num_cached == 1
 
 
 def test_reset_drops_only_unreferenced_blocks():

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from asyncbatch.engine.prefix_cache import ROOT_KEY, ROOT_SERIAL, CachedBlock, PrefixCache
+from asyncbatch.engine.prefix_cache import CachedBlock, PrefixCache
 from asyncbatch.engine.request import Request
 from asyncbatch.engine.step_contract import DUMMY_BLOCK, blocks_for_tokens
 
@@ -242,25 +242,10 @@ class BlockManager:
             raise IntegrityError("a row registers more blocks than it lists")
         widest = int(num_full[todo].max())
         ids = self.block_table[rows[todo], :widest].tolist()  # one conversion instead of a scalar read per block
-        for i, block_ids in zip(todo.tolist(), ids):
-            request = requests[i]
-            self._extend_chain(chains[int(rows[i])], block_ids, request.block_keys, request.block_contents,
-                               int(num_full[i]))
-
-    def _extend_chain(self, chain: list[int], block_ids: list[int], keys: Sequence[int],
-                      contents: Sequence[tuple[int, ...]], num_full: int) -> None:
-        """Register blocks ``len(chain):num_full`` of a row (``block_ids``: its table's first entries) after
-        its chain ``chain`` (appended to); a collision stops the chain."""
-        prefix = self.prefix
-        parent_key = keys[len(chain) - 1] if chain else ROOT_KEY
-        parent_serial = chain[-1] if chain else ROOT_SERIAL
-        for j in range(len(chain), num_full):
-            key = keys[j]
-            serial = prefix.register(block_ids[j], key, parent_key, contents[j], parent_serial)
-            if serial is None:
-                return
-            chain.append(serial)
-            parent_key, parent_serial = key, serial
+        held, upto = rows[todo].tolist(), num_full[todo].tolist()
+        self.prefix.register_chains((chains[row], block_ids, request.block_keys, request.block_contents, n)
+                                    for row, block_ids, request, n in zip(held, ids, map(requests.__getitem__,
+                                                                                         todo.tolist()), upto))
 
     def free(self, row: int) -> None:
         """Drop ``row``'s references to its blocks; a second call frees nothing."""
@@ -299,7 +284,7 @@ class BlockManager:
         if num_full > len(listed):
             raise IntegrityError(f"{holder} registers {num_full} blocks but lists {len(listed)}")
         if num_full > len(chain):
-            self._extend_chain(chain, listed[:num_full].tolist(), keys, contents, num_full)
+            self.prefix.register_chains([(chain, listed[:num_full].tolist(), keys, contents, num_full)])
 
     def _drop(self, blocks: np.ndarray, holder: str) -> None:
         """One reference fewer to each of ``blocks`` ([n], a holder's list in order); blocks nobody holds any more

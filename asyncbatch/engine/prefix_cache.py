@@ -36,7 +36,7 @@ iff block ``b`` has a record; the LRU holds exactly the cached blocks with
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -125,20 +125,37 @@ class PrefixCache:
             parent = rec.serial
         return found
 
-    def register(self, block: int, key: int, parent_key: int, tokens: tuple[int, ...],
-                 parent_serial: int) -> int | None:
-        """Offer held ``block`` as the KV of ``tokens`` after prefix ``parent_serial``; returns the serial that
-        now names this content: a new record's, or the existing one's if the content is cached already (the
-        block then stays uncached). None if another content owns the key (a hash collision)."""
-        rec = self._by_key.get(key)
-        if rec is not None:
-            return rec.serial if rec.parent_serial == parent_serial and rec.tokens == tokens else None
-        rec = CachedBlock(block, key, parent_key, tokens, self._next_serial, parent_serial)
-        self._next_serial += 1
-        self._by_key[key] = rec
-        self._by_block[block] = rec
-        self.cached[block] = True
-        return rec.serial
+    def register_chains(self, chains: Iterable[tuple[list[int], Sequence[int], Sequence[int],
+                                                      Sequence[tuple[int, ...]], int]]) -> None:
+        """Offer held blocks as the KV of their tokens, along the chains of several holders at once: for each
+        ``(chain, block_ids, keys, contents, num_full)``, blocks ``len(chain) .. num_full - 1`` (``block_ids``,
+        ``keys`` and ``contents`` indexed by block) after the prefix whose serials ``chain`` lists. Each block's
+        content gets a new record, or is cached already after the same prefix (that record names it and the block
+        stays uncached); its serial is appended to ``chain``. A key that another content owns (a hash collision)
+        ends that chain. One loop for a whole admission burst, the new blocks marked cached by one array write."""
+        by_key, by_block = self._by_key, self._by_block
+        serial = self._next_serial
+        marked: list[int] = []
+        for chain, block_ids, keys, contents, num_full in chains:
+            first = len(chain)
+            parent_key = keys[first - 1] if first else ROOT_KEY
+            parent_serial = chain[-1] if first else ROOT_SERIAL
+            for j in range(first, num_full):
+                key, tokens = keys[j], contents[j]
+                rec = by_key.get(key)
+                if rec is None:
+                    block = block_ids[j]
+                    rec = CachedBlock(block, key, parent_key, tokens, serial, parent_serial)
+                    serial += 1
+                    by_key[key] = by_block[block] = rec
+                    marked.append(block)
+                elif rec.parent_serial != parent_serial or rec.tokens != tokens:
+                    break  # a hash collision: the content first registered keeps the key
+                chain.append(rec.serial)
+                parent_key, parent_serial = key, rec.serial
+        self._next_serial = serial
+        if marked:
+            self.cached[marked] = True
 
     # -- the LRU of evictable blocks --------------------------------------------------------
     def release(self, blocks: Sequence[int]) -> None:
