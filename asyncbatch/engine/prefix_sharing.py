@@ -135,7 +135,7 @@ class PrefixSharer:
 
     def share(self, row: int, hit: PrefixHit) -> None:
         """List ``hit``'s blocks first in ``row`` (just admitted, no blocks yet); its fresh blocks come after them
-        (``BlockManager.allocate_rows``)."""
+        (``BlockManager.allocate_admitted``)."""
         self.blocks.share(row, hit.cached, hit.blocks, hit.num_reclaimed)
 
     def count_admissions(self, prompt_tokens: int, cached_tokens: int) -> None:

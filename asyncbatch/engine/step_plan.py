@@ -60,14 +60,15 @@ class StepPlan:
     preempted: list[Request] = field(default_factory=list)
     drained: list[Request] = field(default_factory=list)
     num_admitted: int = 0  # waiting requests admitted by this plan (their first chunks end ``prefill``)
-    # Planner seconds spent admitting them: the scheduler's admission and block registration, then the metadata
+    # Planner seconds spent admitting them: the scheduler's admission (rows and block allocation), then the metadata
     # writer's prefill rows (added when it writes the plan). ``admission_us_per_request`` in ``stats()``.
     admit_s: float = 0.0
     # Speculative engines: drafts each decode row verifies in this step (its tokens: 1 + spec_depth, the input
     # token and the drafts); ``decode_positions`` is then the last position reserved for each row.
     spec_depth: int = 0
-    # [num_admitted, CHUNK_COLUMNS] int64: the chunk table of the admitted chunks, the last ``num_admitted`` of ``prefill``
-    # (``Admitter.table``), so that the sampled rows and ``write_prefill`` take them without a Python pass.
+    # [num_admitted, CHUNK_COLUMNS] int64: the chunk table of the admitted chunks, the last ``num_admitted`` of
+    # ``prefill`` (``Admitter.table``), so that the sampled rows and ``write_prefill`` take them without a Python
+    # pass.
     admitted: np.ndarray | None = None
 
     @property
