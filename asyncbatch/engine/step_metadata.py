@@ -27,14 +27,7 @@ import numpy as np
 
 from asyncbatch.engine.block_manager import BlockManager
 from asyncbatch.engine.prefill_metadata import NO_PREFILL, write_prefill
-from asyncbatch.engine.row_state import (
-    FLOAT_MIN_P,
-    FLOAT_TEMPERATURE,
-    FLOAT_TOP_P,
-    INT_SEED,
-    INT_TOP_K,
-    RowState,
-)
+from asyncbatch.engine.row_state import RowState
 from asyncbatch.engine.step_contract import CachedContext, PrefillRowMeta, StagingBuffer, StepMeta
 from asyncbatch.engine.step_extras import StepExtrasWriter
 from asyncbatch.engine.step_plan import StepPlan
@@ -104,11 +97,13 @@ class StepMetadataWriter:
             staging.logits_indices[nd:r] = prefill.logits_indices
             staging.sample_token_rows[nd:r] = ss
             staging.sample_step[nd:r] = prefill.sample_steps
-            ints, floats = self._write_sampling_constants(staging, nd, r, ss)
-            random_rows = floats[:, FLOAT_TEMPERATURE] > 0  # [P]
+            self._write_sampling_constants(staging, nd, r, ss)
+            # The greedy and filter flags from what was just gathered into the staging buffer, not gathered again.
+            random_rows = staging.sample_temperature[nd:r] > 0  # [P]
             any_random = any_random or bool(random_rows.any())
-            any_filter = any_filter or bool((random_rows & ((ints[:, INT_TOP_K] > 0) | (floats[:, FLOAT_TOP_P] < 1)
-                                                            | (floats[:, FLOAT_MIN_P] > 0))).any())
+            any_filter = any_filter or bool((random_rows & ((staging.sample_top_k[nd:r] > 0)
+                                                            | (staging.sample_top_p[nd:r] < 1)
+                                                            | (staging.sample_min_p[nd:r] > 0))).any())
         return StepMeta(
             step_id=plan.step_id,
             staging=staging,
@@ -165,16 +160,16 @@ class StepMetadataWriter:
             return None  # a plan in between is not on record, or decoded other rows
         return [(grew, columns) for _, grew, columns in since if len(grew)]
 
-    def _write_sampling_constants(self, staging: StagingBuffer, lo: int, hi: int,
-                                  rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Write ``rows``' sampling constants into ``[lo:hi]``; returns what was gathered for them: their ``[R, 5]``
-        int and ``[R, 6]`` float constants (``RowState.int_constants``, ``float_constants``)."""
+    def _write_sampling_constants(self, staging: StagingBuffer, lo: int, hi: int, rows: np.ndarray) -> None:
         st = self.rows
-        ints, floats = st.int_constants[rows], st.float_constants[rows]  # [R, 5], [R, 6]
-        staging.sample_seed[lo:hi], staging.sample_top_k[lo:hi] = ints[:, INT_SEED], ints[:, INT_TOP_K]
-        (staging.sample_temperature[lo:hi], staging.sample_top_p[lo:hi], staging.sample_min_p[lo:hi],
-         staging.sample_presence[lo:hi], staging.sample_frequency[lo:hi], staging.sample_repetition[lo:hi]) = floats.T
-        return ints, floats
+        staging.sample_seed[lo:hi] = st.seed[rows]
+        staging.sample_top_k[lo:hi] = st.top_k[rows]
+        staging.sample_temperature[lo:hi] = st.temperature[rows]
+        staging.sample_top_p[lo:hi] = st.top_p[rows]
+        staging.sample_min_p[lo:hi] = st.min_p[rows]
+        staging.sample_presence[lo:hi] = st.presence[rows]
+        staging.sample_frequency[lo:hi] = st.frequency[rows]
+        staging.sample_repetition[lo:hi] = st.repetition[rows]
 
     def _decode_flags(self, plan: StepPlan) -> _DecodeFlags:
         if self._flags.version != plan.decode_version:
