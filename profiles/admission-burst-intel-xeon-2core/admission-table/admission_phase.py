@@ -5,11 +5,16 @@ the step after the last one that admits). Run as (trees interleaved, a fresh pro
     for i in 1 2 3; do for t in /tmp/wt-base /work/main; do
         echo "$t $(PYTHONPATH=$t python admission_phase.py 256 8 | tail -1)"; done; done
 """
-import sys, statistics, numpy as np
+import statistics
+import sys
+
+import numpy as np
+
 from asyncbatch.config import SimConfig
 from asyncbatch.llm import LLM
 from asyncbatch.profiling.gap_report import gap_report
 from asyncbatch.sampling_params import SamplingParams
+
 n, rounds = int(sys.argv[1]), int(sys.argv[2])
 sim = SimConfig(step_fixed_ms=1.0, per_token_us=0.0, per_context_token_ns=0.0)
 with LLM("smollm2-135m", device="sim", sim=sim, max_num_seqs=n, seed=0, skip_tokenizer_init=True) as llm:
