@@ -13,7 +13,11 @@ the machine hits both alike; medians are shown, with every repeat in the JSON (`
   (32-token prompts, prefix caching on, as the engine's default) arriving at an idle scheduler (warmed
   up by one earlier burst, so no first-touch page faults; GC frozen as in the engine), and
   the same for the 64 admitted into a scheduler that decodes 192 (a burst as the token budget meters
-  it out: the steps after the first). Per admitted request, wall clock and the thread's CPU time
+  it out: the steps after the first). Each timed step follows a ``gc.collect()``, which leaves the caches
+  colder than the engine's planner finds them after sleeping through a step (13 small numpy calls: ~10 us
+  warm, ~16 us after a 1 ms sleep, ~180-220 us after the collect on the 2-core Intel VM;
+  ``profiles/admission-burst-intel-xeon-2core/admission-table/cold_state.py``): a worst case, whose
+  fixed per-step part weighs most in the 64-request figures. Per admitted request, wall clock and the thread's CPU time
   (``thread_time_ns``: what the work costs when the machine's other load preempts the process); best
   of 7 in each process; ``*_launch_cpu_us``: the part before the launch (the critical path; a tree whose
   core calls ``release_drained`` after the launch leaves it out); ``metered_burst_marginal_launch_cpu_us``:
