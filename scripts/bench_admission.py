@@ -44,6 +44,7 @@ import shutil
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -76,7 +77,25 @@ def _timed_step(scheduler, writer, staging) -> tuple[object, object, int, int, i
     return plan, meta, elapsed, (c1 - c0) if hasattr(scheduler, "settle_released") else cpu, cpu
 
 
-def _admission_step(burst: int, decoding: int, seed: int) -> tuple[float, float, float, float]:
+@dataclass
+class PlannerRig:
+    """A scheduler and metadata writer warmed up as in an engine that has served before, ``decoding`` rows in their
+    decode phase, and the ``burst`` requests about to arrive (not added yet)."""
+
+    scheduler: object
+    writer: object
+    staging: object
+    burst: list
+    tokens: object
+    finite: object
+
+    def apply(self, plan, meta) -> None:
+        self.scheduler.apply(plan, self.tokens[:meta.num_sampled], self.finite[:meta.num_sampled])
+
+
+def planner_rig(burst: int, decoding: int, seed: int) -> PlannerRig:
+    """The planner case's set-up (also ``profiles/admission-burst-intel-xeon-2core/admission-table/planner_parts.py``):
+    32-token prompts, prefix caching on, every row, block and staging page touched once by a warm-up."""
     import numpy as np
 
     from asyncbatch.engine.block_manager import BlockManager
@@ -90,42 +109,44 @@ def _admission_step(burst: int, decoding: int, seed: int) -> tuple[float, float,
     n = burst + decoding
     blocks = BlockManager(n * 32 + 1, 16, n, 32, prefix_caching=True)
     scheduler = Scheduler(blocks, max(8192, n), eos_token_id=2)
-    writer = StepMetadataWriter(scheduler.rows, blocks)
-    staging = StagingPair(max(8192, n), n, 32, pinned=False)
-    tokens, finite = np.full(n, 7, dtype=np.int64), np.ones(n, dtype=bool)
+    rig = PlannerRig(scheduler, StepMetadataWriter(scheduler.rows, blocks), StagingPair(max(8192, n), n, 32, pinned=False),
+                     [], np.full(n, 7, dtype=np.int64), np.ones(n, dtype=bool))
 
     def request(i: int) -> Request:
         params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True, seed=i)
         return Request(str(i), i, rng.integers(256, 30000, PROMPT_LEN).tolist(), params, i, 0.0)
 
-    def run_until_idle() -> None:
-        while scheduler.has_work():
-            plan = scheduler.schedule()
-            meta = writer.write(plan, staging.next_buffer())
-            scheduler.release_drained(plan)
-            scheduler.apply(plan, tokens[:meta.num_sampled], finite[:meta.num_sampled])
+    def step():
+        plan = scheduler.schedule()
+        meta = rig.writer.write(plan, rig.staging.next_buffer())
+        scheduler.release_drained(plan)
+        rig.apply(plan, meta)
+        return plan
 
     # Warm-up: every row, block and staging page touched once, as in an engine that has served before.
     for i in range(n):
         warm = Request(f"w{i}", 10**6 + i, rng.integers(256, 30000, PROMPT_LEN).tolist(),
                        SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), i, 0.0)
         scheduler.add(warm)
-    run_until_idle()
+    while scheduler.has_work():
+        step()
     for i in range(decoding):
         scheduler.add(request(i))
-    while decoding:  # prefill them, then one decode step
-        plan = scheduler.schedule()
-        meta = writer.write(plan, staging.next_buffer())
-        scheduler.release_drained(plan)
-        scheduler.apply(plan, tokens[:meta.num_sampled], finite[:meta.num_sampled])
-        if not plan.num_prefill:
-            break
+    while decoding and step().num_prefill:  # prefill them, then one decode step
+        pass
+    rig.burst = [request(decoding + i) for i in range(burst)]
+    return rig
+
+
+def _admission_step(burst: int, decoding: int, seed: int) -> tuple[float, float, float, float]:
+    rig = planner_rig(burst, decoding, seed)
+    scheduler, writer, staging = rig.scheduler, rig.writer, rig.staging
     # The same rows' decode step without an admission: what the admission step would cost the planner anyway.
     decode_ns = 0
     if decoding:
         plan, meta, _, decode_ns, _ = _timed_step(scheduler, writer, staging)
-        scheduler.apply(plan, tokens[:meta.num_sampled], finite[:meta.num_sampled])
-    for r in [request(decoding + i) for i in range(burst)]:
+        rig.apply(plan, meta)
+    for r in rig.burst:
         scheduler.add(r)
     plan, _, elapsed, launch_path, cpu = _timed_step(scheduler, writer, staging)
     if plan.num_prefill != burst:
