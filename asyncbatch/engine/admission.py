@@ -40,6 +40,7 @@ from asyncbatch.engine.block_manager import BlockManager, IntegrityError
 from asyncbatch.engine.prefix_sharing import NO_HIT, PrefixSharer
 from asyncbatch.engine.request import Request, RequestStatus
 from asyncbatch.engine.row_state import ROW_COUNTERS, DecodeSet, RowState
+from asyncbatch.engine.step_contract import blocks_for_tokens
 from asyncbatch.engine.step_plan import (
     CHUNK_BLOCKS,
     CHUNK_COLUMNS,
@@ -135,7 +136,7 @@ class Admitter:
             n = min(target - start, budget)
             end = start + n
             shared = len(hit.cached)
-            fresh = (end + bs - 1) // bs - shared  # at least one: the chunk starts at a block boundary
+            fresh = blocks_for_tokens(end, bs) - shared  # at least one: the chunk starts at a block boundary
             if fresh < 1 or shared + fresh > max_blocks:  # Scheduler.add refuses what the table cannot hold
                 raise IntegrityError(f"{request.request_id} would hold {shared} + {fresh} blocks; 1 <= fresh and "
                                      f"the table's {max_blocks} allowed")
