@@ -330,10 +330,7 @@ def test_a_waiting_request_settles_only_the_releases_it_may_reuse():
     release with no registered block is settled with all the rest (any prompt may start with its outputs)."""
     r = rig(block_size=4, num_blocks=64, max_seqs=4, budget=64)
     prompts = [list(range(500 + 20 * i, 506 + 20 * i)) for i in range(3)]
-    for i, prompt in enumerate(prompts):
-        r.requests[i] = request = Request(str(i), i, prompt, SamplingParams(max_tokens=7), 0, 0.0)
-        r.outputs[i] = []
-        r.sched.add(request)
+    admit(r, *prompts, max_tokens=7)
     _run_without_settling(r)
     assert r.sched.prefix.num_pending == 3
     _arrive(r, list(range(900, 906)))  # shares nothing with them
@@ -364,10 +361,8 @@ def test_parked_blocks_that_stop_the_queue_are_settled_in_the_same_plan():
     _arrive(r, p, max_tokens=1)
     _run_without_settling(r)
     assert r.blocks.num_unused_blocks == 16 and r.blocks.num_free_blocks == 21
-    for i in range(2):  # two 32-token requests: 16 blocks, parked when they end
-        r.requests[10 + i] = request = Request(str(10 + i), 10 + i, list(range(600 + 40 * i, 616 + 40 * i)),
-                                               SamplingParams(max_tokens=16), 0, 0.0)
-        r.sched.add(request)
+    # Two 32-token requests (16 prompt tokens + 16 outputs each): 16 blocks, parked when they end.
+    admit(r, *(list(range(600 + 40 * i, 616 + 40 * i)) for i in range(2)), max_tokens=16)
     _run_without_settling(r)
     assert r.sched.prefix.num_pending == 2 and r.blocks.num_free_blocks == 5  # P's evictable blocks
     plan = _arrive(r, p + [1, 2, 3, 4])  # 5 blocks reused + 1 fresh > 5 free; it reuses nothing parked
