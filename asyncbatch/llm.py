@@ -40,7 +40,7 @@ from asyncbatch.engine.control import (
 from asyncbatch.engine.gil_tuning import hold_switch_interval, release_switch_interval
 from asyncbatch.engine.messages import AbortRequests, AddRequests, NewRequest
 from asyncbatch.errors import EngineDeadError
-from asyncbatch.frontend.detokenizer import IncrementalDetokenizer, NullDetokenizer
+from asyncbatch.frontend.detokenizer import IncrementalDetokenizer, NullDetokenizer, decode_deferred
 from asyncbatch.frontend.input_processor import InputProcessor, ProcessedRequest, Prompt
 from asyncbatch.frontend.output_processor import OutputProcessor
 from asyncbatch.frontend.request_handle import DeltaSink, RequestHandle
@@ -109,12 +109,14 @@ class LLM:
 
     # -- submission -----------------------------------------------------------
     def submit(self, requests: Sequence[ProcessedRequest], request_ids: Sequence[str | None] | None = None, *,
-               streaming: bool = False, make_sink: Callable[[], DeltaSink] | None = None) -> list[RequestHandle]:
+               streaming: bool = False, make_sink: Callable[[], DeltaSink] | None = None,
+               text_by_caller: bool = False) -> list[RequestHandle]:
         """Register a handle per request, then send them to the core in one message.
 
         ``requests`` come from ``self.processor`` and are not checked again. ``request_ids`` names each one
         (None: ``req-<n>``); ``make_sink`` gives each streaming handle its delta sink (the asyncio API's),
-        instead of a blocking queue.
+        instead of a blocking queue. ``text_by_caller``: the caller decodes the texts the output thread would
+        decode at each end (``RequestHandle.text_by_caller``; ``generate`` does, with ``decode_deferred``).
         """
         names = list(request_ids) if request_ids is not None else [None] * len(requests)
         if len(names) != len(requests):
@@ -146,7 +148,8 @@ class LLM:
                     StopStringMatcher(params.stop_strings, params.include_stop_str_in_output),
                     RequestMetrics(arrival_time=now), simulated=self.simulated, streaming=streaming,
                     logprobs=None if params.logprobs is None else Logprobs(),
-                    prompt_logprobs=None if params.prompt_logprobs is None else Logprobs())
+                    prompt_logprobs=None if params.prompt_logprobs is None else Logprobs(),
+                    text_by_caller=text_by_caller)
                 if make_sink is not None:
                     handle.deltas = make_sink()
                 self._handles[seq] = handle
@@ -179,7 +182,8 @@ class LLM:
             params_list = list(sampling_params)
         else:
             params_list = [sampling_params] * len(prompts)
-        handles = self.submit([self.processor.process(p, sp) for p, sp in zip(prompts, params_list)])
+        handles = self.submit([self.processor.process(p, sp) for p, sp in zip(prompts, params_list)],
+                              text_by_caller=True)
         return self._collect(handles, use_tqdm)
 
     def _collect(self, handles: list[RequestHandle], use_tqdm: bool) -> list[RequestOutput]:
@@ -194,6 +198,7 @@ class LLM:
                 outputs.append(handle.wait())
                 if bar is not None:
                     bar.update(1)
+            self._decode_texts(handles)
             return outputs
         except BaseException:
             for handle in handles:
@@ -203,6 +208,29 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
+
+    def _decode_texts(self, handles: list[RequestHandle]) -> None:
+        """The texts the output thread left to the caller (``RequestHandle.undecoded``), decoded together once
+        every output is in: the engine no longer needs the CPU, and ``decode_batch`` releases the GIL and uses
+        every core. Timed into ``stats()``' ``generate_detok_ms``."""
+        undecoded = [handle for handle in handles if handle.undecoded]
+        if not undecoded:
+            return
+        start = time.perf_counter()
+        with mark("detokenize"):
+            try:
+                texts: list[str | None] = list(decode_deferred([handle.detokenizer for handle in undecoded]))
+            except Exception:  # noqa: BLE001 - one request's failure must not cost the others their texts
+                texts = [None] * len(undecoded)
+        for handle, text in zip(undecoded, texts):
+            if text is not None:
+                handle.publish_text(text)
+                continue
+            try:
+                handle.publish_text(decode_deferred([handle.detokenizer])[0])
+            except Exception as exc:  # noqa: BLE001 - as the output thread does, this request fails alone
+                handle.publish_text("", error=f"output processing failed: {exc!r}")
+        self.timeline.add_caller_decode(len(undecoded), time.perf_counter() - start)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:

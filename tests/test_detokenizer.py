@@ -21,7 +21,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from asyncbatch.frontend.detokenizer import IncrementalDetokenizer, rust_backend
+from asyncbatch.frontend.detokenizer import (
+    DeferredDetokenizer,
+    IncrementalDetokenizer,
+    decode_deferred,
+    rust_backend,
+)
 
 CORPUS = [
     "Hello world, this is a test of the tokenizer.",
@@ -404,3 +409,36 @@ def test_smollm2_random_token_ids(smollm2: Any) -> None:
         detok = IncrementalDetokenizer(smollm2, [])
         text = "".join(detok.push(i) for i in ids) + detok.finish()
         assert text == _decode(smollm2, ids, True), ids
+
+
+def test_decode_deferred_gives_each_the_text_of_its_own_finish(byte_level: Tokenizer, sentencepiece: Tokenizer,
+                                                               byte_level_hf: Any, sentencepiece_py: Any) -> None:
+    """``decode_deferred`` (``LLM.generate``'s batch of texts) against ``DeferredDetokenizer.finish`` one by one:
+    two Rust backends, both ``skip_special_tokens`` settings (one ``decode_batch`` per backend and setting), a
+    transformers tokenizer sharing a backend, a Python-only tokenizer (decoded alone), broken UTF-8 at the
+    end, an empty output, and one already finished (its text kept, not decoded again)."""
+    rng = random.Random(7)
+    cases = []
+    for tokenizer, rust in ((byte_level, byte_level), (sentencepiece, sentencepiece), (byte_level_hf, byte_level),
+                            (sentencepiece_py, sentencepiece)):
+        vocab = rust.get_vocab_size()
+        for skip in (True, False):
+            for length in (0, 1, 17, 60):
+                cases.append((tokenizer, skip, [rng.randrange(vocab) for _ in range(length)]))
+        text_ids = _encode(tokenizer, "Hello 日本語 é 🎉") + [_special_id(tokenizer, "<|im_end|>")]
+        cases.append((tokenizer, False, text_ids[:-2]))  # cut inside a character
+
+    def deferred(tokenizer: Any, skip: bool, ids: list[int]) -> DeferredDetokenizer:
+        detok = DeferredDetokenizer(IncrementalDetokenizer(tokenizer, skip_special_tokens=skip))
+        detok.ids.extend(ids)
+        return detok
+
+    expected = [deferred(*case).finish() for case in cases]
+    batch = [deferred(*case) for case in cases]
+    done = batch[5].finish()  # finished before: its text stands
+    texts = decode_deferred(batch)
+    assert texts == expected == [d.text for d in batch]
+    assert done == expected[5]
+    assert all(d.finish() == "" for d in batch)  # each finished once
+    rust = [i for i, (t, _, _) in enumerate(cases) if rust_backend(t) is not None]  # finish is decode there
+    assert [expected[i] for i in rust] == [_decode(cases[i][0], cases[i][2], cases[i][1]) for i in rust]

@@ -14,7 +14,9 @@ when its stop was seen) are dropped: never emitted, never counted.
 Per row and step the work is what the request needs (``RequestHandle``): a
 ``token_only`` request (not streamed, no stop strings, no logprobs) only gets
 its id appended until its last token, and its text is decoded once at the
-end; without a tokenizer (``skip_tokenizer_init``) no detokenizer is called.
+end (here, or for ``LLM.generate`` by its caller with the whole batch:
+``RequestHandle.text_by_caller``); without a tokenizer
+(``skip_tokenizer_init``) no detokenizer is called.
 Detokenizing is timed apart (``StepRecord.detok_ms``) so the timeline shows
 what it costs. Callers wake
 only after the step's record is in the timeline, so ``stats()`` read after a
@@ -234,8 +236,11 @@ class OutputProcessor:
 
     def _flush(self, handle: RequestHandle, emitted: str, token_ids: list[int], finishes: list, args: tuple,
                logprobs: Logprobs | None = None) -> None:
-        """The request ends: emit what the detokenizer and the stop matcher still hold, then finish."""
-        if handle.has_text:
+        """The request ends: emit what the detokenizer and the stop matcher still hold, then finish (a
+        ``text_by_caller`` request's text is left to its caller: ``undecoded``)."""
+        if handle.text_by_caller:
+            handle.undecoded = True
+        elif handle.has_text:
             emitted += handle.stops.feed(handle.detokenizer.finish()).emit + handle.stops.flush()
         self._emit(handle, emitted, token_ids, logprobs)
         finishes.append((handle, args))

@@ -10,6 +10,14 @@ token is appended to ``token_ids`` (and, with a tokenizer, to ``text_ids``
 for one decode at the end, ``DeferredDetokenizer``) and nothing else runs for
 it until its last token. ``has_text`` is False without a tokenizer
 (``NullDetokenizer``): no detokenizer call at all.
+
+``text_by_caller`` (``LLM.generate``, whose caller reads no text before every
+output is in): the output thread does not decode a ``token_only`` request's
+text at its end either; it publishes the output without it and sets
+``undecoded``, and the caller decodes the whole batch's texts at once
+(``detokenizer.decode_deferred``) and puts each in place (``publish_text``).
+While the engine still runs other requests, that decode would take CPU from
+it; afterwards it runs on every core with the GIL released.
 """
 
 from __future__ import annotations
@@ -50,9 +58,11 @@ class RequestHandle:
     # API, an ``serve.async_stream.AsyncDeltaStream`` for asyncio callers; anything with a thread-safe ``put``.
     deltas: DeltaSink = field(default_factory=queue.SimpleQueue)
     done: threading.Event = field(default_factory=threading.Event)
+    text_by_caller: bool = False  # a token_only request's text is decoded by whoever collects it (module doc)
     token_only: bool = field(init=False)  # nothing per token but the id (see the module doc)
     has_text: bool = field(init=False)  # the engine has a tokenizer: outputs carry text
     text_ids: list[int] | None = field(init=False)  # token_only with text: the ids to decode at the end
+    undecoded: bool = field(init=False, default=False)  # finished; its text waits for the caller's decode
 
     def __post_init__(self) -> None:
         self.has_text = not isinstance(self.detokenizer, NullDetokenizer)
@@ -61,6 +71,7 @@ class RequestHandle:
         if self.token_only and isinstance(self.detokenizer, IncrementalDetokenizer):
             self.detokenizer = DeferredDetokenizer(self.detokenizer)
             self.text_ids = self.detokenizer.ids
+        self.text_by_caller = self.text_by_caller and self.text_ids is not None
 
     @property
     def text(self) -> str:
@@ -84,6 +95,16 @@ class RequestHandle:
             else:
                 self.deltas.put(StreamDelta(self.request_id, "", [], reason, stop_reason, self.output))
         self.done.set()
+
+    def publish_text(self, text: str, error: str | None = None) -> None:
+        """Put the text the caller decoded (``undecoded``) into the finished output; ``error``: decoding it
+        raised, and the output ends in ``"error"`` as the output thread's failures do."""
+        self.text_pieces[:] = [text] if text else []
+        if self.output is not None:
+            self.output.text = text
+            if error is not None:
+                self.output.finish_reason, self.output.stop_reason, self.output.error = "error", None, error
+        self.undecoded = False
 
     def fail(self, error: BaseException) -> None:
         if self.done.is_set():

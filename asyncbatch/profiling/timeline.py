@@ -128,6 +128,10 @@ class Timeline:
     # Speculative decoding since the start, for counters that outlive dropped records: rows that verified
     # drafts, draft tokens, accepted tokens.
     spec_totals: list[int] = field(default_factory=lambda: [0, 0, 0])
+    # Texts ``LLM.generate`` decoded itself once its outputs were in (``RequestHandle.text_by_caller``): not part
+    # of any step's output processing. Counted since the last ``reset``.
+    caller_decoded: int = 0
+    caller_decode_s: float = 0.0
     _window_start: int = 0
     _last_end: float = 0.0
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -158,16 +162,25 @@ class Timeline:
         with self._lock:
             return [r for r in self.records[-n:] if r.device_end > 0]
 
+    def add_caller_decode(self, texts: int, seconds: float) -> None:
+        with self._lock:
+            self.caller_decoded += texts
+            self.caller_decode_s += seconds
+
     def reset(self) -> None:
         with self._lock:
             self._window_start = len(self.records)
+            self.caller_decoded, self.caller_decode_s = 0, 0.0
 
     def window(self) -> list[StepRecord]:
         with self._lock:
             return [r for r in self.records[self._window_start:] if r.device_end > 0]
 
     def stats(self) -> dict:
-        return summarize(self.window())
+        """``summarize`` of the window, and the texts ``generate`` decoded after its outputs were in."""
+        stats = summarize(self.window())
+        stats.update(generate_detok_texts=self.caller_decoded, generate_detok_ms=self.caller_decode_s * 1e3)
+        return stats
 
     def wait_for_step(self, step_id: int, timeout_s: float) -> bool:
         """Wait until step ``step_id`` and every step before it were added (applied and output-processed);
