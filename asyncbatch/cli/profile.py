@@ -223,6 +223,8 @@ def format_table(runs: list[ModeRun]) -> str:
                                         if rep.idle_ms > 0 else "-" for rep in reports])
     row("planner ms per step (timeline)", [f"{r.stats['planner_ms_per_step']:.3f}" for r in runs])
     row("output ms per step (timeline)", [f"{r.stats['output_ms_per_step']:.3f}" for r in runs])
+    row("generate's texts decoded after its outputs, ms (texts)",
+        [f"{r.stats['generate_detok_ms']:.1f} ({r.stats['generate_detok_texts']})" for r in runs])
     if any(rep.speculative.get("spec_decode_num_drafts") for rep in reports):
         spec = [rep.speculative for rep in reports]
         lines.append("speculative decoding (vLLM's counters):")
