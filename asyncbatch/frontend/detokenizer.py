@@ -318,6 +318,16 @@ class DeferredDetokenizer:
         self.text = self._inner.decode_once(self.ids)
         return self.text
 
+    def batch_backend(self) -> tuple[Tokenizer, bool] | None:
+        """Where ``decode_deferred`` may decode this one with others (``IncrementalDetokenizer.batch_backend``);
+        None when finished, empty, or without a Rust backend."""
+        return None if self._finished or not self.ids else self._inner.batch_backend()
+
+    def finish_with(self, text: str) -> None:
+        """Finish with ``text``, decoded elsewhere from ``ids`` as ``finish`` would (``decode_deferred``)."""
+        self._finished = True
+        self.text = text
+
 
 def decode_deferred(detokenizers: Sequence[DeferredDetokenizer]) -> list[str]:
     """``finish`` every one of ``detokenizers`` and return their texts, in order. Those sharing a Rust backend and
@@ -326,7 +336,7 @@ def decode_deferred(detokenizers: Sequence[DeferredDetokenizer]) -> list[str]:
     decodes its outputs' texts this way once they are all in: docs/detokenizer.md)."""
     groups: dict[tuple[int, bool], tuple[Tokenizer, list[DeferredDetokenizer]]] = {}
     for detokenizer in detokenizers:
-        key = None if detokenizer._finished or not detokenizer.ids else detokenizer._inner.batch_backend()
+        key = detokenizer.batch_backend()
         if key is None:  # nothing to decode, already done, or a Python-only tokenizer: one at a time
             detokenizer.finish()
             continue
@@ -334,6 +344,5 @@ def decode_deferred(detokenizers: Sequence[DeferredDetokenizer]) -> list[str]:
         groups.setdefault((id(backend), skip), (backend, []))[1].append(detokenizer)
     for (_, skip), (backend, group) in groups.items():
         for detokenizer, text in zip(group, backend.decode_batch([d.ids for d in group], skip_special_tokens=skip)):
-            detokenizer._finished = True
-            detokenizer.text = text
+            detokenizer.finish_with(text)
     return [detokenizer.text for detokenizer in detokenizers]
