@@ -61,7 +61,7 @@ def test_a_token_id_only_run_never_calls_the_detokenizer(make_llm, detok_calls) 
 def test_generate_decodes_its_texts_together_once_every_output_is_in(make_llm, detok_calls, monkeypatch,
                                                                      overlap: bool) -> None:
     """``generate``'s requests are not streamed and have no stop strings: the output thread only collects their
-    ids, even at their end (no detokenizer call, no detokenizing time in any step), and ``generate`` decodes every
+    ids, even at their end (no detokenizer decodes anything), and ``generate`` decodes every
     text in one ``decode_deferred`` call once all outputs are in. A request submitted without
     ``text_by_caller`` (the asyncio API's, the server's) is decoded by the output thread at its end; a streamed
     one token by token; all three get the same text for the same tokens."""
