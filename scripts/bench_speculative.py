@@ -46,6 +46,7 @@ from harness.speculative_workloads import WORKLOADS, cycle, load_workload, promp
 
 from asyncbatch import LLM, SamplingParams
 from asyncbatch.bench.report import write_json
+from asyncbatch.config import QUANTIZATIONS
 from asyncbatch.profiling.host_info import cpu_name, git_commit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +61,8 @@ def build_engines(args) -> dict[str, LLM]:
     spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
             "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max,
             "disable_by_batch_size": args.disable_by_batch_size}
-    common = {"device": "cpu", "dtype": args.dtype, "num_threads": args.threads, "seed": args.seed}
+    common = {"device": "cpu", "dtype": args.dtype, "num_threads": args.threads, "seed": args.seed,
+              "quantization": args.quantization}
     return {name: LLM(args.model, **common, speculative_config=spec if name == "ngram" else None)
             for name in SYSTEMS}
 
@@ -180,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     p = script_parser(__doc__)
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                   help="weight quantization of both engines (default: none; llama.cpp always runs the GGUF's own)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (and llama.cpp's); 1 as in the "
                    "earlier llama.cpp figure, and steadier on a shared machine")
     p.add_argument("--workloads", default=",".join(WORKLOADS))

@@ -39,7 +39,7 @@ def test_bench_speculative_script_end_to_end(tmp_path):
     proc = run_program([sys.executable, str(ROOT / "scripts" / "bench_speculative.py"), *args])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((out / "report.json").read_text())
-    assert doc["args"]["dtype"] == "float32"
+    assert doc["args"]["dtype"] == "float32" and doc["args"]["quantization"] is None
     for case, requests in (("single", 1), ("batch", 2)):
         for workload in WORKLOADS:
             r = doc["results"][case][workload]
@@ -52,5 +52,6 @@ def test_bench_speculative_script_end_to_end(tmp_path):
     assert [g["target"] for g in doc["goals"]] == [2.0, 1.0, 0.5, 1.0, 1.0]
     report = (out / "report.md").read_text()
     assert "| greedy tokens identical |" in report and "| goal |" in report and "float32" in report
+    assert "quantization" not in report.split("\n\n")[3]  # the set-up paragraph names one only when asked
     if doc["llamacpp"].get("available") is False:  # not installed (or the tiny model has no GGUF)
         assert str(LLAMACPP_REFERENCE["decode_tok_s"]) in report
