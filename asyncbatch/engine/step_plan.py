@@ -43,6 +43,7 @@ class ScheduledRow:
  CHUNK_BLOCKS, CHUNK_END, CHUNK_SEQ) = range(12)
 CHUNK_COLUMNS = CHUNK_SEQ + 1
 
+
 @dataclass(slots=True)
 class StepPlan:
     step_id: int
