@@ -4,6 +4,7 @@
       LLM.submit/abort ── send ══════ pipe ═══════════════►  main thread: recv ──► EngineCore.inbox
                                                                  planner thread: plan, launch, apply
       receiver thread ◄═════════════ pipe ═══════════════════ send(StepOutputs | Reply | CoreFailed)
+        (StepOutputs as ``step_wire``'s flat buffer, the rest pickled)
         └─► on_message (the frontend's output processing: detokenize, stop strings, stream)
 
 The core process is forked from a fork server that has imported the engine
@@ -30,6 +31,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from asyncbatch.config import EngineConfig
+from asyncbatch.engine import step_wire
 from asyncbatch.engine.builder import ModelSpec, build_core
 from asyncbatch.engine.control import Call, ControlCall, Reply
 from asyncbatch.engine.core import EngineCore
@@ -154,7 +156,7 @@ class CoreClient:
 
     # -- receiving -----------------------------------------------------------------
     def _recv_process(self) -> object:
-        return self._conn.recv()
+        return step_wire.loads(self._conn.recv_bytes())
 
     def _receive(self) -> None:
         recv = self._recv_process if self.process is not None else self._outbox.get

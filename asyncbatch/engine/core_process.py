@@ -2,7 +2,7 @@
 
     main thread      recv ──► EngineCore.inbox        (until Shutdown, EOF, or the planner has died)
     planner thread   plan, launch, apply ──► outbox   (never blocks: a slow frontend cannot stall a launch)
-    sender thread    outbox ──► conn.send(StepOutputs | Reply | CoreFailed)   (pickling, the pipe)
+    sender thread    outbox ──► conn.send(Reply | CoreFailed), send_bytes(StepOutputs: ``step_wire``)
     device thread    (cpu / sim backends) runs the steps
 
 A frontend slower than the device (its detokenization, or a caller hogging its
@@ -25,8 +25,9 @@ import traceback
 from multiprocessing.connection import Connection
 
 from asyncbatch.config import EngineConfig
+from asyncbatch.engine import step_wire
 from asyncbatch.engine.builder import ModelSpec, build_core
-from asyncbatch.engine.messages import CoreFailed, CoreReady, Shutdown
+from asyncbatch.engine.messages import CoreFailed, CoreReady, Shutdown, StepOutputs
 from asyncbatch.profiling.marks import enable_nvtx
 
 _POLL_S = 0.5  # how often the main thread checks that the planner is still alive
@@ -72,6 +73,9 @@ _STOP = object()
 def _send_loop(outbox: queue.SimpleQueue, conn: Connection) -> None:
     while (message := outbox.get()) is not _STOP:
         try:
-            conn.send(message)
+            if type(message) is StepOutputs:  # one per step: a flat buffer, not a pickle (``step_wire``)
+                conn.send_bytes(step_wire.encode(message))
+            else:
+                conn.send(message)
         except (OSError, EOFError, BrokenPipeError):  # the frontend is gone; the main thread stops the core
             return

@@ -13,7 +13,8 @@
 
 A request is named by its ``seq`` (the frontend's submission counter) on both
 sides. ``StepOutputs`` is columnar: a handful of numpy arrays per step, never
-one object per request, so a step of 2,048 rows costs one small pickle.
+one object per request; on the pipe it travels as one flat buffer
+(``step_wire``), every other message as a pickle.
 """
 
 from __future__ import annotations
