@@ -28,7 +28,10 @@ class FakeDevice:
         self.log: list[tuple[str, int, float]] = []
         self.free_at = 0.0
         self.fence_signals = 0
-        self.thread = PipelinedDeviceThread("test-device", self.prepare)
+        self.thread = PipelinedDeviceThread("test-device", self.prepare, when_idle=self.when_idle)
+
+    def when_idle(self, meta, handle: StepHandle) -> None:
+        self.log.append(("idle", meta.step_id, time.perf_counter()))
 
     def prepare(self, meta, handle: StepHandle) -> PreparedStep:
         now = time.perf_counter()
@@ -119,3 +122,17 @@ def test_stop_delivers_what_is_pending_first(device_factory):
     stopper.start()
     stopper.join(timeout=5)
     assert handle.is_done() and handle.result().step_id == 1 and not dev.thread.alive
+
+
+def test_when_idle_runs_before_a_prepare_only_when_no_earlier_step_is_pending(device_factory):
+    """The hook may wait (the sim waits for the planner's grammar fill): it must never hold back a delivery."""
+    dev = device_factory(final={2: False})
+    first = dev.launch(1)  # nothing pending: the hook runs
+    time.sleep(0.02)
+    second = dev.launch(2)  # step 1 pending: prepared at once, no hook
+    time.sleep(0.02)
+    third = dev.launch(3)  # step 2 is not final: it completes first, then the hook runs before 3's prepare
+    first.result(), second.result(), third.result()
+    assert [step for kind, step, _ in dev.log if kind == "idle"] == [1, 3]
+    assert dev.when("idle", 1) < dev.when("prepare", 1)
+    assert dev.when("deliver", 2) < dev.when("idle", 3) < dev.when("prepare", 3)

@@ -220,19 +220,32 @@ class GrammarMask:
     The planner fills ``bitmask`` once every earlier step's tokens were applied (the grammar state
     after token N is needed to sample N+1), then calls ``set_ready``; the device runs the step's
     forward meanwhile and only its sampling waits (``wait_ready``). Rows without a grammar never wait.
+    ``begin_fill`` marks the moment the fill enters the grammar library (``wait_fill_begun``: the simulated
+    device's cue to do its own host work, ``SimExecutor._wait_for_host_gap``).
     """
 
-    __slots__ = ("_ready", "bitmask", "index", "ready_time", "seqs")
+    __slots__ = ("_filling", "_ready", "bitmask", "index", "ready_time", "seqs")
 
     def __init__(self, index: np.ndarray, seqs: np.ndarray, bitmask: np.ndarray) -> None:
         self.index = index  # [G] int64 sample index
         self.seqs = seqs  # [G] int64 the requests
         self.bitmask = bitmask  # [G, ceil(V / 32)] int32, bit set = allowed; every row is written by the fill
         self._ready = threading.Event()
+        self._filling = threading.Event()  # the fill's library call has begun (or the mask is ready)
         self.ready_time = 0.0  # perf_counter when the mask became ready
+
+    def begin_fill(self) -> None:
+        """The host enters the grammar library's fill, which runs without the GIL: a modelled device may do
+        its own host work now without delaying the host (``SimExecutor``)."""
+        self._filling.set()
+
+    def wait_fill_begun(self, timeout: float) -> bool:
+        """Wait until ``begin_fill`` or ``set_ready`` (at most ``timeout`` seconds)."""
+        return self._filling.wait(timeout)
 
     def set_ready(self, now: float) -> None:
         self.ready_time = now
+        self._filling.set()
         self._ready.set()
 
     @property

@@ -108,6 +108,7 @@ class GrammarState:
             rows = [g for g, m in enumerate(matchers) if m is not None]
             matchers = [matchers[g] for g in rows]
         if matchers:
+            mask.begin_fill()
             self._compiler.fill_bitmasks(matchers, bitmask, rows)
         now = time.perf_counter()
         mask.set_ready(now)

@@ -121,11 +121,16 @@ class PipelinedDeviceThread(DeviceThread):
     has no such work). Here ``prepare`` runs when the step is launched (the planner's slack), and what is left
     at the modelled end is waking up and delivering. Results are delivered in launch order, each at its modelled
     end; a step that is not ``final`` (its tokens wait for a grammar mask) is completed before the next one is
-    prepared, and ``call`` work runs after every pending step has completed."""
+    prepared, and ``call`` work runs after every pending step has completed. ``when_idle`` runs before a
+    step's ``prepare`` when nothing is pending (so it may wait without holding back a delivery)."""
 
     def __init__(self, name: str, prepare: Callable[[StepMeta, StepHandle], PreparedStep],
-                 on_start: Callable[[], None] | None = None) -> None:
+                 on_start: Callable[[], None] | None = None,
+                 when_idle: Callable[[StepMeta, StepHandle], None] | None = None) -> None:
         self._prepare = prepare
+        # Runs before ``prepare`` when no earlier step is pending (nothing to deliver meanwhile): it may wait for
+        # a moment when the host's work leaves the interpreter free (``SimExecutor._wait_for_host_gap``).
+        self._when_idle = when_idle
         super().__init__(name, None, on_start)
 
     def _loop(self) -> None:
@@ -155,6 +160,8 @@ class PipelinedDeviceThread(DeviceThread):
                 continue
             meta, handle = item
             try:
+                if not pending and self._when_idle is not None:
+                    self._when_idle(meta, handle)
                 pending.append((self._prepare(meta, handle), handle))
             except BaseException as exc:  # noqa: BLE001 - delivered to the waiting planner
                 _fail_step(meta, handle, exc)
