@@ -1,5 +1,8 @@
-"""The sim device prepares a grammar step, launched while the step before it ran, once the planner's fill has
-entered the grammar library (``SimExecutor._wait_for_host_gap``); never later than the step's modelled end."""
+"""The sim device keeps its own host work (the simulation's bookkeeping, which a real device does not put on the
+host) out of the planner's way: it prepares a grammar step, launched while the step before it ran, once the
+planner's fill has entered the grammar library (``SimExecutor._wait_for_host_gap``), never later than the step's
+modelled end; and with the mask in early it picks the grammar rows' tokens once the planner blocks on the step
+(``StepHandle.mark_awaited``), else at the modelled end."""
 
 from __future__ import annotations
 
@@ -8,9 +11,12 @@ import time
 import types
 
 import numpy as np
+import pytest
 
 from asyncbatch.config import SimConfig
-from asyncbatch.engine.step_contract import GrammarMask
+from asyncbatch.engine.host_staging import StagingPair
+from asyncbatch.engine.step_contract import GrammarMask, StepMeta
+from asyncbatch.executors import sim_executor
 from asyncbatch.executors.base import StepHandle
 from asyncbatch.executors.sim_executor import SimExecutor
 
@@ -61,3 +67,43 @@ def test_a_fill_that_never_begins_holds_the_preparation_no_later_than_the_modell
         assert time.perf_counter() >= handle.launch_time + 0.15
     finally:
         sim.close()
+
+
+def grammar_step(executor: SimExecutor, allowed: int) -> tuple[StepMeta, GrammarMask]:
+    """A one-row decode step whose row may only take token ``allowed``."""
+    bitmask = np.zeros((1, 32), dtype=np.int32)
+    bitmask[0, allowed // 32] = np.int32(np.uint32(1 << (allowed % 32)).view(np.int32))
+    grammar = GrammarMask(np.zeros(1, dtype=np.int64), np.array([5]), bitmask)
+    staging = StagingPair(64, 4, 8, pinned=False).next_buffer()
+    meta = StepMeta(step_id=1, staging=staging, num_tokens=1, num_decode=1, decode_max_blocks=1, prefill_rows=[],
+                    num_sampled=1, context_tokens=1, all_greedy=True, any_filter=False, any_penalty=False,
+                    first_chunk_rows=[])
+    meta.extras = types.SimpleNamespace(grammar=grammar, bias=None, logprobs=None, prompt_logprobs=None)
+    return meta, grammar
+
+
+@pytest.mark.parametrize("await_after_s", [0.1, None])
+def test_an_early_mask_is_picked_from_once_the_planner_waits_or_at_the_modelled_end(monkeypatch, await_after_s):
+    picked: list[float] = []
+    real_pick = sim_executor.allowed_pick
+    monkeypatch.setattr(sim_executor, "allowed_pick", lambda *a: (picked.append(time.perf_counter()), real_pick(*a))[1])
+    executor = SimExecutor(SimConfig(step_fixed_ms=400.0, per_token_us=0.0, per_context_token_ns=0.0), 1000, 2, 4)
+    try:
+        meta, grammar = grammar_step(executor, allowed=777)
+        grammar.set_ready(time.perf_counter())  # filled before the step's forward ends
+        handle = executor.launch(meta)
+        end = handle.launch_time + 0.4
+        if await_after_s is None:  # the planner never blocks on it before the end
+            while not handle.is_done():
+                time.sleep(0.01)
+            assert picked and picked[0] >= end - 1e-3
+        else:
+            time.sleep(await_after_s)
+            assert not picked  # the planner is busy: the pick waits
+            awaited = time.perf_counter()
+            result = executor.wait(handle)
+            assert picked and awaited <= picked[0] < end  # before the end, once the planner waits
+            assert time.perf_counter() >= end  # still delivered at the modelled end
+            assert result.token_ids.tolist() == [777] and result.device_end == pytest.approx(end, abs=1e-6)
+    finally:
+        executor.close()

@@ -54,12 +54,13 @@ class StepResult:
 class StepHandle:
     """Completion of one launched step; carries its result or the device's exception."""
 
-    __slots__ = ("_done", "_error", "_result", "_waiter", "launch_time", "step_id")
+    __slots__ = ("_awaited", "_done", "_error", "_result", "_waiter", "launch_time", "step_id")
 
     def __init__(self, step_id: int, launch_time: float) -> None:
         self.step_id = step_id
         self.launch_time = launch_time
         self._done = threading.Event()
+        self._awaited = threading.Event()  # the planner blocks on this step now (``ThreadedExecutor.wait``)
         self._result: StepResult | None = None
         self._error: BaseException | None = None
         self._waiter = None  # backend-specific completion (a CUDA event and a finisher; sim: the modelled end)
@@ -71,6 +72,14 @@ class StepHandle:
     def set_error(self, error: BaseException) -> None:
         self._error = error
         self._done.set()
+
+    def mark_awaited(self) -> None:
+        """The planner is about to block on this step: until the result, it needs no interpreter time."""
+        self._awaited.set()
+
+    def wait_awaited(self, timeout: float) -> bool:
+        """Wait until ``mark_awaited`` (at most ``timeout`` seconds)."""
+        return self._awaited.wait(timeout)
 
     def is_done(self) -> bool:
         """Whether the result (or the error) is in: ``result`` would not block."""

@@ -185,6 +185,7 @@ class ThreadedExecutor(Executor):
         return handle
 
     def wait(self, handle: StepHandle) -> StepResult:
+        handle.mark_awaited()
         return handle.result()
 
     def close(self) -> None:

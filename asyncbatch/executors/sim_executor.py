@@ -21,11 +21,13 @@ end-of-sequence token at its drawn output length (not before ``min_tokens``).
 A step with grammar rows models the real device's order: the forward ends at
 its modelled time, then sampling waits for the host's ``GrammarMask`` (the wait
 is recorded, and idle), and each grammar row takes an allowed token picked by
-its hash. Its tokens are known only then, so the next step is prepared after
-it is delivered, which is when the planner wakes to apply it: the thread holds
-that preparation back until the planner's fill enters the grammar library
-(``_wait_for_host_gap``). Logprob rows get pseudo values (the chosen token at
-logprob 0).
+its hash. The thread keeps that host work (the simulation's own, which a real
+device does not put on the host) out of the planner's way: the pick, when the
+mask is in early, once the planner blocks on the step (or at its end); the
+next step's preparation, which needs this step's tokens and so would come as
+the planner wakes to apply them, once the planner's fill has entered the
+grammar library (``_wait_for_host_gap``). Logprob rows get pseudo values (the
+chosen token at logprob 0).
 """
 
 from __future__ import annotations
@@ -215,13 +217,20 @@ class SimExecutor(ThreadedExecutor):
             return self._delivered_at(end, result(end))
 
         def complete_after_mask() -> StepResult:
-            # The forward is done at ``end``; sampling waits for the host's mask like a real device would.
-            self._sleep_until(end, meta.step_id, " sim")
-            with mark("grammar_mask_wait", meta.step_id):
-                grammar.wait_ready()
+            # The forward is done at ``end``; sampling waits for the host's mask like a real device would. The
+            # pick is the sampling kernel's part, host work here: with the mask in before ``end``, it is made
+            # once the planner blocks on this step (it needs no interpreter until the result) or at ``end``.
+            with mark("forward", meta.step_id, " sim"):
+                early = grammar.wait_ready(max(0.0, end - time.perf_counter()))
+                if early:
+                    handle.wait_awaited(max(0.0, end - time.perf_counter()))
+            if not early:
+                with mark("grammar_mask_wait", meta.step_id):
+                    grammar.wait_ready()
             sampled = max(end, grammar.ready_time)
             tokens[grammar.index] = allowed_pick(grammar.bitmask, h[grammar.index])
             commit(sampled)
+            self._sleep_until(end, meta.step_id, " sim")
             return result(sampled, (sampled - end) * 1e3, end)
 
         return PreparedStep(end, False, complete_after_mask)
