@@ -5,13 +5,14 @@
       every other message: pickled (Connection.send)        tag byte tells them apart
 
 Every applied step crosses the process boundary once, so its encoding is paid
-on the core's sender thread, whose GIL the planner shares, every step. A
-pickle of a 256-row step (seven arrays and a ``StepRecord`` of 50 fields)
-takes ~42 us on the 2-core Intel VM: numpy's ``__reduce__`` per array and the
-dataclass's per-field state. The layout here is a fixed header, the arrays'
-bytes back to back in a fixed order and the record as one ``struct``: a few
-``tobytes`` and one ``pack`` (``step_wire`` benchmark in
-``profiles/wire-format-intel-xeon-2core``).
+on the core's sender thread, whose GIL the planner shares, every step.
+``Connection.send`` of a 256-row step (seven arrays and a ``StepRecord`` of 50
+fields) took ~45 us on the 2-core Intel VM (multiprocessing's pickler, numpy's
+``__reduce__`` per array, the dataclass's per-field state) and its unpickling
+~17 us; here ~6.5 us (``send_bytes`` included) and ~4 us. The layout is a
+fixed header, the arrays' bytes back to back in a fixed order and the record as
+one ``struct``: a few ``tobytes`` and one ``pack``
+(``profiles/wire-format-intel-xeon-2core/wire_bench.py``).
 
 Invariants: ``decode(encode(o))`` equals ``o`` field for field (arrays in their
 declared dtypes, writable, and the record's values); a message that is not
