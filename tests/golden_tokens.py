@@ -4,12 +4,15 @@ The reference generation (float32, one prompt at a time) is most of the default
 model's greedy test on a 2-core CPU. Its tokens are a function of the model file
 and of transformers' implementation, so the committed file carries that key:
 
-    {"key": {"model_sha256": ..., "transformers": "5.24.0"},
+    {"key": {"model_sha256": ..., "transformers": "5.25.0"},
      "requests": [{"prompt_ids": [...], "max_tokens": n, "eos_token_id": e, "tokens": [...]}, ...]}
 
 Where the key does not match (another transformers, another GGUF), or a request
 is missing, the caller generates the reference live and ``save`` rewrites the
-file; ``scripts/update_golden_tokens.py`` does the same by hand. A divergence from a
+file; ``scripts/update_golden_tokens.py`` does the same by hand. The set-up
+installs the transformers of ``scripts/constraints.txt``, so that a release
+made after the file cannot fail CI (``test_golden_tokens.py`` checks the
+committed key against the installed version): move the pin and the file together. A divergence from a
 golden token is still judged by the near-tie rule, whose top-2 gap comes from a
 live float32 forward (``reference.compare_greedy``), so the golden file only
 saves the generation, never the judgement.
