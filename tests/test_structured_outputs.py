@@ -84,6 +84,8 @@ def test_sim_device_overlap_equals_sync_with_the_default_tokenizer():
     assert [o.token_ids for o in overlapped] == [o.token_ids for o in synchronous]
     _check_outputs(overlapped, n, min_stop_fraction=0.3)
     assert stats["mask_fill_us_per_row"] > 0
+    # The fill's CPU time is the planner thread's own over the same span: never more than its wall time.
+    assert 0 < stats["mask_fill_cpu_ms_per_step"] <= stats["mask_fill_ms_per_step"] * 1.01
 
 
 def test_naive_mask_mode_gives_the_same_tokens(tiny_model):
@@ -142,4 +144,9 @@ def test_the_structured_output_benchmark_runs_and_reports_every_configuration(tm
     for r in results:
         assert 0.0 < r["device_busy_fraction"] <= 1.0 and r["steady_steps"] > 0
         assert (r["mask_fill_us_per_row"] > 0) == (r["config"] != "none")
+        worst = r["worst_steps"]  # the idlest steps, idlest first, their share of the idle in [0, 1]
+        assert [s["idle_ms"] for s in worst] == sorted((s["idle_ms"] for s in worst), reverse=True)
+        assert 0.0 <= r["idle_share_worst_steps"] <= 1.0 + 1e-9
+        assert len(worst) == min(10, r["steady_steps"] - 1)
+        assert any(s["fill_cpu_ms"] > 0.0 for s in worst) == (r["config"] != "none")
     assert "simulated" in (tmp_path / "report.md").read_text()

@@ -268,7 +268,7 @@ class EngineCore:
     def _fill(self, mask: GrammarMask, record: StepRecord) -> None:
         """Fill a step's grammar masks: every earlier step is applied."""
         with mark("grammar_mask_fill", record.step_id):
-            record.mask_fill_ms = self.grammar.fill(mask)
+            record.mask_fill_ms, record.mask_fill_cpu_ms = self.grammar.fill(mask)
         record.grammar_rows = len(mask.index)
 
     def _fill_launched(self, step: InFlight) -> None:

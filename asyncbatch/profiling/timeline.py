@@ -53,10 +53,13 @@ class StepRecord:
     settle_ms: float = 0.0
     # Structured outputs: the device idled inside the step, its forward done, until the host filled the
     # step's grammar masks (``mask_wait_*``; not busy time, the gap report's ``grammar_mask``);
-    # ``mask_fill_ms`` is the host's time filling them for ``grammar_rows`` rows.
+    # ``mask_fill_ms`` is the host's time filling them for ``grammar_rows`` rows, ``mask_fill_cpu_ms`` the
+    # planner thread's CPU time in it (the grammar library's work; wall well above it: the planner was off
+    # the CPU or waited for the GIL).
     mask_wait_ms: float = 0.0
     mask_wait_start: float = 0.0
     mask_fill_ms: float = 0.0
+    mask_fill_cpu_ms: float = 0.0
     grammar_rows: int = 0
     # Speculative decoding (vLLM's counters): rows that verified drafts, draft tokens, and drafts accepted.
     spec_drafts: int = 0
@@ -247,6 +250,7 @@ def summarize(records: list[StepRecord]) -> dict:
         "tokens_per_step": float(np.mean([r.num_tokens for r in records])),
         "mask_wait_ms_per_step": float(np.mean([r.mask_wait_ms for r in records])),
         "mask_fill_ms_per_step": float(np.mean([r.mask_fill_ms for r in records])),
+        "mask_fill_cpu_ms_per_step": float(np.mean([r.mask_fill_cpu_ms for r in records])),
         "mask_fill_us_per_row": _fill_us_per_row(records),
         "output_tokens_per_s": output_tokens / span if span > 0 else 0.0,
         **speculative_counts(records),
