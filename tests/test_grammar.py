@@ -9,6 +9,7 @@ one test on the default model's tokenizer (49,152 ids). The cases are the catalo
 from __future__ import annotations
 
 import importlib.util
+import logging
 import random
 import subprocess
 import sys
@@ -236,6 +237,19 @@ def test_backend_names_and_a_missing_library(byte_tokenizer, monkeypatch):
     for backend in ("auto", *BACKENDS):
         with pytest.raises(ImportError, match=r"pip install asyncbatch\[structured\]"):
             GrammarCompiler(byte_tokenizer, TINY_VOCAB, EOS_ID, backend=backend)
+
+
+def test_auto_says_so_when_it_falls_back_from_the_default_library(monkeypatch, caplog):
+    real = grammar.importlib.util.find_spec
+    monkeypatch.setattr(grammar.importlib.util, "find_spec", lambda name: None if name == DEFAULT_BACKEND else real(name))
+    fallback = next(b for b in BACKENDS if b != DEFAULT_BACKEND)
+    if real(fallback) is None:
+        pytest.skip(f"{fallback} is not installed")
+    with caplog.at_level(logging.WARNING, logger=grammar.__name__):
+        assert grammar.resolve_backend("auto") == fallback
+        assert grammar.resolve_backend(fallback) == fallback  # asked for by name: no warning
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and DEFAULT_BACKEND in warnings[0] and "asyncbatch[structured]" in warnings[0]
 
 
 def test_importing_asyncbatch_loads_no_grammar_library():

@@ -22,6 +22,7 @@ The default library (``DEFAULT_BACKEND``) was chosen by measurement: coverage of
 from __future__ import annotations
 
 import importlib.util
+import logging
 import re
 import threading
 from collections import OrderedDict
@@ -40,6 +41,7 @@ __all__ = ["BACKENDS", "DEFAULT_BACKEND", "GrammarCompiler", "GrammarMatcher", "
 
 BACKENDS = GRAMMAR_BACKENDS  # "auto" takes the first one installed
 DEFAULT_BACKEND = BACKENDS[0]
+logger = logging.getLogger(__name__)
 INSTALL_HINT = "pip install asyncbatch[structured]"
 CACHE_ENTRIES = 128  # compiled grammars kept per compiler (xgrammar: 1-250 KB each at vocab 49k)
 _REASON_CHARS = 300
@@ -72,6 +74,11 @@ def resolve_backend(backend: str) -> str:
     wanted = BACKENDS if backend == "auto" else (backend,)
     for name in wanted:
         if importlib.util.find_spec(name) is not None:
+            if backend == "auto" and name != DEFAULT_BACKEND:  # a fallback the user did not choose: say what it costs
+                logger.warning("structured outputs use %s because %s is not installed (%s): its token masks cost "
+                               "several times more host time a row (14x in scripts/bench_structured.py on a 2-core "
+                               "Xeon, profiles/structured-output-sim-intel-xeon-2core)", name, DEFAULT_BACKEND,
+                               INSTALL_HINT)
             return name
     raise ImportError(f"structured outputs need the {' or '.join(wanted)} library, which is not installed; "
                       f"install it with: {INSTALL_HINT}")
