@@ -12,6 +12,7 @@ import types
 
 import numpy as np
 import pytest
+from sim_steps import one_row_step
 
 from asyncbatch.config import SimConfig
 from asyncbatch.engine.host_staging import StagingPair
@@ -69,15 +70,12 @@ def test_a_fill_that_never_begins_holds_the_preparation_no_later_than_the_modell
         sim.close()
 
 
-def grammar_step(executor: SimExecutor, allowed: int) -> tuple[StepMeta, GrammarMask]:
+def grammar_step(allowed: int) -> tuple[StepMeta, GrammarMask]:
     """A one-row decode step whose row may only take token ``allowed``."""
     bitmask = np.zeros((1, 32), dtype=np.int32)
     bitmask[0, allowed // 32] = np.int32(np.uint32(1 << (allowed % 32)).view(np.int32))
     grammar = GrammarMask(np.zeros(1, dtype=np.int64), np.array([5]), bitmask)
-    staging = StagingPair(64, 4, 8, pinned=False).next_buffer()
-    meta = StepMeta(step_id=1, staging=staging, num_tokens=1, num_decode=1, decode_max_blocks=1, prefill_rows=[],
-                    num_sampled=1, context_tokens=1, all_greedy=True, any_filter=False, any_penalty=False,
-                    first_chunk_rows=[])
+    meta = one_row_step(StagingPair(64, 4, 8, pinned=False).next_buffer())
     meta.extras = types.SimpleNamespace(grammar=grammar, bias=None, logprobs=None, prompt_logprobs=None)
     return meta, grammar
 
@@ -89,7 +87,7 @@ def test_an_early_mask_is_picked_from_once_the_planner_waits_or_at_the_modelled_
     monkeypatch.setattr(sim_executor, "allowed_pick", lambda *a: (picked.append(time.perf_counter()), real_pick(*a))[1])
     executor = SimExecutor(SimConfig(step_fixed_ms=400.0, per_token_us=0.0, per_context_token_ns=0.0), 1000, 2, 4)
     try:
-        meta, grammar = grammar_step(executor, allowed=777)
+        meta, grammar = grammar_step(allowed=777)
         grammar.set_ready(time.perf_counter())  # filled before the step's forward ends
         handle = executor.launch(meta)
         end = handle.launch_time + 0.4

@@ -6,16 +6,11 @@ from __future__ import annotations
 
 import time
 
+from sim_steps import one_row_step
+
 from asyncbatch.config import SimConfig
 from asyncbatch.engine.host_staging import StagingPair
-from asyncbatch.engine.step_contract import StepMeta
 from asyncbatch.executors.sim_executor import SimExecutor
-
-
-def _one_row_step(staging) -> StepMeta:
-    return StepMeta(step_id=1, staging=staging, num_tokens=1, num_decode=1, decode_max_blocks=1, prefill_rows=[],
-                    num_sampled=1, context_tokens=1, all_greedy=True, any_filter=False, any_penalty=False,
-                    first_chunk_rows=[])
 
 
 def test_a_step_is_done_at_its_modelled_end_before_its_result_is_delivered() -> None:
@@ -26,7 +21,7 @@ def test_a_step_is_done_at_its_modelled_end_before_its_result_is_delivered() -> 
     executor._thread._complete = lambda step, handle: (time.sleep(0.3), delivering(step, handle))
     try:
         staging = StagingPair(64, 4, 8, pinned=False).next_buffer()
-        handle = executor.launch(_one_row_step(staging))
+        handle = executor.launch(one_row_step(staging))
         launched = time.perf_counter()
         assert not executor.is_done(handle)  # 150 ms to go
         while not executor.is_done(handle):

@@ -153,9 +153,17 @@ class SimExecutor(ThreadedExecutor):
         grammar = meta.extras.grammar if meta.extras is not None else None
         if grammar is None:
             return
-        end = max(handle.launch_time, self._device_free_at) + self.sim.step_seconds(meta.num_tokens,
-                                                                                    meta.context_tokens)
+        _, end = self._modelled_span(meta, handle)
         grammar.wait_fill_begun(max(0.0, end - time.perf_counter()))
+
+    def _modelled_span(self, meta: StepMeta, handle: StepHandle) -> tuple[float, float]:
+        """When the modelled device starts the step (its launch, or the end of the step before it) and ends its
+        forward (the draft model's forwards included)."""
+        start = max(handle.launch_time, self._device_free_at)
+        end = start + self.sim.step_seconds(meta.num_tokens, meta.context_tokens)
+        if self.draft_model:
+            end += self.sim.draft_seconds(meta.num_tokens, meta.context_tokens, meta.num_decode, meta.spec_depth)
+        return start, end
 
     def _prepare(self, meta: StepMeta, handle: StepHandle) -> PreparedStep:
         """Everything of a step but waiting for its modelled end: the copy, the pseudo-tokens and (unless
@@ -174,10 +182,7 @@ class SimExecutor(ThreadedExecutor):
         s.fence.signal()
         h2d_ms = (time.perf_counter() - t0) * 1e3
 
-        start = max(handle.launch_time, self._device_free_at)
-        end = start + self.sim.step_seconds(t, meta.context_tokens)
-        if self.draft_model:
-            end += self.sim.draft_seconds(t, meta.context_tokens, nd, meta.spec_depth)
+        start, end = self._modelled_span(meta, handle)
         if self.forward_hook is not None:
             self.forward_hook(meta)
         extras = meta.extras
