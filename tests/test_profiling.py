@@ -17,7 +17,7 @@ import pytest
 
 from asyncbatch import SamplingParams, SimConfig
 from asyncbatch.profiling import marks as timeline_marks
-from asyncbatch.profiling.gap_report import CAUSES, attribute_gaps, gap_report, lifetimes_of
+from asyncbatch.profiling.gap_report import CAUSES, STEP_KINDS, attribute_gaps, gap_report, lifetimes_of
 from asyncbatch.profiling.marks import count_ranges, enable_nvtx, mark, measure_mark_overhead, nvtx_enabled
 from asyncbatch.profiling.timeline import StepRecord, summarize
 from asyncbatch.profiling.trace_export import (
@@ -143,6 +143,9 @@ def test_causes_sum_to_measured_idle_time(make_llm, overlap):
         assert gap.pieces[0][0] == gap.start and gap.pieces[-1][1] == gap.end
         assert all(p[1] == q[0] for p, q in zip(gap.pieces, gap.pieces[1:]))
     assert set(report.causes_ms) == set(CAUSES)
+    assert sum(k.idle_ms for k in report.kinds.values()) == pytest.approx(report.idle_ms, rel=1e-9, abs=1e-9)
+    assert sum(k.steps for k in report.kinds.values()) == report.steps
+    assert report.kinds["admitting"].steps >= 1  # the first plan admits
     if not overlap:
         assert report.idle_ms > 0 and report.causes_ms["planning"] > 0
 
@@ -221,6 +224,31 @@ def test_a_wait_for_grammar_masks_inside_a_step_is_idle_time_of_its_own():
 
     waits = [e for e in _idle(run, 1, 0.0) if e["name"] == "grammar_mask"]
     assert len(waits) == 1 and waits[0]["dur"] == pytest.approx(3000.0)
+
+
+def test_idle_time_is_split_by_the_kind_of_step_it_delayed():
+    """Each gap counts under the step after it: admitting, after requests left, or steady; a grammar-mask wait
+    under its own step. The kinds' steps, busy and idle add up to the report's."""
+    steps = [record(i, device_start=10 * i + 1, device_end=10 * i + 9) for i in range(5)]  # 2 ms gaps, 8 ms steps
+    for r, running, admitted in zip(steps, (4, 8, 8, 6, 6), (4, 4, 0, 0, 0)):
+        r.num_running, r.num_admitted = running, admitted
+    steps[4].device_start, steps[4].mask_wait_ms = 42e-3, 1.0  # a 3 ms gap, and a wait inside the step
+    report = attribute_gaps(steps)
+    kinds = report.kinds
+    assert set(kinds) == set(STEP_KINDS)
+    assert [kinds[k].steps for k in STEP_KINDS] == [2, 1, 2]  # steps 0-1, 3 (8 -> 6 running), 2 and 4
+    assert kinds["admitting"].idle_ms == pytest.approx(2.0)  # before step 1; step 0 has no gap before it
+    assert kinds["finishing"].idle_ms == pytest.approx(2.0)
+    assert kinds["steady"].idle_ms == pytest.approx(2.0 + 3.0 + 1.0)
+    assert kinds["steady"].busy_ms == pytest.approx(8.0 + 6.0)  # step 4: 7 ms less its 1 ms wait
+    assert kinds["finishing"].busy_fraction == pytest.approx(0.8)
+    assert report.kind_busy_fraction("steady") == pytest.approx(14.0 / 20.0)
+    assert sum(k.idle_ms for k in kinds.values()) == pytest.approx(report.idle_ms)
+    assert sum(k.busy_ms for k in kinds.values()) == pytest.approx(report.busy_ms)
+    assert report.to_dict()["step_kinds"]["finishing"] == {"steps": 1, "busy_ms": pytest.approx(8.0),
+                                                           "idle_ms": pytest.approx(2.0), "busy_fraction": pytest.approx(0.8)}
+    empty = attribute_gaps([])
+    assert empty.kind_busy_fraction("steady") == 1.0 and empty.kinds["admitting"].steps == 0
 
 
 def test_overlap_planner_waiting_is_not_result_time():
@@ -348,6 +376,8 @@ def test_profile_command_writes_report_trace_and_plot(tmp_path, capsys):
         stats = report["runs"][mode]["stats"]
         idle = stats["idle_gap_ms_mean"] * (stats["steps"] - 1)
         assert sum(gaps["causes_ms"].values()) == pytest.approx(idle, rel=0.05, abs=1e-6)
+        assert sum(k["idle_ms"] for k in gaps["step_kinds"].values()) == pytest.approx(gaps["idle_ms"])
+    assert "idle ms (steps) and device busy by step kind:" in text
     trace = json.loads((out / "trace.json").read_text())
     assert set(run_pids(trace)) == {"overlap", "sync"}
     assert_well_nested(trace)

@@ -28,7 +28,7 @@ import numpy as np
 from asyncbatch.bench.workloads import WorkItem, uniform_requests
 from asyncbatch.cli.args import engine_kwargs
 from asyncbatch.config import SimConfig
-from asyncbatch.profiling.gap_report import CAUSES, GapReport, gap_report, lifetimes_of
+from asyncbatch.profiling.gap_report import CAUSES, STEP_KINDS, GapReport, gap_report, lifetimes_of
 from asyncbatch.profiling.host_info import cpu_name, git_commit
 from asyncbatch.profiling.marks import (
     MarkOverhead,
@@ -221,6 +221,10 @@ def format_table(runs: list[ModeRun]) -> str:
         row(f"  {label}", [f"{100 * rep.shares()[key]:.1f}" for rep in reports])
     row("  sum of causes / idle time", [f"{100 * sum(rep.causes_ms.values()) / rep.idle_ms:.2f}%"
                                         if rep.idle_ms > 0 else "-" for rep in reports])
+    lines.append("idle ms (steps) and device busy by step kind:")
+    for key, label in STEP_KINDS.items():
+        row(f"  {label}", [f"{rep.kinds[key].idle_ms:.1f} ({rep.kinds[key].steps})" for rep in reports])
+        row(f"  {label}: busy", [f"{100 * rep.kind_busy_fraction(key):.1f}%" for rep in reports])
     row("planner ms per step (timeline)", [f"{r.stats['planner_ms_per_step']:.3f}" for r in runs])
     row("output ms per step (timeline)", [f"{r.stats['output_ms_per_step']:.3f}" for r in runs])
     row("generate's texts decoded after its outputs, ms (texts)",

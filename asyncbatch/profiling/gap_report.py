@@ -21,7 +21,15 @@ step's apply), ``apply``, ``d2h``, ``output``, ``result``; what no interval
 covers is ``wakeup`` before step N+1's planning began, ``launch`` after. ``CAUSES``
 names and labels them; reports, traces and tests read those names.
 
-Beside the causes the report carries ``admission_us_per_request``: the
+Beside the causes, the idle time is split by the kind of step it delayed
+(``STEP_KINDS``, ``GapReport.kinds``): a step that admits requests, one planned
+right after requests left the batch (finished, aborted, drained or preempted),
+and the rest (steady decode). A run's whole busy fraction mixes the three in
+proportion to their step counts; the split shows, for instance, that a
+speculative run's fewer, fuller steps spend the same burst and finishing-wave
+idle over fewer steps, while its steady steps are as busy as a plain run's.
+
+The report also carries ``admission_us_per_request``: the
 planner's time per admitted request in the steps that admitted any, the
 cost behind the "planning" gaps of an admission burst; and ``speculative``:
 vLLM's speculative decoding counters over the same steps, the tokens the
@@ -60,6 +68,17 @@ CAUSES: dict[str, str] = {
     "launch": "launch latency (launched, not yet started)",
     "grammar_mask": "inside a step: sampling waited for the host's grammar masks",
 }
+
+# The kind of a step, which the idle time before it (and its own grammar-mask wait) is counted under. A step
+# is ``admitting`` if its plan admitted waiting requests, else ``finishing`` if fewer requests were running
+# after its plan than after the previous one's (requests left the batch in between: their releases, the
+# decode set rebuilt, its metadata rewritten), else ``steady``. The first step of a report has no gap
+# before it; its own grammar wait still counts under its kind.
+STEP_KINDS: dict[str, str] = {
+    "admitting": "admitting requests",
+    "finishing": "after requests left",
+    "steady": "steady (the rest)",
+}
 _ORDER = ("queue_empty", "staging_fence", "h2d", "planning", "release", "reconcile", "apply", "d2h",
           "output")  # "gc" splits "planning"
 
@@ -93,6 +112,21 @@ class GapAttribution:
 
 
 @dataclass(slots=True)
+class StepKindShare:
+    """The steps of one ``STEP_KINDS`` kind in a report: how many, their device time and the idle time before
+    them (their grammar-mask waits included)."""
+
+    steps: int = 0
+    busy_ms: float = 0.0
+    idle_ms: float = 0.0
+
+    @property
+    def busy_fraction(self) -> float:
+        total = self.busy_ms + self.idle_ms
+        return self.busy_ms / total if total > 0 else 1.0
+
+
+@dataclass(slots=True)
 class GapReport:
     """Busy fraction, idle time and its causes over a run of completed steps."""
 
@@ -109,6 +143,8 @@ class GapReport:
     # vLLM's speculative decoding counters over these steps, emitted tokens and reconcile ms per step
     # (``timeline.speculative_counts``).
     speculative: dict = field(default_factory=dict)
+    # ``STEP_KINDS`` name -> that kind's steps, their busy ms and the idle ms counted under them.
+    kinds: dict[str, StepKindShare] = field(default_factory=dict)
 
     @property
     def busy_fraction(self) -> float:
@@ -123,12 +159,19 @@ class GapReport:
         """Fraction of the idle time per cause (all zero when there was no idle time)."""
         return {k: (v / self.idle_ms if self.idle_ms > 0 else 0.0) for k, v in self.causes_ms.items()}
 
+    def kind_busy_fraction(self, kind: str) -> float:
+        """Busy fraction of the steps of one ``STEP_KINDS`` kind, with the idle time counted under them."""
+        share = self.kinds.get(kind)
+        return share.busy_fraction if share is not None else 1.0
+
     def to_dict(self, with_gaps: bool = False) -> dict:
         out = {"steps": self.steps, "span_ms": self.span_ms, "busy_ms": self.busy_ms, "idle_ms": self.idle_ms,
                "device_busy_fraction": self.busy_fraction, "idle_ms_per_step": self.idle_ms_per_step,
                "causes_ms": dict(self.causes_ms), "cause_shares": self.shares(),
                "cause_labels": dict(CAUSES), "queue_measured": self.queue_measured,
-               "admission_us_per_request": self.admission_us_per_request, "speculative": dict(self.speculative)}
+               "admission_us_per_request": self.admission_us_per_request, "speculative": dict(self.speculative),
+               "step_kinds": {k: {"steps": v.steps, "busy_ms": v.busy_ms, "idle_ms": v.idle_ms,
+                                  "busy_fraction": v.busy_fraction} for k, v in self.kinds.items()}}
         if with_gaps:
             out["gaps"] = [{"after_step": g.step_before, "before_step": g.step_after, "gap_ms": g.gap_ms,
                             "causes_ms": g.causes_ms} for g in self.gaps]
@@ -212,12 +255,18 @@ def attribute_gaps(records: Sequence[StepRecord], lifetimes: Iterable[tuple[floa
     causes = dict.fromkeys(CAUSES, 0.0)
     spans = list(lifetimes) if lifetimes is not None else []
     if not done:
-        return GapReport(0, 0.0, 0.0, 0.0, causes, bool(spans))
+        return GapReport(0, 0.0, 0.0, 0.0, causes, bool(spans), kinds={k: StepKindShare() for k in STEP_KINDS})
     index = _host_intervals(records, h2d_before_start)
     if spans:  # no lifetimes at all means "not measured", not "the queue was always empty"
         index["queue_empty"] = _queue_empty(spans)
     order = [(k, index[k]) for k in _ORDER if k in index]
     gaps = []
+    kinds = {k: StepKindShare() for k in STEP_KINDS}
+    for i, r in enumerate(done):
+        share = kinds[step_kind(r, done[i - 1] if i else None)]
+        share.steps += 1
+        share.busy_ms += r.busy_s * 1e3
+        share.idle_ms += r.mask_wait_ms
     for before, after in itertools.pairwise(done):
         a, b = before.device_end, after.device_start
         if b <= a:
@@ -228,6 +277,7 @@ def attribute_gaps(records: Sequence[StepRecord], lifetimes: Iterable[tuple[floa
         gap = _attribute_one(a, b, order + extra, after.plan_start)
         gap.step_before, gap.step_after = before.step_id, after.step_id
         gaps.append(gap)
+        kinds[step_kind(after, before)].idle_ms += gap.gap_ms
         for k, v in gap.causes_ms.items():
             causes[k] += v
     mask_wait = sum(r.mask_wait_ms for r in done)
@@ -236,7 +286,16 @@ def attribute_gaps(records: Sequence[StepRecord], lifetimes: Iterable[tuple[floa
     span = (max(r.device_end for r in done) - done[0].device_start) * 1e3
     idle = sum(g.gap_ms for g in gaps) + mask_wait
     return GapReport(len(done), span, busy, idle, causes, bool(spans), gaps, admission_us_per_request(done),
-                     speculative_counts(done))
+                     speculative_counts(done), kinds)
+
+
+def step_kind(record: StepRecord, previous: StepRecord | None) -> str:
+    """``record``'s ``STEP_KINDS`` kind; ``previous``: the step launched before it (None for a report's first)."""
+    if record.num_admitted:
+        return "admitting"
+    if previous is not None and record.num_running < previous.num_running:
+        return "finishing"
+    return "steady"
 
 
 def _attribute_one(a: float, b: float, order: list[tuple[str, _Intervals]], next_plan_start: float
