@@ -142,6 +142,10 @@ def test_demo_runs_on_sim():
     done = run_program(on_sim(command))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "overlap" in done.stdout and "sync" in done.stdout
+    # Three rounds alternate between the modes; the ratio is their median, with the rounds' range beside it.
+    assert "3 rounds alternating between the modes" in done.stdout
+    assert re.search(r"overlap/sync throughput ratio: \d+\.\d\dx \(rounds \d+\.\d\d-\d+\.\d\d\); "
+                     r"identical tokens in both modes: True", done.stdout), done.stdout
 
 
 def test_serve_answers_and_the_serving_benchmark_measures_it(tmp_path):
