@@ -150,3 +150,20 @@ def test_the_structured_output_benchmark_runs_and_reports_every_configuration(tm
         assert len(worst) == min(10, r["steady_steps"] - 1)
         assert any(s["fill_cpu_ms"] > 0.0 for s in worst) == (r["config"] != "none")
     assert "simulated" in (tmp_path / "report.md").read_text()
+
+
+def test_the_benchmark_can_stagger_the_grammar_rows_arrivals(make_llm):
+    """``bench_structured.py --stagger-steps``: the first ``staggered`` requests arrive in waves a step time
+    apart (the others with the first wave), every request runs to its end, and outputs come in input order."""
+    from bench_structured import submit_staggered
+
+    llm = make_llm(device="sim", max_num_seqs=8, engine_process=False, sim=SimConfig(step_fixed_ms=1.0))
+    params = [SamplingParams(max_tokens=3 + i, ignore_eos=True, seed=i) for i in range(6)]
+    outs = submit_staggered(llm, [f"request {i}" for i in range(6)], params, staggered=4, stagger_steps=2,
+                            step_ms=20.0)
+    assert [len(o.token_ids) for o in outs] == [3 + i for i in range(6)]
+    arrivals = [o.metrics.arrival_time for o in outs]
+    first_wave, second_wave = [arrivals[i] for i in (0, 2, 4, 5)], [arrivals[i] for i in (1, 3)]
+    assert min(second_wave) - max(first_wave) >= 0.019  # time.sleep(20 ms) between the two submissions
+    together = submit_staggered(llm, ["a", "b"], params[:2], staggered=2, stagger_steps=0, step_ms=20.0)
+    assert [len(o.token_ids) for o in together] == [3, 4]  # 0: all at once, through generate
