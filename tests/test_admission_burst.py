@@ -164,6 +164,11 @@ def test_burst_through_the_engine(make_llm) -> None:
         assert sum(r.num_admitted for r in records) >= len(prompts)  # preemption re-admits some
         assert stats["admission_us_per_request"] > 0
         assert gap_report(llm).admission_us_per_request == pytest.approx(stats["admission_us_per_request"])
+        # The planner thread's CPU time in the same spans: some, and never more than their wall time (both
+        # clocks read around the same code; 1 % for their granularities).
+        assert 0 < stats["admission_cpu_us_per_request"] <= stats["admission_us_per_request"] * 1.01
+        assert all(r.admit_cpu_ms <= r.admit_ms * 1.01 + 1e-3 for r in records)
+        assert gap_report(llm).admission_cpu_us_per_request == pytest.approx(stats["admission_cpu_us_per_request"])
         llm.close()
     assert tokens[True] == tokens[False]
 

@@ -72,7 +72,8 @@ class Admitter:
     prefilling), ``owners`` (token row -> request) and ``free_rows`` (a stack of free token rows) are the
     scheduler's own objects, never rebound. ``num_admissions`` counts admissions (re-admissions after a
     preemption included) and is each admission's key (``RowState.admit_key``); ``seconds`` is the planner time
-    spent admitting them (part of the figure behind ``admission_us_per_request``). ``batch=False`` applies each
+    spent admitting them (part of the figure behind ``admission_us_per_request``), ``cpu_seconds`` the planner
+    thread's CPU time in it (``admission_cpu_us_per_request``). ``batch=False`` applies each
     admission as soon as it is decided, as the per-request planner did: the reference that tests hold the
     batched path to. ``short_of_blocks``: the last ``admit`` stopped at a request the free blocks could not
     hold. ``table`` is the chunk table (``step_plan``'s ``CHUNK_*`` columns) of the first chunks the last
@@ -96,6 +97,7 @@ class Admitter:
         self.max_blocks_per_seq = blocks.max_blocks_per_seq
         self.num_admissions = 0
         self.seconds = 0.0
+        self.cpu_seconds = 0.0
         self.table: np.ndarray | None = None
         self.short_of_blocks = False  # the last ``admit`` stopped at a request its free blocks could not hold
         self._tables: list[np.ndarray] = []
@@ -109,7 +111,7 @@ class Admitter:
         self.short_of_blocks = False
         if not waiting or budget <= 0 or len(self.running) >= self.max_num_seqs:
             return budget
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.thread_time()
         blocks, prefix, free_rows = self.blocks, self.prefix, self.free_rows
         caching = blocks.caching
         rows_left = self.max_num_seqs - len(self.running)
@@ -190,6 +192,7 @@ class Admitter:
         if caching:
             prefix.count_admissions(prompt_tokens, cached_tokens)
         self.seconds += time.perf_counter() - started
+        self.cpu_seconds += time.thread_time() - started_cpu
         return budget
 
     def _apply(self, requests: list[Request], records: list[tuple[int, ...]], popped: int,

@@ -238,6 +238,7 @@ class EngineCore:
         record.num_tokens, record.num_decode = plan.num_tokens, plan.num_decode
         record.num_prefill, record.num_sampled = plan.num_prefill, meta.num_sampled
         record.num_admitted, record.admit_ms = plan.num_admitted, plan.admit_s * 1e3
+        record.admit_cpu_ms = plan.admit_cpu_s * 1e3
         record.gc_ms = (self._gc_pause - gc_before) * 1e3
         scheduler = self.scheduler
         record.num_running, record.num_waiting = len(scheduler.running), len(scheduler.waiting)

@@ -174,7 +174,8 @@ class Scheduler:
         budget = self.max_num_batched_tokens - len(decode.rows) * (decode.depth + 1)
         prefill: list[ScheduledRow] = []
         budget = self._schedule_prefills(prefill, budget, preempted, drained)
-        admitted_before, admit_s = self.admitter.num_admissions, self.admitter.seconds
+        admitted_before, admit_s, admit_cpu_s = self.admitter.num_admissions, self.admitter.seconds, \
+            self.admitter.cpu_seconds
         budget = self.admitter.admit(prefill, budget, drained)
         if self.admitter.short_of_blocks and self.prefix.num_pending:
             # Parked blocks stopped the queue (``settle_reusable`` left them, ``_short_of_blocks`` did not see it
@@ -185,7 +186,7 @@ class Scheduler:
                 budget = self.admitter.admit(prefill, budget, drained)
         num_admitted = self.admitter.num_admissions - admitted_before
         if num_admitted:
-            admit_s = self.admitter.seconds - admit_s
+            admit_s, admit_cpu_s = self.admitter.seconds - admit_s, self.admitter.cpu_seconds - admit_cpu_s
         for request in drained:  # no later step includes them; their rows go once the metadata is written
             del self.running[request.arrival_seq]
             if self.rows.decoding[request.token_row]:
@@ -211,7 +212,7 @@ class Scheduler:
         return StepPlan(self._step_id, decode.rows, decode.seqs, decode.positions, decode.steps, decode.grew,
                         decode.version, prefill, self.max_num_batched_tokens - budget, sample_rows, sample_seqs,
                         self.num_releases, preempted, drained, num_admitted, admit_s if num_admitted else 0.0,
-                        decode.depth, admitted)
+                        decode.depth, admitted, admit_cpu_s if num_admitted else 0.0)
 
     def _schedule_decode(self, preempted: list[Request], drained: list[Request]) -> _DecodePart:
         """One token for every request in the decode phase (1 + depth in a verify step): array operations over

@@ -84,10 +84,11 @@ class StepMetadataWriter:
 
         prefill = NO_PREFILL
         if plan.prefill:
-            prefill_start = time.perf_counter()
+            prefill_start, prefill_cpu = time.perf_counter(), time.thread_time()
             prefill = write_prefill(plan, staging, st, self.blocks, self.speculative)
             if plan.num_admitted:  # the staging writes of an admission step count as admission cost
                 plan.admit_s += time.perf_counter() - prefill_start
+                plan.admit_cpu_s += time.thread_time() - prefill_cpu
         t = plan.num_decode_tokens + prefill.num_tokens
         context_tokens += prefill.context_tokens
         any_penalty = any_penalty or prefill.any_penalty

@@ -71,6 +71,9 @@ class StepPlan:
     # ``prefill`` (``Admitter.table``), so that the sampled rows and ``write_prefill`` take them without a Python
     # pass.
     admitted: np.ndarray | None = None
+    # The planner thread's CPU seconds in ``admit_s`` (``admission_cpu_us_per_request``): wall time less what
+    # the machine's other threads and processes took from it.
+    admit_cpu_s: float = 0.0
 
     @property
     def num_decode(self) -> int:

@@ -145,6 +145,9 @@ class GapReport:
     speculative: dict = field(default_factory=dict)
     # ``STEP_KINDS`` name -> that kind's steps, their busy ms and the idle ms counted under them.
     kinds: dict[str, StepKindShare] = field(default_factory=dict)
+    # ``admission_us_per_request`` in the planner thread's CPU time (``StepRecord.admit_cpu_ms``): the wall figure
+    # less what the machine's other threads and processes took from the planner meanwhile.
+    admission_cpu_us_per_request: float = 0.0
 
     @property
     def busy_fraction(self) -> float:
@@ -169,7 +172,8 @@ class GapReport:
                "device_busy_fraction": self.busy_fraction, "idle_ms_per_step": self.idle_ms_per_step,
                "causes_ms": dict(self.causes_ms), "cause_shares": self.shares(),
                "cause_labels": dict(CAUSES), "queue_measured": self.queue_measured,
-               "admission_us_per_request": self.admission_us_per_request, "speculative": dict(self.speculative),
+               "admission_us_per_request": self.admission_us_per_request,
+               "admission_cpu_us_per_request": self.admission_cpu_us_per_request, "speculative": dict(self.speculative),
                "step_kinds": {k: {"steps": v.steps, "busy_ms": v.busy_ms, "idle_ms": v.idle_ms,
                                   "busy_fraction": v.busy_fraction} for k, v in self.kinds.items()}}
         if with_gaps:
@@ -286,7 +290,7 @@ def attribute_gaps(records: Sequence[StepRecord], lifetimes: Iterable[tuple[floa
     span = (max(r.device_end for r in done) - done[0].device_start) * 1e3
     idle = sum(g.gap_ms for g in gaps) + mask_wait
     return GapReport(len(done), span, busy, idle, causes, bool(spans), gaps, admission_us_per_request(done),
-                     speculative_counts(done), kinds)
+                     speculative_counts(done), kinds, admission_us_per_request(done, cpu=True))
 
 
 def step_kind(record: StepRecord, previous: StepRecord | None) -> str:

@@ -46,6 +46,7 @@ class StepRecord:
     output_tokens: int = 0  # tokens accepted for callers (extra tokens after a finish excluded)
     num_admitted: int = 0  # waiting requests the step admitted
     admit_ms: float = 0.0  # planner time admitting them (``StepPlan.admit_s``)
+    admit_cpu_ms: float = 0.0  # the planner thread's CPU time in it (``StepPlan.admit_cpu_s``)
     gc_ms: float = 0.0  # Python GC pauses that overlapped the planner's work on this step
     # After the launch (and the send of held outputs), while the step before it ran: registering blocks,
     # releasing requests (``EngineCore._release``); 0.0: not recorded (then it began at ``launch_end``).
@@ -211,17 +212,19 @@ def steady_decode_window(records: list[StepRecord], min_decode: int) -> list[Ste
     return window
 
 
-def admission_us_per_request(records: list[StepRecord]) -> float:
-    """Planner microseconds per admitted request over ``records`` (0.0 when none admitted any)."""
+def admission_us_per_request(records: list[StepRecord], cpu: bool = False) -> float:
+    """Planner microseconds per admitted request over ``records`` (0.0 when none admitted any): wall clock, or
+    with ``cpu`` the planner thread's CPU time (what the machine's other work did not take from it)."""
     admitted = sum(r.num_admitted for r in records)
-    return sum(r.admit_ms for r in records) * 1e3 / admitted if admitted else 0.0
+    spent = sum(r.admit_cpu_ms if cpu else r.admit_ms for r in records)
+    return spent * 1e3 / admitted if admitted else 0.0
 
 
 def summarize(records: list[StepRecord]) -> dict:
     """Busy fraction, idle gaps and per-stage costs over a list of completed steps."""
     if not records:
         return {"steps": 0, "output_tokens": 0, "device_busy_fraction": 0.0, "idle_gap_ms_mean": 0.0,
-                "admission_us_per_request": 0.0,
+                "admission_us_per_request": 0.0, "admission_cpu_us_per_request": 0.0,
                 "idle_gap_ms_p99": 0.0, "planner_ms_per_step": 0.0, "span_s": 0.0}
     starts = np.array([r.device_start for r in records])
     ends = np.array([r.device_end for r in records])
@@ -244,6 +247,7 @@ def summarize(records: list[StepRecord]) -> dict:
         "detok_ms_per_step": float(np.mean([r.detok_ms for r in records])),
         "settle_ms_per_step": float(np.mean([r.settle_ms for r in records])),
         "admission_us_per_request": admission_us_per_request(records),
+        "admission_cpu_us_per_request": admission_us_per_request(records, cpu=True),
         "device_ms_per_step": float((ends - starts).mean() * 1e3),
         "h2d_ms_per_step": float(np.mean([r.h2d_ms for r in records])),
         "sample_ms_per_step": float(np.mean([r.sample_ms for r in records])),
