@@ -266,12 +266,13 @@ def attribute_gaps(records: Sequence[StepRecord], lifetimes: Iterable[tuple[floa
     order = [(k, index[k]) for k in _ORDER if k in index]
     gaps = []
     kinds = {k: StepKindShare() for k in STEP_KINDS}
-    for i, r in enumerate(done):
-        share = kinds[step_kind(r, done[i - 1] if i else None)]
+    kind_of = [step_kind(r, done[i - 1] if i else None) for i, r in enumerate(done)]  # [i]: done[i]'s kind
+    for r, kind in zip(done, kind_of):
+        share = kinds[kind]
         share.steps += 1
         share.busy_ms += r.busy_s * 1e3
         share.idle_ms += r.mask_wait_ms
-    for before, after in itertools.pairwise(done):
+    for (before, after), kind in zip(itertools.pairwise(done), kind_of[1:]):
         a, b = before.device_end, after.device_start
         if b <= a:
             continue
@@ -281,7 +282,7 @@ def attribute_gaps(records: Sequence[StepRecord], lifetimes: Iterable[tuple[floa
         gap = _attribute_one(a, b, order + extra, after.plan_start)
         gap.step_before, gap.step_after = before.step_id, after.step_id
         gaps.append(gap)
-        kinds[step_kind(after, before)].idle_ms += gap.gap_ms
+        kinds[kind].idle_ms += gap.gap_ms
         for k, v in gap.causes_ms.items():
             causes[k] += v
     mask_wait = sum(r.mask_wait_ms for r in done)
