@@ -46,7 +46,7 @@ if (ROOT / "asyncbatch").is_dir() and str(ROOT) not in sys.path[:1]:
     sys.path.insert(0, str(ROOT))
 
 from asyncbatch import LLM, SamplingParams, SimConfig, StructuredOutputsParams
-from asyncbatch.profiling.gap_report import attribute_gaps
+from asyncbatch.profiling.gap_report import GapReport, attribute_gaps
 from asyncbatch.profiling.host_info import cpu_name, git_commit
 from asyncbatch.profiling.timeline import steady_decode_window
 
@@ -91,7 +91,7 @@ def run_one(config: str, step_ms: float, running: int, max_tokens: int, grammar_
     result_ms = [max(0.0, r.wait_end - max(r.wait_start, r.device_end)) * 1e3 for r in window]
     apply_ms = [(r.apply_end - r.wait_end) * 1e3 for r in window]
     return {
-        **slowest_steps(window),
+        **slowest_steps(window, report),
         "config": config, "step_ms": step_ms, "running": running, "grammar_rows": num_grammar,
         "stagger_steps": stagger_steps,
         "steady_steps": len(window), "device_busy_fraction": report.busy_fraction,
@@ -129,14 +129,15 @@ def submit_staggered(llm: LLM, prompts: list[str], params: list[SamplingParams],
     return [handles[i].wait() for i in range(len(prompts))]
 
 
-def slowest_steps(window: list) -> dict:
-    """Where the idle sits: each step's idle (the gap before it plus its wait for masks), the share of all idle in
-    the ``WORST`` idlest steps, and those steps' links (milliseconds): whether the idle is the chain's median or a
-    few slow steps, and in those whether the fill was the grammar library's CPU work or the planner off the CPU
-    (fill wall well above its CPU)."""
+def slowest_steps(window: list, report: GapReport) -> dict:
+    """Where the idle sits: each step's idle (the gap before it, from ``report``'s gaps over ``window``, plus its
+    wait for masks), the share of all idle in the ``WORST`` idlest steps, and those steps' links (milliseconds):
+    whether the idle is the chain's median or a few slow steps, and in those whether the fill was the grammar
+    library's CPU work or the planner off the CPU (fill wall well above its CPU)."""
+    gap_before = {g.step_after: g.gap_ms for g in report.gaps}
     steps = []
     for before, r in itertools.pairwise(window):
-        idle = max(0.0, r.device_start - before.device_end) * 1e3 + r.mask_wait_ms
+        idle = gap_before.get(r.step_id, 0.0) + r.mask_wait_ms
         # A step's masks are filled right after the step before it is applied (both in the chain it waits on).
         steps.append({"step": r.step_id, "idle_ms": idle, "mask_wait_ms": r.mask_wait_ms,
                       "fill_ms": r.mask_fill_ms, "fill_cpu_ms": r.mask_fill_cpu_ms,
