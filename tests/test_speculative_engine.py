@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 
 import pytest
@@ -24,7 +25,7 @@ from engine_checks import assert_idle_and_clean
 from safetensors.torch import load_file, save_file
 from tiny_models import save_tiny_model
 
-from asyncbatch import LLM, SamplingParams
+from asyncbatch import LLM, SamplingParams, StructuredOutputsParams
 from asyncbatch.config import EngineConfig, SimConfig
 from asyncbatch.speculative.config import SpeculativeConfig
 
@@ -165,22 +166,58 @@ def test_a_draft_model_drafting_for_itself_is_always_right_for_greedy_rows(make_
     assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"] > 0
 
 
-def test_a_request_that_needs_sampler_extras_turns_verification_off_while_it_runs(make_llm, tiny_model):
-    """Logprobs, logit_bias, min_tokens and grammars need one token a row: while such a request is live no step
-    verifies drafts; the others' tokens are still the plain ones, and verification resumes once it ends."""
-    prompts, params = tiny_workload(8)
-    # Submitted first and outliving the others (max_tokens <= 60 each), so it is live in every step they run in.
-    extra = SamplingParams(max_tokens=80, temperature=0.0, logprobs=2, ignore_eos=True)
-    prompts, params = [prompts[0], *prompts], [extra, *params]
-    common = {"device": "cpu", "dtype": "float32", "engine_process": False, "debug_check_integrity": True}
-    reference = make_llm(tiny_model, **common).generate(prompts, params, use_tqdm=False)
+def _extras_workload(grounded: list[int], stop_id: int, min_tokens: int) -> list[SamplingParams]:
+    """Requests that need more of the sampler than a token a step, for a grounded prompt (the kind that drafts):
+    ``min_tokens`` keeps ``stop_id`` (a token the prompt's greedy continuation holds before it) banned."""
+    return [
+        SamplingParams(max_tokens=80, temperature=0.0, logprobs=2, ignore_eos=True),
+        SamplingParams(max_tokens=70, temperature=0.8, seed=11, logprobs=3, ignore_eos=True),
+        SamplingParams(max_tokens=70, temperature=0.0, logit_bias={grounded[1]: 4.0, 7: -100.0}, ignore_eos=True),
+        SamplingParams(max_tokens=70, temperature=0.0, min_tokens=min_tokens, stop_token_ids=[stop_id]),
+        SamplingParams(max_tokens=70, temperature=1.0, seed=3,
+                       structured_outputs=StructuredOutputsParams(regex=r"(ab|ba){5,30}")),
+    ]
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_rows_with_sampler_extras_take_one_token_a_step_while_the_others_verify(make_llm, tiny_model, overlap):
+    """Logprobs, prompt logprobs, logit_bias, min_tokens and a grammar need the sampler at every token: such a
+    row is planned one token a step and verifies no drafts, while the other rows of the same steps verify
+    theirs. Every request's tokens (and logprobs) equal a run without speculation."""
+    prompts, params = tiny_workload(16)
+    grounded = prompts[0]
+    common = {"device": "cpu", "dtype": "float32", "engine_process": False, "debug_check_integrity": True,
+              "overlap": overlap}
+    plain = make_llm(tiny_model, **common)
+    greedy = plain.generate([grounded], SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True),
+                            use_tqdm=False)[0].token_ids
+    stop_id = max(set(greedy[5:]), key=greedy[5:].count)  # a token it repeats; min_tokens bans it for a while
+    extras = _extras_workload(grounded, stop_id, greedy.index(stop_id, 5) + 3)
+    # Eight token rows: the extras requests first and long, the plain ones through the three rows left. One
+    # asking for prompt logprobs waits behind six plain ones, so they are scored in a step whose decode rows
+    # verify drafts.
+    late = len(extras) + 6
+    prompts = [*[grounded] * len(extras), *prompts[:6], grounded[::-1], *prompts[6:]]
+    params = [*extras, *params[:6], SamplingParams(max_tokens=8, temperature=0.0, prompt_logprobs=2, ignore_eos=True),
+              *params[6:]]
+    common["max_num_seqs"] = 8
+    reference = plain.generate(prompts, params, use_tqdm=False)
     llm = make_llm(tiny_model, speculative_config=SPEC, **common)
     got = llm.generate(prompts, params, use_tqdm=False)
+    assert_idle_and_clean(llm)
     assert [o.token_ids for o in got] == [o.token_ids for o in reference]
-    assert got[0].logprobs.logprobs == pytest.approx(reference[0].logprobs.logprobs, abs=1e-5)
-    assert llm.stats()["spec_decode_num_draft_tokens"] == 0
-    llm.generate([prompts[1]], params[1], use_tqdm=False)
-    assert llm.stats()["spec_decode_num_draft_tokens"] > 0
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in reference]
+    for i in (0, 1):
+        assert len(got[i].logprobs.logprobs) == len(got[i].token_ids)
+        assert got[i].logprobs.logprobs == pytest.approx(reference[i].logprobs.logprobs, abs=1e-5)
+        assert got[i].logprobs.top_token_ids == reference[i].logprobs.top_token_ids
+    assert 7 not in got[2].token_ids
+    assert got[3].token_ids != greedy[:len(got[3].token_ids)] and stop_id not in got[3].token_ids[:extras[3].min_tokens]
+    assert got[4].finish_reason == "stop" and re.fullmatch(r"(ab|ba){5,30}", got[4].text)
+    assert len(got[late].prompt_logprobs.logprobs) == len(grounded) - 1
+    assert got[late].prompt_logprobs.logprobs == pytest.approx(reference[late].prompt_logprobs.logprobs, abs=1e-5)
+    stats = llm.stats()
+    assert stats["spec_decode_num_draft_tokens"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_self"])
@@ -377,3 +414,49 @@ def test_speculative_counters_reach_the_metrics_endpoint():
     assert 'asyncbatch:spec_decode_num_draft_tokens_total{model_name="m"} 160.0' in text
     assert 'asyncbatch:spec_decode_num_accepted_tokens_total{model_name="m"} 60.0' in text
     assert 'asyncbatch:spec_decode_num_drafts_total{model_name="m"} 40.0' in text
+
+
+def test_sim_verify_steps_with_grammar_and_logprob_rows_give_the_plain_tokens(make_llm):
+    """On ``sim`` with the default tokenizer: grammar rows (every case of the structured-output catalogue),
+    logprob rows and plain rows share verify steps; the grammar and logprob rows take one token a step (each
+    grammar row's token picked from its mask), the plain ones several. Tokens equal a run without speculation,
+    in overlap and sync, with preemption, and every output its grammar finished satisfies it."""
+    pytest.importorskip("xgrammar", reason="structured outputs need the structured extra")
+    from harness.structured_cases import CASES
+
+    sim = SimConfig(step_fixed_ms=0.2, per_token_us=0, per_context_token_ns=0, output_len_min=8, output_len_max=80)
+    prompts, params = [], []
+    for i in range(120):
+        prompts.append(f"Request {i % 7}: say it again and again and again")
+        if i % 3 == 0:
+            case = CASES[(i // 3) % len(CASES)]
+            params.append(SamplingParams(max_tokens=48, temperature=1.0, seed=i, structured_outputs=case.params))
+        elif i % 3 == 1:
+            params.append(SamplingParams(max_tokens=60, temperature=0.0, seed=i, logprobs=1 if i % 2 else None))
+        else:
+            params.append(SamplingParams(max_tokens=60, temperature=0.0, seed=i))
+    runs = {}
+    for name, spec, overlap in [("plain", None, True), ("overlap", SPEC, True), ("sync", SPEC, False)]:
+        llm = make_llm(device="sim", engine_process=False, overlap=overlap, debug_check_integrity=True,
+                       num_kv_blocks=60, max_num_seqs=48, sim=sim, speculative_config=spec)
+        # The grammar compiler loads the tokenizer once, a second or so; meanwhile the plain requests behind the
+        # first grammar request would run alone. Loaded first, the grammar rows join their steps.
+        llm.generate(["warm up"], SamplingParams(max_tokens=4, structured_outputs=CASES[0].params), use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert_idle_and_clean(llm)
+        runs[name] = ([(o.token_ids, o.finish_reason) for o in outs], llm.stats(), outs)
+        shared = [r for r in llm.timeline.records if r.grammar_rows and r.spec_drafts]
+        assert (len(shared) > 10) == (spec is not None), name  # steps where grammar rows and drafts met
+    plain = runs["plain"][0]
+    for name in ("overlap", "sync"):
+        got, stats, outs = runs[name]
+        assert got == plain, name
+        assert stats["spec_decode_num_accepted_tokens"] > 0 and stats["preemptions"] > 0, name
+        stopped = 0
+        for i, out in enumerate(outs):
+            if i % 3 == 0 and out.finish_reason == "stop":
+                CASES[(i // 3) % len(CASES)].check(out.text)
+                stopped += 1
+            if params[i].logprobs is not None:
+                assert len(out.logprobs.logprobs) == len(out.token_ids)
+        assert stopped >= 10, name

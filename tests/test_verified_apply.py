@@ -63,10 +63,24 @@ def _outcome(rng: random.Random, plan) -> tuple[np.ndarray, np.ndarray, np.ndarr
     r, nd, width = len(plan.sample_rows), plan.num_decode, plan.spec_depth + 1
     tokens = np.array([[EOS if rng.random() < 0.04 else rng.randrange(4, VOCAB) for _ in range(width)]
                        for _ in range(r)], dtype=np.int64).reshape(r, width)
-    emitted = np.array([rng.randint(1, width) if i < nd else 1 for i in range(r)], dtype=np.int64)
+    # A row held to one token (``decode_widths``: its request needs sampler extras) verifies nothing.
+    widths = plan.decode_widths if plan.decode_widths is not None else np.full(nd, width)
+    emitted = np.array([rng.randint(1, int(widths[i])) if i < nd else 1 for i in range(r)], dtype=np.int64)
     finite = np.array([rng.random() > 0.01 for _ in range(r)], dtype=bool)
     emitted[~finite] = 1
     return tokens, emitted, finite
+
+
+def _check_widths(sched: Scheduler, plan) -> int:
+    """A verify plan reserves one token for each decode row whose request needs sampler extras (logprobs here)
+    and ``1 + spec_depth`` for the others; returns how many rows it held to one."""
+    if not plan.spec_depth:
+        return 0
+    extras = sched.rows.needs_extras[plan.decode_rows]
+    widths = plan.decode_widths if plan.decode_widths is not None else np.full(plan.num_decode, plan.spec_depth + 1)
+    assert widths.tolist() == np.where(extras, 1, plan.spec_depth + 1).tolist()
+    assert not extras.all()  # then the plan verifies nothing (spec_depth 0)
+    return int(extras.sum())
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
@@ -75,7 +89,7 @@ def test_array_apply_equals_position_by_position(seed: int) -> None:
     fast, ref = _scheduler(True, 32), _scheduler(False, 32)
     requests: list[dict[int, Request]] = [{}, {}]
     prefix = [rng.randrange(4, VOCAB) for _ in range(2 * BLOCK)]
-    seq, in_flight, finished = 0, [], 0
+    seq, in_flight, finished, held_to_one = 0, [], 0, 0
     codes_seen: set[int] = set()
     for step in range(600):
         if step < 300 and rng.random() < 0.4:
@@ -83,7 +97,8 @@ def test_array_apply_equals_position_by_position(seed: int) -> None:
                 prompt = prefix[:rng.randrange(1, 2 * BLOCK)] + [rng.randrange(4, VOCAB) for _ in range(8)]
                 params = SamplingParams(max_tokens=rng.randrange(1, 70), temperature=0.0,
                                         ignore_eos=rng.random() < 0.3,
-                                        stop_token_ids=[rng.randrange(4, VOCAB)] if rng.random() < 0.3 else None)
+                                        stop_token_ids=[rng.randrange(4, VOCAB)] if rng.random() < 0.3 else None,
+                                        logprobs=1 if rng.random() < 0.2 else None)
                 for sched, reqs in zip((fast, ref), requests):
                     request = Request(str(seq), seq, list(prompt), params, seq, 0.0)
                     reqs[seq] = request
@@ -97,6 +112,7 @@ def test_array_apply_equals_position_by_position(seed: int) -> None:
         assert (plans[0] is None) == (plans[1] is None)
         if plans[0] is not None:
             assert plans[0].decode_seqs.tolist() == plans[1].decode_seqs.tolist()
+            held_to_one += _check_widths(fast, plans[0])
             for sched, plan in zip((fast, ref), plans):
                 sched.release_drained(plan)
             in_flight.append((plans, _outcome(rng, plans[0])))
@@ -115,7 +131,7 @@ def test_array_apply_equals_position_by_position(seed: int) -> None:
     assert not ref.has_work() and not in_flight
     # The workload reached every rule and the paths around them.
     assert {int(Finish.EOS), int(Finish.STOP_TOKEN), int(Finish.LENGTH)} <= codes_seen
-    assert fast.num_preemptions > 0 and finished > 0
+    assert fast.num_preemptions > 0 and finished > 0 and held_to_one > 0
     assert fast.blocks.num_free_blocks == fast.blocks.num_usable_blocks
 
 
@@ -155,8 +171,8 @@ def test_per_token_layout_puts_the_finish_on_a_rows_last_token() -> None:
 def test_a_row_keeps_at_most_two_steps_of_rejected_drafts():
     """``check_integrity``'s bound on what a speculative row may hold past its counted tokens: 2k. Step A
     reserves 1 + k positions from 24, step B (planned before A is reconciled) 1 + k more after A's drafts, both
-    steps' drafts are all rejected, and step C, which a request needing sampler extras keeps from verifying,
-    counts one token: the row then holds blocks 2k - 1 tokens past its count, a block more than a (k + 1)-token
+    steps' drafts are all rejected, and step C, planned while waiting prompts take the whole token budget
+    (``prefill_first``), verifies nothing and counts one token: the row then holds blocks 2k - 1 tokens past its count, a block more than a (k + 1)-token
     bound allows. One block more than that is a leak and is caught."""
     sched = _scheduler(True, 64)
     request = Request("0", 0, list(range(4, 28)), SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True), 0,
@@ -175,7 +191,8 @@ def test_a_row_keeps_at_most_two_steps_of_rejected_drafts():
     assert step_a.spec_depth == step_b.spec_depth == DEPTH
     rejected = (np.full((1, DEPTH + 1), 5, dtype=np.int64), np.ones(1, dtype=np.int64), np.ones(1, dtype=bool))
     sched.apply_verified(step_a, *rejected)
-    sched.add(Request("1", 1, [6, 7, 8], SamplingParams(max_tokens=4, temperature=0.0, logprobs=1), 1, 0.0))
+    for seq in (1, 2):  # 2 x 130 prompt tokens: more than the budget left
+        sched.add(Request(str(seq), seq, [6 + seq] * 130, SamplingParams(max_tokens=4, temperature=0.0), seq, 0.0))
     step_c = plan_and_release()
     assert step_c.spec_depth == 0
     sched.apply_verified(step_b, *rejected)

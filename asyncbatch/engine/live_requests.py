@@ -108,8 +108,8 @@ class LiveRequests:
         (``Finish.GRAMMAR``) and is not kept. Returns the step's kept rows and ended seqs/codes, updated."""
         if self.grammar is None or not self.grammar.active:
             return applied, ended, ended_codes
-        # A verify step holds no grammar row (a grammar request turns verification off), but one may have been
-        # applied after a grammar request arrived: its matchers read one token a row.
+        # A verify step holds grammar rows to one token each (``Scheduler._schedule_decode``), but others may
+        # have several: the matchers read one token a row.
         applied = applied.per_token()
         rejected = self.grammar.advance(applied.seqs, applied.token_ids)
         if not rejected:

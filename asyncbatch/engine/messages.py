@@ -178,5 +178,6 @@ class AppliedStep:
         counts = self.num_tokens
         finish = np.zeros(len(self.token_ids), dtype=np.int8)
         finish[np.cumsum(counts) - 1] = self.finish
-        kept = None if self.kept is None else np.repeat(self.kept, counts)
+        # Each token's sample index: a logprob column finds its row by it (``logprob_columns.sampled_columns``).
+        kept = np.repeat(np.arange(len(counts)) if self.kept is None else self.kept, counts)
         return AppliedStep(np.repeat(self.seqs, counts), self.token_ids, finish, self.errored, kept)

@@ -65,9 +65,6 @@ class Request:
     # Its prompt as an int64 array (made with the request, off the planner's path): an admission burst joins the
     # prompts with one ``np.concatenate`` instead of converting every token from a list.
     prompt_array: np.ndarray = field(init=False)
-    # Speculative engines: it needs sampler extras (logprobs, logit_bias, min_tokens, a grammar), so no step
-    # verifies drafts while it is live (``Scheduler.add``).
-    blocks_speculation: bool = False
 
     def __post_init__(self) -> None:
         self.prompt_array = np.asarray(self.prompt_token_ids, dtype=np.int64)

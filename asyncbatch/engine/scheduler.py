@@ -72,6 +72,7 @@ class _DecodePart(NamedTuple):
     grew: np.ndarray  # [G] int64 indices into rows
     version: int
     depth: int = 0  # drafts each row verifies (speculative engines)
+    widths: np.ndarray | None = None  # [D] tokens each row reserved, where some are held to one (``StepPlan``)
 
 
 class RequestRefused(ValueError):
@@ -97,13 +98,12 @@ class Scheduler:
         # Speculative decoding (``docs/speculative.md``): every decode row of a verify step gets 1 + depth tokens,
         # and its counters are upper bounds until ``apply`` reconciles them.
         self.speculative = speculative
-        self._spec_blockers = 0  # live requests that need sampler extras: no verify step while any is
         # How far past its (upper-bound) computed count a speculative row's blocks may reach: a verify step
         # reserves its 1 + d tokens after the previous step's drafts, counted as accepted until they are
         # reconciled, and the row keeps those blocks when they were not (``StepApplier._reconcile``). A reach
         # made of two steps' rejected drafts (2k tokens) can outlive both reconciliations; the newest step's own
         # tokens count in ``num_computed``, so the excess is largest when that step verifies nothing (a depth that
-        # drops from k to 0: ``prefill_first``, ``disable_by_batch_size``, a request that needs sampler extras).
+        # drops from k to 0: ``prefill_first``, ``disable_by_batch_size``, every decode row held to one token).
         self._reserve_slack = 0 if speculative is None else 2 * speculative.num_speculative_tokens
         self.max_num_seqs = block_manager.max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -139,9 +139,6 @@ class Scheduler:
                                  f"{self.blocks.num_usable_blocks} blocks")
         self.prefix.prepare(request)  # arrival-time work, so that admitting a burst only looks things up
         request.row_constants = RowState.constants_of(request)
-        if self.speculative is not None and _needs_extras(request):
-            request.blocks_speculation = True
-            self._spec_blockers += 1
         self.waiting.append(request)
 
     @property
@@ -212,7 +209,7 @@ class Scheduler:
         return StepPlan(self._step_id, decode.rows, decode.seqs, decode.positions, decode.steps, decode.grew,
                         decode.version, prefill, self.max_num_batched_tokens - budget, sample_rows, sample_seqs,
                         self.num_releases, preempted, drained, num_admitted, admit_s if num_admitted else 0.0,
-                        decode.depth, admitted, admit_cpu_s if num_admitted else 0.0)
+                        decode.depth, admitted, admit_cpu_s if num_admitted else 0.0, decode.widths)
 
     def _schedule_decode(self, preempted: list[Request], drained: list[Request]) -> _DecodePart:
         """One token for every request in the decode phase (1 + depth in a verify step): array operations over
@@ -223,7 +220,18 @@ class Scheduler:
         if not len(rows):
             return _DecodePart(rows, seqs, NO_ROWS, NO_ROWS, NO_ROWS, version)
         depth = self._verify_depth(len(rows))
-        width = depth + 1
+        # A row whose request needs more of the sampler than a token (logprobs, logit_bias, min_tokens, a grammar)
+        # is held to one token a step: the host's counts stay exact for it (min_tokens reads the output index, a
+        # grammar's matcher every token), and the device, finding no reserved position past the first, verifies
+        # none of its drafts (``SpeculativeState.decode_inputs``). The others verify theirs in the same step.
+        widths: np.ndarray | None = None  # [D] tokens each row's reservation covers (None: 1 + depth each)
+        if depth:
+            single = st.needs_extras[rows]  # [D]
+            if single.all():
+                depth = 0
+            elif single.any():
+                widths = np.where(single, 1, depth + 1)
+        width = depth + 1 if widths is None else widths
         positions = st.num_computed[rows]  # [D] the input token's position, i.e. its KV slot (speculative: at most)
         # [D] tokens of KV the row holds once this step ran: one more, or (speculative) up to 1 + depth more,
         # never past the most it can ever need (a verify step's drafts past it are not checked).
@@ -234,6 +242,11 @@ class Scheduler:
         if len(grew) > blocks.num_free_blocks:
             kept, grew = self.preemptor.decode_under_pressure(rows, reach, preempted)
             rows, seqs, positions, reach = rows[kept], seqs[kept], positions[kept], reach[kept]
+            if widths is not None:
+                widths = widths[kept]
+                if not (widths > 1).any():  # the rows that were to verify drafts were preempted
+                    depth, widths = 0, None
+                width = depth + 1 if widths is None else widths
             self.decode.mark_removed()  # rebuild next time, whatever this pass kept
             version = self.decode.new_version()
         elif len(grew):
@@ -246,7 +259,7 @@ class Scheduler:
             ends = (scheduled >= st.max_tokens[rows]).nonzero()[0]  # [E] their last output
         else:
             # Every step gives at least one token: drained once the tokens it is sure to get reach max_tokens.
-            over = st.spec_over[rows] + depth  # [D]
+            over = st.spec_over[rows] + (width - 1)  # [D]
             st.spec_over[rows] = over
             ends = (scheduled - over >= st.max_tokens[rows]).nonzero()[0]
             positions = reach - 1  # what the metadata writer reads: the last reserved position
@@ -254,14 +267,14 @@ class Scheduler:
             request = self._owners[row]
             request.status = RequestStatus.DRAINING
             drained.append(request)
-        return _DecodePart(rows, seqs, positions, steps, grew, version, depth)
+        return _DecodePart(rows, seqs, positions, steps, grew, version, depth, widths)
 
     def _verify_depth(self, num_decode: int) -> int:
-        """Drafts each decode row verifies in this step: 0 without speculation, when a live request needs sampler
-        extras, or when the batch is larger than ``disable_by_batch_size``; and what the token budget allows,
-        less (``prefill_first``) what prefill may take of it this step (``_prefill_demand``)."""
+        """Drafts each decode row verifies in this step: 0 without speculation, or when the batch is larger than
+        ``disable_by_batch_size``; and what the token budget allows, less (``prefill_first``) what prefill may take
+        of it this step (``_prefill_demand``). Rows held to one token are ``_schedule_decode``'s."""
         spec = self.speculative
-        if spec is None or self._spec_blockers:
+        if spec is None:
             return 0
         if spec.disable_by_batch_size is not None and num_decode > spec.disable_by_batch_size:
             return 0
@@ -375,8 +388,6 @@ class Scheduler:
             self.waiting.remove(request)
         if request.token_row is not None:
             self._release(request)
-        if request.blocks_speculation:
-            self._spec_blockers -= 1
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
@@ -473,9 +484,3 @@ class Scheduler:
             if not np.array_equal(expected, self.decode.rows):
                 raise IntegrityError("the cached decode rows differ from the decoding rows in admission order")
 
-
-def _needs_extras(request: Request) -> bool:
-    """Whether ``request`` needs more of the sampler than tokens: logprobs, logit_bias, min_tokens, a grammar."""
-    p = request.params
-    return (p.logprobs is not None or p.prompt_logprobs is not None or bool(p.logit_bias) or p.min_tokens > 0
-            or p.structured_outputs is not None)

@@ -276,14 +276,16 @@ class StepApplier:
             return
         st = self.rows
         rows, seqs = plan.decode_rows, plan.decode_seqs  # [D]
-        over = depth + 1 - emitted[:nd]  # [D] drafts counted but not accepted
+        width = depth + 1 if plan.decode_widths is None else plan.decode_widths  # tokens counted a row
+        over = width - emitted[:nd]  # [D] drafts counted but not accepted
         held = None if unreleased else st.seq[rows] == seqs  # [D] (None: all)
-        mine, less = (rows, over) if held is None else (rows[held], over[held])
+        mine, less, counted = (rows, over, width - 1) if held is None else (
+            rows[held], over[held], depth if plan.decode_widths is None else plan.decode_widths[held] - 1)
         # The row keeps the blocks it reserved (at most one past what it needs, ``Scheduler.check_integrity``):
         # giving them back here and taking them again at the next plan would churn a block a row a step.
         st.num_computed[mine] -= less
         st.num_scheduled[mine] -= less
-        st.spec_over[mine] -= depth
+        st.spec_over[mine] -= counted
         if held is None:
             return
         for i in np.flatnonzero(~held & (over > 0)).tolist():

@@ -126,7 +126,7 @@ class StepExtrasWriter:
         """Prompt positions this step's prefill chunks score: the logits at position ``q`` score token ``q + 1``;
         each position once (``Request.prompt_logprobs_next``), so recomputes and later chunks add none."""
         token_index, targets, seqs, counts, ks = [], [], [], [], []
-        t = plan.num_decode
+        t = plan.num_decode_tokens  # the prefill tokens follow the decode rows' (1 + spec_depth each)
         for row in plan.prefill:
             request = row.request
             k = request.params.prompt_logprobs

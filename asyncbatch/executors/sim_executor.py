@@ -33,11 +33,12 @@ chosen token at logprob 0).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 
 from asyncbatch.config import SimConfig
-from asyncbatch.engine.step_contract import StepMeta
+from asyncbatch.engine.step_contract import GrammarMask, StepMeta
 from asyncbatch.executors.base import StepHandle, StepResult
 from asyncbatch.executors.device_thread import PipelinedDeviceThread, PreparedStep, ThreadedExecutor
 from asyncbatch.executors.timer_slack import fine_timer_slack
@@ -189,7 +190,7 @@ class SimExecutor(ThreadedExecutor):
         grammar = extras.grammar if extras is not None else None
         handle._waiter = end if grammar is None else None  # when the modelled device is done (``is_done``)
         if self.speculative and meta.spec_depth:
-            return self._prepare_verify(meta, start, end, h2d_ms)
+            return self._prepare_verify(meta, handle, start, end, h2d_ms)
         if self.speculative:  # decode rows' output counts live on the device (the planner's are upper bounds)
             steps[:nd] = self.num_outputs[decode_rows]
         input_ids[:nd] = self.token_buffer[decode_rows]
@@ -221,10 +222,21 @@ class SimExecutor(ThreadedExecutor):
             commit(end)
             return self._delivered_at(end, result(end))
 
+        def pick(bitmask: np.ndarray) -> None:
+            tokens[grammar.index] = allowed_pick(bitmask, h[grammar.index])
+
+        return PreparedStep(end, False, self._after_mask(meta, handle, grammar, end, pick, commit, result))
+
+    def _after_mask(self, meta: StepMeta, handle: StepHandle, grammar: GrammarMask, end: float,
+                    pick: Callable[[np.ndarray], None], commit: Callable[[float], None],
+                    result: Callable[..., StepResult]) -> Callable[[], StepResult]:
+        """A grammar step's completion: the forward is done at ``end``; sampling waits for the host's mask like a
+        real device would. The pick (``pick``: the grammar rows' tokens from the filled bitmask) is the sampling
+        kernel's part, host work here: with the mask in before ``end``, it is made once the planner blocks on
+        this step (it needs no interpreter until the result) or at ``end``; then ``commit`` writes the device
+        state and ``result`` builds the step's result (sampled at, mask wait ms, wait start)."""
+
         def complete_after_mask() -> StepResult:
-            # The forward is done at ``end``; sampling waits for the host's mask like a real device would. The
-            # pick is the sampling kernel's part, host work here: with the mask in before ``end``, it is made
-            # once the planner blocks on this step (it needs no interpreter until the result) or at ``end``.
             with mark("forward", meta.step_id, " sim"):
                 early = grammar.wait_ready(max(0.0, end - time.perf_counter()))
                 if early:
@@ -233,12 +245,12 @@ class SimExecutor(ThreadedExecutor):
                 with mark("grammar_mask_wait", meta.step_id):
                     grammar.wait_ready()
             sampled = max(end, grammar.ready_time)
-            tokens[grammar.index] = allowed_pick(grammar.bitmask, h[grammar.index])
+            pick(grammar.bitmask)
             commit(sampled)
             self._sleep_until(end, meta.step_id, " sim")
             return result(sampled, (sampled - end) * 1e3, end)
 
-        return PreparedStep(end, False, complete_after_mask)
+        return complete_after_mask
 
     @staticmethod
     def _hash(seeds: np.ndarray, steps: np.ndarray, fed: np.ndarray) -> np.ndarray:
@@ -256,25 +268,28 @@ class SimExecutor(ThreadedExecutor):
         """``_hash`` from its ``_hash_base`` and the fed token."""
         return mix64(base ^ (fed.astype(np.uint64, copy=False) << np.uint64(20)))
 
-    def _prepare_verify(self, meta: StepMeta, start: float, end: float, h2d_ms: float) -> PreparedStep:
-        """A speculative engine's step (no grammar or logprob rows: the scheduler keeps them out of these).
+    def _prepare_verify(self, meta: StepMeta, handle: StepHandle, start: float, end: float,
+                        h2d_ms: float) -> PreparedStep:
+        """A speculative engine's step.
 
         Each decode row's tokens are the plain chain (output ``n`` = hash(seed, n, output ``n - 1``)) from its
         device state, ``1 + depth`` of them; of its drafts, each is accepted with probability
         ``SimConfig.spec_acceptance`` (a hash of the seed and the output index), the run stopping at the first
         rejection and at the KV the planner reserved. So a speculative run emits exactly a plain run's tokens,
-        more of them per step, and the planner's one-step-late reconciliation runs as on a real device."""
+        more of them per step, and the planner's one-step-late reconciliation runs as on a real device. Rows
+        with sampler extras were reserved one token, so they verify nothing; their extras (a banned EOS,
+        pseudo logprobs, a grammar mask) apply at their first position, as in a plain step."""
         s, nd, r, depth = meta.staging, meta.num_decode, meta.num_sampled, meta.spec_depth
         width = depth + 1
         rows, seeds = s.sample_token_rows[:r].copy(), s.sample_seed[:r].copy()
         steps = s.sample_step[:r].copy()  # exact for prefill rows; decode rows' come from the device state
         tokens = np.zeros((r, width), dtype=np.int64)
         fed = self.token_buffer[rows].copy()
+        prefill_positions = None
         if r > nd:  # prefill rows' last token: its pseudo-token's input
             last = s.logits_indices[nd:r]
             fed[nd:] = s.input_ids[last]
-            self.length[rows[nd:]] = s.positions[last] + 1
-            self.num_outputs[rows[nd:]] = steps[nd:]
+            prefill_positions = s.positions[last] + 1
         steps[:nd] = self.num_outputs[rows[:nd]]
         usable = np.minimum(depth, np.maximum(s.decode_context_lens[:nd] - self.length[rows[:nd]] - 1, 0))  # [D]
         # What does not depend on the chain is hashed for every position at once (the host's time in a sim step
@@ -287,25 +302,53 @@ class SimExecutor(ThreadedExecutor):
             ends = index + 1 >= self.output_length(seeds)[:, None]
             if not ends.any():
                 ends = None
+        extras = meta.extras
+        banned_eos = self._eos_banned(extras, r)
         fed_u = fed.astype(np.uint64)
+        first_hash = None  # [R] position 0's hash: a grammar row's pick
         for j in range(width):
             n = r if j == 0 else nd
             h = self._hash_fed(base[:n, j], fed_u[:n])  # = _hash(seeds, steps + j, fed)
-            fed_u[:n] = tokens[:n, j] = self._tokens_of(h, None if ends is None else ends[:n, j], None)
+            if j == 0:
+                first_hash = h
+            fed_u[:n] = tokens[:n, j] = self._tokens_of(h, None if ends is None else ends[:n, j],
+                                                        None if banned_eos is None else banned_eos[:n])
         # Draft j is accepted with probability spec_acceptance, while usable; the run stops at the first rejection.
         coin = mix64(seeds[:nd, None].astype(np.uint64) ^ mix64(index_u[:nd, :depth] + np.uint64(0x5EC))) >> np.uint64(11)
         accept = (coin.astype(np.float64) / float(1 << 53) < self.sim.spec_acceptance) & (np.arange(depth) < usable[:, None])
         emitted = np.ones(r, dtype=np.int64)
         emitted[:nd] += np.logical_and.accumulate(accept, axis=1).sum(axis=1)
         drafted = usable > 0
-        self._device_free_at = end
-        self.token_buffer[rows] = tokens[np.arange(r), emitted - 1]
-        self.length[rows[:nd]] += emitted[:nd]
-        self.num_outputs[rows] += emitted
-        return self._delivered_at(end, StepResult(
-            meta.step_id, tokens, np.ones(r, dtype=bool), device_start=start, device_end=end, h2d_ms=h2d_ms,
-            forward_ms=(end - start) * 1e3, num_emitted=emitted,
-            spec_counts=(int(drafted.sum()), int(usable.sum()), int((emitted[:nd] - 1).sum()))))
+        forward_ms = (end - start) * 1e3
+
+        def commit(end: float) -> None:
+            """The device state after this step: what the next step reads."""
+            self._device_free_at = end
+            if prefill_positions is not None:
+                self.length[rows[nd:]] = prefill_positions
+                self.num_outputs[rows[nd:]] = steps[nd:]
+            self.token_buffer[rows] = tokens[np.arange(r), emitted - 1]
+            self.length[rows[:nd]] += emitted[:nd]
+            self.num_outputs[rows] += emitted
+
+        def result(sampled: float, wait_ms: float = 0.0, wait_start: float = 0.0) -> StepResult:
+            out = StepResult(meta.step_id, tokens, np.ones(r, dtype=bool), device_start=start, device_end=sampled,
+                             h2d_ms=h2d_ms, forward_ms=forward_ms, mask_wait_ms=wait_ms, mask_wait_start=wait_start,
+                             num_emitted=emitted, spec_counts=(int(drafted.sum()), int(usable.sum()),
+                                                               int((emitted[:nd] - 1).sum())))
+            if extras is not None:
+                out.logprobs, out.prompt_logprobs = self._pseudo_logprobs(extras, tokens[:, 0])
+            return out
+
+        grammar = extras.grammar if extras is not None else None
+        if grammar is None:
+            commit(end)
+            return self._delivered_at(end, result(end))
+
+        def pick(bitmask: np.ndarray) -> None:
+            tokens[grammar.index, 0] = allowed_pick(bitmask, first_hash[grammar.index])
+
+        return PreparedStep(end, False, self._after_mask(meta, handle, grammar, end, pick, commit, result))
 
     def is_done(self, handle: StepHandle) -> bool:
         """The modelled device has finished the step (its end has passed), or its result is in. A real device's

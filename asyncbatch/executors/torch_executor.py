@@ -104,6 +104,41 @@ class StepOutcome:
     spec_counts: tuple[int, int, int] = (0, 0, 0)  # rows that verified drafts, draft tokens, accepted tokens
 
 
+class _ExtrasAt:
+    """A step's sampler extras (``SamplerExtras``) and where their rows' logits are.
+
+    The extras index the sampled rows (decode rows first); ``layout`` ``(num_decode, width, decode_tokens)``
+    says that the logits are a verify step's instead, ``width`` positions a decode row and then the prefill
+    rows: a row's extras apply at its first position (rows with extras verify no drafts). Also collects the
+    grammar mask's wait for the ``StepOutcome``."""
+
+    __slots__ = ("_layout", "extras", "inputs", "mask_wait_ms", "mask_wait_start")
+
+    def __init__(self, meta: StepMeta, step: DeviceStep, layout: tuple[int, int, int] | None) -> None:
+        self.extras, self.inputs, self._layout = meta.extras, step.extras, layout
+        self.mask_wait_start = self.mask_wait_ms = 0.0
+
+    def at(self, index: torch.Tensor) -> torch.Tensor:
+        """Sampled-row indices ``[N]`` -> logits rows ``[N]``."""
+        if self._layout is None:
+            return index
+        nd, width, nt = self._layout
+        return torch.where(index < nd, index * width, index + (nt - nd))
+
+    def raw_logprobs(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """``[L, V]`` the logprob rows' logits, before penalties or anything else changes them."""
+        if self.extras is None or self.extras.logprobs is None:
+            return None
+        return logits.index_select(0, self.at(self.inputs.logprob_index))
+
+    def chosen_logprobs(self, raw: torch.Tensor | None, token_ids: torch.Tensor) -> TokenLogprobs | None:
+        """The logprob rows' sampled tokens (``token_ids``: every logits row's) scored under ``raw``."""
+        if raw is None:
+            return None
+        chosen = token_ids.index_select(0, self.at(self.inputs.logprob_index))
+        return token_logprobs(raw, chosen, self.extras.logprobs.max_k)
+
+
 class TorchStep:
     """One step over the model, its KV cache, the device token buffer and the penalty state.
 
@@ -307,44 +342,60 @@ class TorchStep:
         With a ``GrammarMask`` and ``wait_for_mask``, blocks (this thread only) until the planner filled it;
         the logprob rows' distributions are taken before, from the raw logits.
         """
-        r, extras, xin = meta.num_sampled, meta.extras, step.extras
-        prompt = None
-        if extras is not None and extras.prompt_logprobs is not None:
-            prompt = token_logprobs(logits[r:], xin.prompt_targets, extras.prompt_logprobs.max_k)
+        r = meta.num_sampled
+        prompt = self._prompt_logprobs(meta, step, logits[r:])
         logits = logits[:r]
-        raw_logprobs = None
-        if extras is not None and extras.logprobs is not None:
-            raw_logprobs = logits.index_select(0, xin.logprob_index)  # [L, V], before anything changes logits
-        mask_wait_start = mask_wait_ms = 0.0
+        extras = _ExtrasAt(meta, step, None)
+        raw_logprobs = extras.raw_logprobs(logits)
         with mark("sample", meta.step_id):
             penalty = step.penalty
             if penalty is not None:
                 self._update_penalty_context(meta, step.batch, penalty)
                 logits = self.penalties.apply(logits, step.sample_rows, penalty.presence, penalty.frequency,
                                               penalty.repetition)
-            if extras is not None and (extras.bias is not None or extras.grammar is not None):
-                if penalty is None:
-                    logits = logits.clone()  # the forward's output may be a reused buffer
-                if extras.bias is not None:
-                    apply_sparse_bias_(logits, *xin.bias)
-                if extras.grammar is not None:
-                    if wait_for_mask:
-                        mask_wait_start, mask_wait_ms = self._wait_for_mask(meta)
-                    self._apply_mask(logits, extras.grammar, xin.grammar_index)
+            logits = self._bias_and_mask(meta, logits, extras, copied=penalty is not None,
+                                         wait_for_mask=wait_for_mask)
             result = sample(logits, step.sampling, all_greedy=meta.all_greedy, any_top_k_top_p_min_p=meta.any_filter)
             if penalty is not None:
                 self.penalties.record(step.sample_rows, result.token_ids)
             self.token_buffer[step.sample_rows] = result.token_ids
-            chosen = None
-            if raw_logprobs is not None:
-                chosen = token_logprobs(raw_logprobs, result.token_ids.index_select(0, xin.logprob_index),
-                                        extras.logprobs.max_k)
-        return StepOutcome(result.token_ids, result.finite, t_sample, mask_wait_ms, mask_wait_start, chosen, prompt)
+            chosen = extras.chosen_logprobs(raw_logprobs, result.token_ids)
+        return StepOutcome(result.token_ids, result.finite, t_sample, extras.mask_wait_ms, extras.mask_wait_start,
+                           chosen, prompt)
+
+    @staticmethod
+    def _prompt_logprobs(meta: StepMeta, step: DeviceStep, logits: torch.Tensor) -> TokenLogprobs | None:
+        """The prompt positions' logprobs (``logits``: theirs, after the sampled rows')."""
+        extras = meta.extras
+        if extras is None or extras.prompt_logprobs is None:
+            return None
+        return token_logprobs(logits, step.extras.prompt_targets, extras.prompt_logprobs.max_k)
+
+    def _bias_and_mask(self, meta: StepMeta, logits: torch.Tensor, extras: _ExtrasAt, copied: bool,
+                       wait_for_mask: bool) -> torch.Tensor:
+        """``logit_bias`` / ``min_tokens`` and the grammar mask on their rows of ``logits`` (a copy unless
+        ``copied``: the forward's output may be a reused buffer); waits for the mask if ``wait_for_mask``."""
+        x, xin = meta.extras, extras.inputs
+        if x is None or (x.bias is None and x.grammar is None):
+            return logits
+        if not copied:
+            logits = logits.clone()
+        if x.bias is not None:
+            index, token_ids, values = xin.bias
+            apply_sparse_bias_(logits, extras.at(index), token_ids, values)
+        if x.grammar is not None:
+            if wait_for_mask:
+                extras.mask_wait_start, extras.mask_wait_ms = self._wait_for_mask(meta)
+            self._apply_mask(logits, x.grammar, extras.at(xin.grammar_index))
+        return logits
 
     def sample_verified(self, meta: StepMeta, step: DeviceStep, logits: torch.Tensor, t_sample: float) -> StepOutcome:
         """A speculative engine's sampling: every position of every decode row is sampled (its penalties seeing
         the drafts before it), the confirmed drafts are kept (``SpeculativeState.accept``), the rows that ended
-        their prefill start, and every sampled row drafts its next step's tokens."""
+        their prefill start, and every sampled row drafts its next step's tokens.
+
+        Rows that need sampler extras (logprobs, bias, a grammar) verify no drafts (the planner held them to one
+        token): their extras apply at their first position, where their one token is sampled."""
         nd, r = meta.num_decode, meta.num_sampled
         spec, verify = self.spec, step.verify
         width = verify.width if nd else 1
@@ -367,7 +418,10 @@ class TorchStep:
         sampling = SamplingTensors(temperature=expand(st.temperature), top_k=expand(st.top_k), top_p=expand(st.top_p),
                                    min_p=expand(st.min_p), seed=expand(st.seed),
                                    step=torch.cat([verify.sample_steps, st.step[nd:]]))
+        prompt = self._prompt_logprobs(meta, step, logits[nt + r - nd:])
         logits = logits[:nt + r - nd]
+        extras = _ExtrasAt(meta, step, (nd, width, nt))
+        raw_logprobs = extras.raw_logprobs(logits)
         drafts = spec.drafts.index_select(0, rows)[:, :width - 1]  # [D, W - 1]
         with mark("sample", meta.step_id):
             penalty = step.penalty
@@ -378,7 +432,9 @@ class TorchStep:
                                                      expand(penalty.frequency)[:nt], expand(penalty.repetition)[:nt]),
                     self.penalties.apply(logits[nt:], step.sample_rows[nd:], penalty.presence[nd:],
                                          penalty.frequency[nd:], penalty.repetition[nd:])])
+            logits = self._bias_and_mask(meta, logits, extras, copied=penalty is not None, wait_for_mask=True)
             result = sample(logits, sampling, all_greedy=meta.all_greedy, any_top_k_top_p_min_p=meta.any_filter)
+            chosen = extras.chosen_logprobs(raw_logprobs, result.token_ids)
             verified = spec.accept(rows, result.token_ids[:nt].view(nd, width), result.finite[:nt].view(nd, width),
                                    verify.usable_drafts)
             emitted = verified.num_emitted
@@ -394,8 +450,9 @@ class TorchStep:
             tokens[:nd] = verified.tokens
             tokens[nd:, 0] = prefill_tokens
             num_emitted = torch.cat([emitted, torch.ones(r - nd, dtype=torch.int64, device=self.device)])
-        return StepOutcome(tokens, torch.cat([verified.finite, result.finite[nt:]]), t_sample,
-                           num_emitted=num_emitted, spec_counts=self._spec_counts(verified))
+        return StepOutcome(tokens, torch.cat([verified.finite, result.finite[nt:]]), t_sample, extras.mask_wait_ms,
+                           extras.mask_wait_start, chosen, prompt, num_emitted=num_emitted,
+                           spec_counts=self._spec_counts(verified))
 
     def _start_and_propose(self, meta: StepMeta, step: DeviceStep, prefill_tokens: torch.Tensor) -> None:
         """The rows whose prefill ended start decoding (``prefill_tokens``: their first outputs, in sample order
