@@ -15,9 +15,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT / "scripts"))
-from harness.speculative_workloads import load_workload, prompt_ids, spread  # noqa: E402
+from harness.speculative_workloads import load_workload, prompt_ids, spread
 
-from asyncbatch import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
+from asyncbatch import LLM, SamplingParams, StructuredOutputsParams
 
 
 def main() -> None:
