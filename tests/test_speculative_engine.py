@@ -179,14 +179,18 @@ def _extras_workload(grounded: list[int], stop_id: int, min_tokens: int) -> list
     ]
 
 
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
-def test_rows_with_sampler_extras_take_one_token_a_step_while_the_others_verify(make_llm, tiny_model, overlap):
+@pytest.mark.parametrize("overlap, engine_process", [(True, False), (False, False), (True, True)],
+                         ids=["overlap", "sync", "core-process"])
+def test_rows_with_sampler_extras_take_one_token_a_step_while_the_others_verify(make_llm, tiny_model, overlap,
+                                                                                engine_process):
     """Logprobs, prompt logprobs, logit_bias, min_tokens and a grammar need the sampler at every token: such a
     row is planned one token a step and verifies no drafts, while the other rows of the same steps verify
-    theirs. Every request's tokens (and logprobs) equal a run without speculation."""
+    theirs. Every request's tokens (and logprobs) equal a run without speculation: overlap and sync in process,
+    and through the engine-core process (the logprob columns of single-token rows travel beside rows of several
+    tokens)."""
     prompts, params = tiny_workload(16)
     grounded = prompts[0]
-    common = {"device": "cpu", "dtype": "float32", "engine_process": False, "debug_check_integrity": True,
+    common = {"device": "cpu", "dtype": "float32", "engine_process": engine_process, "debug_check_integrity": True,
               "overlap": overlap}
     plain = make_llm(tiny_model, **common)
     greedy = plain.generate([grounded], SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True),
