@@ -20,6 +20,7 @@ import random
 import re
 import shutil
 
+import numpy as np
 import pytest
 from engine_checks import assert_idle_and_clean
 from safetensors.torch import load_file, save_file
@@ -181,13 +182,13 @@ def _extras_workload(grounded: list[int], stop_id: int, min_tokens: int) -> list
 
 @pytest.mark.parametrize("overlap, engine_process", [(True, False), (False, False), (True, True)],
                          ids=["overlap", "sync", "core-process"])
-def test_rows_with_sampler_extras_take_one_token_a_step_while_the_others_verify(make_llm, tiny_model, overlap,
+def test_rows_with_sampler_extras_beside_rows_that_verify_drafts(make_llm, tiny_model, overlap,
                                                                                 engine_process):
-    """Logprobs, prompt logprobs, logit_bias, min_tokens and a grammar need the sampler at every token: such a
-    row is planned one token a step and verifies no drafts, while the other rows of the same steps verify
-    theirs. Every request's tokens (and logprobs) equal a run without speculation: overlap and sync in process,
-    and through the engine-core process (the logprob columns of single-token rows travel beside rows of several
-    tokens)."""
+    """logit_bias, min_tokens and a grammar change a row's logits on the host's word: such a row is planned one
+    token a step and verifies no drafts, while the other rows of the same steps verify theirs. Logprob rows
+    verify theirs, scored at every position. Every request's tokens, logprobs and prompt logprobs equal a run
+    without speculation: overlap and sync in process, and through the engine-core process (logprob columns of
+    rows that emitted several tokens, beside rows of one, cross the wire)."""
     prompts, params = tiny_workload(16)
     grounded = prompts[0]
     common = {"device": "cpu", "dtype": "float32", "engine_process": engine_process, "debug_check_integrity": True,
@@ -222,6 +223,15 @@ def test_rows_with_sampler_extras_take_one_token_a_step_while_the_others_verify(
     assert got[late].prompt_logprobs.logprobs == pytest.approx(reference[late].prompt_logprobs.logprobs, abs=1e-5)
     stats = llm.stats()
     assert stats["spec_decode_num_draft_tokens"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
+    # The logprob requests alone: their drafts are verified and accepted, a logprob for every token emitted.
+    alone = llm.generate(prompts[:2], params[:2], use_tqdm=False)
+    assert llm.stats()["spec_decode_num_accepted_tokens"] > stats["spec_decode_num_accepted_tokens"]
+    for i in (0, 1):
+        assert alone[i].token_ids == got[i].token_ids
+        assert alone[i].logprobs.logprobs == pytest.approx(reference[i].logprobs.logprobs, abs=1e-5)
+        assert np.allclose(alone[i].logprobs.top_logprobs, reference[i].logprobs.top_logprobs, atol=1e-5)
+        assert alone[i].logprobs.top_token_ids == reference[i].logprobs.top_token_ids
+        assert alone[i].logprobs.ranks == reference[i].logprobs.ranks
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_self"])

@@ -311,9 +311,11 @@ class EngineCore:
         if self.config.debug_check_integrity:
             self.scheduler.check_integrity()
         extras = step.meta.extras
+        width = result.token_ids.shape[1] if result.token_ids.ndim == 2 else 1  # positions a decode row computed
         outputs = StepOutputs(
             step.plan.step_id, applied.seqs, applied.token_ids, applied.finish, ended, ended_codes,
-            step.plan.first_scheduled_seqs(), record, sampled_columns(extras, result.logprobs, applied.kept),
+            step.plan.first_scheduled_seqs(), record,
+            sampled_columns(extras, result.logprobs, applied, step.plan.num_decode, width),
             prompt_columns(extras, result.prompt_logprobs), applied.num_tokens)
         if hold:
             self._held = outputs

@@ -109,7 +109,7 @@ class LiveRequests:
         if self.grammar is None or not self.grammar.active:
             return applied, ended, ended_codes
         # A verify step holds grammar rows to one token each (``Scheduler._schedule_decode``), but others may
-        # have several: the matchers read one token a row.
+        # have several: the matchers read one token a row. Tokens keep their order (logprob columns index them).
         applied = applied.per_token()
         rejected = self.grammar.advance(applied.seqs, applied.token_ids)
         if not rejected:
@@ -119,8 +119,9 @@ class LiveRequests:
                 self.scheduler.finish(self.requests[int(applied.seqs[i])], Finish.GRAMMAR.reason)
         keep = np.ones(len(applied.seqs), dtype=bool)
         keep[rejected] = False
-        kept = keep.nonzero()[0] if applied.kept is None else applied.kept[keep]
+        kept, positions = applied.token_keys()
         bad = applied.seqs[rejected]
-        return (AppliedStep(applied.seqs[keep], applied.token_ids[keep], applied.finish[keep], applied.errored, kept),
+        return (AppliedStep(applied.seqs[keep], applied.token_ids[keep], applied.finish[keep], applied.errored,
+                            kept[keep], positions=positions[keep]),
                 np.concatenate([ended, bad]),
                 np.concatenate([ended_codes, np.full(len(bad), Finish.GRAMMAR, dtype=np.int8)]))

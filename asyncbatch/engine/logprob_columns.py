@@ -1,39 +1,42 @@
 """A step's logprobs as ``LogprobColumns`` of its ``StepOutputs``: device results matched to kept rows.
 
 The executor returns one entry per row of ``SamplerExtras.logprobs`` (by sample
-index) and per scored prompt position; the applied step keeps a subset of the
-sampled rows (``AppliedStep.kept``). Rows whose token was dropped lose their
-logprobs with it, so every logprob that reaches a caller belongs to a token it
-receives.
+index; a decode row of a verify step one per position it computed,
+``LogprobRows.entries``) and per scored prompt position; the applied step keeps a
+subset of the sampled rows' tokens (``AppliedStep.token_keys``). Tokens that
+were dropped (or drafts that were not accepted) lose their logprobs with them,
+so every logprob that reaches a caller belongs to a token it receives.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from asyncbatch.engine.messages import LogprobColumns
+from asyncbatch.engine.messages import AppliedStep, LogprobColumns
 from asyncbatch.engine.step_contract import SamplerExtras
 from asyncbatch.sampling.logprobs import TokenLogprobs
 
 
-def sampled_columns(extras: SamplerExtras | None, values: TokenLogprobs | None,
-                    kept: np.ndarray | None) -> LogprobColumns | None:
-    """Logprobs of the kept rows that asked, ``rows`` being positions among the kept rows."""
+def sampled_columns(extras: SamplerExtras | None, values: TokenLogprobs | None, applied: AppliedStep,
+                    num_decode: int, width: int) -> LogprobColumns | None:
+    """Logprobs of the kept tokens whose rows asked, ``rows`` being each one's index in the step's
+    ``token_ids`` (``width``: positions a decode row computed, ``LogprobRows.entries``)."""
     if extras is None or extras.logprobs is None or values is None:
         return None
-    index = extras.logprobs.index  # [L] sample indices
-    select = slice(None)
-    if kept is None:
-        rows = index
-    else:
-        at = np.searchsorted(kept, index)  # kept is ascending
-        found = at < len(kept)
-        found[found] = kept[at[found]] == index[found]
-        if not found.any():
-            return None
-        rows, select = at[found], found
-    return LogprobColumns(rows, extras.logprobs.k[select], values.chosen[select], values.ranks[select],
-                          values.top_ids[select], values.top_logprobs[select])
+    lp = extras.logprobs
+    samples, positions = lp.entries(num_decode, width)  # [E]
+    kept, kept_positions = applied.token_keys()  # [T], ascending by (sample, position)
+    if not len(kept):
+        return None
+    keys, token_keys = samples * width + positions, kept * width + kept_positions
+    at = np.searchsorted(token_keys, keys)
+    found = at < len(token_keys)
+    found[found] = token_keys[at[found]] == keys[found]
+    if not found.any():
+        return None
+    k = lp.k if width == 1 else lp.k[np.searchsorted(lp.index, samples)]
+    return LogprobColumns(at[found], k[found], values.chosen[found], values.ranks[found],
+                          values.top_ids[found], values.top_logprobs[found])
 
 
 def prompt_columns(extras: SamplerExtras | None, values: TokenLogprobs | None) -> LogprobColumns | None:

@@ -108,9 +108,9 @@ class CoreReady:
 
 @dataclass(slots=True)
 class LogprobColumns:
-    """Logprobs of some of a step's output rows (``rows``: positions in ``StepOutputs.seqs``), or of prompt
-    positions (``rows``: the request of each entry). ``top_*`` are ``[L, max k]``; entry ``i`` uses its first
-    ``k[i]`` columns."""
+    """Logprobs of some of a step's output tokens (``rows``: indices in ``StepOutputs.token_ids``, which are
+    the output rows where a row has one token), or of prompt positions (``rows``: the request of each entry).
+    ``top_*`` are ``[L, max k]``; entry ``i`` uses its first ``k[i]`` columns."""
 
     rows: np.ndarray  # [L] int64
     k: np.ndarray  # [L] int64
@@ -169,15 +169,28 @@ class AppliedStep:
     errored: list[int] = field(default_factory=list)  # seqs ended by non-finite logits (no token)
     kept: np.ndarray | None = None  # [K] sample index of each row above (None: every sampled row, in order)
     num_tokens: np.ndarray | None = None  # [K] tokens of each row (speculative steps)
+    # [K] each row's position in its sampled row's run (``per_token`` rows of a speculative step; None: 0 each)
+    positions: np.ndarray | None = None
 
     def per_token(self) -> AppliedStep:
         """The same step with one token a row (a request's tokens in consecutive rows, the finish code on its
-        last), for consumers that read one token a row (grammar matchers)."""
+        last), for consumers that read one token a row (grammar matchers). Token order, hence every token's
+        index in ``token_ids``, is unchanged."""
         if self.num_tokens is None:
             return self
         counts = self.num_tokens
         finish = np.zeros(len(self.token_ids), dtype=np.int8)
         finish[np.cumsum(counts) - 1] = self.finish
-        # Each token's sample index: a logprob column finds its row by it (``logprob_columns.sampled_columns``).
+        kept, positions = self.token_keys()
+        return AppliedStep(np.repeat(self.seqs, counts), self.token_ids, finish, self.errored, kept,
+                           positions=positions)
+
+    def token_keys(self) -> tuple[np.ndarray, np.ndarray]:
+        """``[T]`` each token's (sample index, position in that sampled row's run): where its logprobs are
+        (``logprob_columns.sampled_columns``)."""
+        if self.num_tokens is None:
+            kept = np.arange(len(self.seqs)) if self.kept is None else self.kept
+            return kept, np.zeros(len(kept), dtype=np.int64) if self.positions is None else self.positions
+        counts = self.num_tokens
         kept = np.repeat(np.arange(len(counts)) if self.kept is None else self.kept, counts)
-        return AppliedStep(np.repeat(self.seqs, counts), self.token_ids, finish, self.errored, kept)
+        return kept, np.arange(len(kept)) - np.repeat(np.cumsum(counts) - counts, counts)

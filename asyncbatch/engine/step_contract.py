@@ -195,11 +195,26 @@ class SparseBias:
 
 @dataclass(slots=True)
 class LogprobRows:
-    """Sampled rows that asked for logprobs: their sample index and how many alternatives ([L] each)."""
+    """Sampled rows that asked for logprobs: their sample index and how many alternatives ([L] each). The
+    executor returns an entry per row, or in a verify step one per position for a decode row
+    (``entries``)."""
 
-    index: np.ndarray  # [L] int64 sample index
+    index: np.ndarray  # [L] int64 sample index, ascending (decode rows first)
     k: np.ndarray  # [L] int64 in [0, 20]
     max_k: int
+
+    def entries(self, num_decode: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """Where each of the executor's entries was sampled, as ``[E]`` (sample index, position in the row's
+        run): a decode row of a step that computed ``width`` positions a row has ``width`` entries, in order;
+        any other row one."""
+        index = self.index
+        if width == 1:
+            return index, np.zeros(len(index), dtype=np.int64)
+        decode = index[index < num_decode]  # [Ld]
+        samples = np.concatenate([np.repeat(decode, width), index[len(decode):]])
+        positions = np.concatenate([np.tile(np.arange(width, dtype=np.int64), len(decode)),
+                                    np.zeros(len(index) - len(decode), dtype=np.int64)])
+        return samples, positions
 
 
 @dataclass(slots=True)

@@ -337,7 +337,7 @@ class SimExecutor(ThreadedExecutor):
                              num_emitted=emitted, spec_counts=(int(drafted.sum()), int(usable.sum()),
                                                                int((emitted[:nd] - 1).sum())))
             if extras is not None:
-                out.logprobs, out.prompt_logprobs = self._pseudo_logprobs(extras, tokens[:, 0])
+                out.logprobs, out.prompt_logprobs = self._pseudo_logprobs(extras, tokens, nd)
             return out
 
         grammar = extras.grammar if extras is not None else None
@@ -406,14 +406,22 @@ class SimExecutor(ThreadedExecutor):
         banned[bias.index[hit]] = True
         return banned
 
-    def _pseudo_logprobs(self, extras, tokens: np.ndarray):
-        """Simulated logprobs: the sampled (or prompt) token has probability 1, the other top ids -inf."""
+    def _pseudo_logprobs(self, extras, tokens: np.ndarray, num_decode: int = 0):
+        """Simulated logprobs: the sampled (or prompt) token has probability 1, the other top ids -inf. ``tokens``
+        ``[R]``, or ``[R, W]`` in a verify step (an entry per position of a decode row: ``LogprobRows.entries``)."""
         def columns(ids: np.ndarray, k: int) -> TokenLogprobs:
             top = (ids[:, None] + np.arange(k)) % self.vocab_size
             top_lp = np.where(np.arange(k) == 0, 0.0, -np.inf).astype(np.float32)[None, :].repeat(len(ids), 0)
             return TokenLogprobs(np.zeros(len(ids), dtype=np.float32), np.ones(len(ids), dtype=np.int64), top, top_lp)
 
-        chosen = None if extras.logprobs is None else columns(tokens[extras.logprobs.index], extras.logprobs.max_k)
+        chosen = None
+        if extras.logprobs is not None:
+            if tokens.ndim == 2:
+                samples, positions = extras.logprobs.entries(num_decode, tokens.shape[1])
+                ids = tokens[samples, positions]
+            else:
+                ids = tokens[extras.logprobs.index]
+            chosen = columns(ids, extras.logprobs.max_k)
         prompt = None if extras.prompt_logprobs is None else columns(extras.prompt_logprobs.target_ids,
                                                                       extras.prompt_logprobs.max_k)
         return chosen, prompt

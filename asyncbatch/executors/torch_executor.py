@@ -109,34 +109,49 @@ class _ExtrasAt:
 
     The extras index the sampled rows (decode rows first); ``layout`` ``(num_decode, width, decode_tokens)``
     says that the logits are a verify step's instead, ``width`` positions a decode row and then the prefill
-    rows: a row's extras apply at its first position (rows with extras verify no drafts). Also collects the
-    grammar mask's wait for the ``StepOutcome``."""
+    rows. Bias and grammar rows verify no drafts (the planner held them to one token): theirs apply at the
+    row's first position. A logprob row is scored at every position it computed, in row order
+    (``LogprobRows.entries``): the host keeps the entries of the tokens the row emitted. Also
+    collects the grammar mask's wait for the ``StepOutcome``."""
 
-    __slots__ = ("_layout", "extras", "inputs", "mask_wait_ms", "mask_wait_start")
+    __slots__ = ("_layout", "_logprob_rows", "extras", "inputs", "mask_wait_ms", "mask_wait_start")
 
     def __init__(self, meta: StepMeta, step: DeviceStep, layout: tuple[int, int, int] | None) -> None:
         self.extras, self.inputs, self._layout = meta.extras, step.extras, layout
         self.mask_wait_start = self.mask_wait_ms = 0.0
+        self._logprob_rows: torch.Tensor | None = None
 
     def at(self, index: torch.Tensor) -> torch.Tensor:
-        """Sampled-row indices ``[N]`` -> logits rows ``[N]``."""
+        """Sampled-row indices ``[N]`` -> logits rows ``[N]`` (each row's first position)."""
         if self._layout is None:
             return index
         nd, width, nt = self._layout
         return torch.where(index < nd, index * width, index + (nt - nd))
 
+    def logprob_rows(self) -> torch.Tensor:
+        """``[E]`` the logits rows the logprob entries score: a verify step's decode rows at every position."""
+        if self._logprob_rows is None:
+            index = self.inputs.logprob_index
+            if self._layout is None:
+                self._logprob_rows = index
+            else:
+                nd, width, nt = self._layout
+                decode = index[index < nd]  # [Ld] (decode rows come first)
+                spans = (decode[:, None] * width + torch.arange(width, device=index.device)[None, :]).reshape(-1)
+                self._logprob_rows = torch.cat([spans, index[len(decode):] + (nt - nd)])
+        return self._logprob_rows
+
     def raw_logprobs(self, logits: torch.Tensor) -> torch.Tensor | None:
-        """``[L, V]`` the logprob rows' logits, before penalties or anything else changes them."""
+        """``[E, V]`` the logprob entries' logits, before penalties or anything else changes them."""
         if self.extras is None or self.extras.logprobs is None:
             return None
-        return logits.index_select(0, self.at(self.inputs.logprob_index))
+        return logits.index_select(0, self.logprob_rows())
 
     def chosen_logprobs(self, raw: torch.Tensor | None, token_ids: torch.Tensor) -> TokenLogprobs | None:
-        """The logprob rows' sampled tokens (``token_ids``: every logits row's) scored under ``raw``."""
+        """The logprob entries' sampled tokens (``token_ids``: every logits row's) scored under ``raw``."""
         if raw is None:
             return None
-        chosen = token_ids.index_select(0, self.at(self.inputs.logprob_index))
-        return token_logprobs(raw, chosen, self.extras.logprobs.max_k)
+        return token_logprobs(raw, token_ids.index_select(0, self.logprob_rows()), self.extras.logprobs.max_k)
 
 
 class TorchStep:
@@ -394,8 +409,9 @@ class TorchStep:
         the drafts before it), the confirmed drafts are kept (``SpeculativeState.accept``), the rows that ended
         their prefill start, and every sampled row drafts its next step's tokens.
 
-        Rows that need sampler extras (logprobs, bias, a grammar) verify no drafts (the planner held them to one
-        token): their extras apply at their first position, where their one token is sampled."""
+        Rows with a bias or a grammar verify no drafts (the planner held them to one token): theirs apply at
+        their first position, where their one token is sampled; logprob rows are scored at every position
+        (``_ExtrasAt``)."""
         nd, r = meta.num_decode, meta.num_sampled
         spec, verify = self.spec, step.verify
         width = verify.width if nd else 1

@@ -129,7 +129,8 @@ class OutputProcessor:
         """A speculative step's rows, several tokens each (``StepOutputs.num_tokens``): a ``token_only`` request
         that goes on takes its tokens in one ``extend`` (and its text ids, hidden ids left out for the whole
         step at once, in another); the others' tokens join ``text_rows``/``other_rows`` one token a row, in
-        order, the finish code on the last. Returns the tokens accepted."""
+        order, the finish code on the last, each with its index in ``token_ids`` (where its logprobs are).
+        Returns the tokens accepted."""
         handles = self._handles
         tokens, nums = out.token_ids.tolist(), out.num_tokens.tolist()
         text, text_nums = tokens, nums  # the ids a deferred detokenizer decodes, and how many per row
@@ -154,8 +155,8 @@ class OutputProcessor:
                 continue
             rows = text_rows if handle.has_text else other_rows
             run = tokens[start:end]
-            rows.extend((i, handle, token, _NONE) for token in run[:-1])
-            rows.append((i, handle, run[-1], code))
+            rows.extend((start + j, handle, token, _NONE) for j, token in enumerate(run[:-1]))
+            rows.append((end - 1, handle, run[-1], code))
         return accepted
 
     def _shown(self, token_ids: np.ndarray) -> np.ndarray | None:
@@ -168,7 +169,7 @@ class OutputProcessor:
 
     def _accept_rows(self, rows: list[tuple[int, RequestHandle, int, int]], out: StepOutputs, now: float,
                      finishes: list, ended: list[int], ended_codes: list[Finish]) -> int:
-        """``_accept`` each of ``rows`` (output row index, handle, token, finish code); a request whose processing
+        """``_accept`` each of ``rows`` (the token's index in ``out.token_ids``, handle, token, finish code); a request whose processing
         raises fails alone, one that a stop string ends is reported in ``ended``. Returns the tokens dropped after
         such an end in the same step (a speculative row's later tokens): they are not output tokens."""
         with_logprobs = _by_row(out.logprobs)
@@ -268,7 +269,8 @@ def _logprobs(columns: LogprobColumns, lo: int, hi: int, token_ids: list[int]) -
 
 
 def _by_row(columns: LogprobColumns | None) -> Callable[[int, int], Logprobs | None] | None:
-    """``(output row, its token) -> Logprobs`` of that one token, for the rows ``columns`` has."""
+    """``(token index in the step's token_ids, the token) -> Logprobs`` of that one token, for the tokens
+    ``columns`` has (one token a row: the index is the output row)."""
     if columns is None:
         return None
     at = {row: i for i, row in enumerate(columns.rows.tolist())}
