@@ -44,10 +44,11 @@ def main() -> None:
         walls.append(time.perf_counter() - t0)
         runs.append([o.token_ids for o in outs])
         latencies.append([o.metrics.latency for o in outs])  # request 0 asked for the extra
+    logprobs = outs[0].logprobs.logprobs if outs[0].logprobs is not None else None  # the chosen tokens'
     stats = llm.stats()
     keys = ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "steps")
     result = {"extra": extra, "requests": n, "max_tokens": max_tokens, "walls_s": walls, "latencies_s": latencies,
-              "output_tokens": sum(len(t) for t in runs[0]), "tokens": runs[0],
+              "output_tokens": sum(len(t) for t in runs[0]), "tokens": runs[0], "logprobs_0": logprobs,
               "same_tokens_every_repeat": all(r == runs[0] for r in runs),
               **{k: stats[k] - before.get(k, 0) for k in keys},
               "mean_acceptance_length": stats["spec_decode_mean_acceptance_length"]}
