@@ -184,11 +184,12 @@ def _extras_workload(grounded: list[int], stop_id: int, min_tokens: int) -> list
                          ids=["overlap", "sync", "core-process"])
 def test_rows_with_sampler_extras_beside_rows_that_verify_drafts(make_llm, tiny_model, overlap,
                                                                                 engine_process):
-    """logit_bias, min_tokens and a grammar change a row's logits on the host's word: such a row is planned one
-    token a step and verifies no drafts, while the other rows of the same steps verify theirs. Logprob rows
-    verify theirs, scored at every position. Every request's tokens, logprobs and prompt logprobs equal a run
-    without speculation: overlap and sync in process, and through the engine-core process (logprob columns of
-    rows that emitted several tokens, beside rows of one, cross the wire)."""
+    """A grammar row's mask for a step follows every earlier token: such a row is planned one token a step and
+    verifies no drafts, while the other rows of the same steps verify theirs. Logprob rows verify theirs, scored
+    at every position; logit_bias and min_tokens rows too, biased at every position by its output index. Every
+    request's tokens, logprobs and prompt logprobs equal a run without speculation: overlap and sync in process,
+    and through the engine-core process (logprob columns of rows that emitted several tokens, beside rows of
+    one, cross the wire)."""
     prompts, params = tiny_workload(16)
     grounded = prompts[0]
     common = {"device": "cpu", "dtype": "float32", "engine_process": engine_process, "debug_check_integrity": True,
@@ -223,11 +224,12 @@ def test_rows_with_sampler_extras_beside_rows_that_verify_drafts(make_llm, tiny_
     assert got[late].prompt_logprobs.logprobs == pytest.approx(reference[late].prompt_logprobs.logprobs, abs=1e-5)
     stats = llm.stats()
     assert stats["spec_decode_num_draft_tokens"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
-    # The logprob requests alone: their drafts are verified and accepted, a logprob for every token emitted.
-    alone = llm.generate(prompts[:2], params[:2], use_tqdm=False)
+    # The logprob, bias and min_tokens requests alone: their drafts are verified and accepted (min_tokens' ban
+    # holding at each position by its output index), a logprob for every token emitted.
+    alone = llm.generate(prompts[:4], params[:4], use_tqdm=False)
     assert llm.stats()["spec_decode_num_accepted_tokens"] > stats["spec_decode_num_accepted_tokens"]
+    assert [o.token_ids for o in alone] == [o.token_ids for o in got[:4]]
     for i in (0, 1):
-        assert alone[i].token_ids == got[i].token_ids
         assert alone[i].logprobs.logprobs == pytest.approx(reference[i].logprobs.logprobs, abs=1e-5)
         assert np.allclose(alone[i].logprobs.top_logprobs, reference[i].logprobs.top_logprobs, atol=1e-5)
         assert alone[i].logprobs.top_token_ids == reference[i].logprobs.top_token_ids

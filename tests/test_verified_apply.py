@@ -24,9 +24,11 @@ from asyncbatch.engine.row_state import NO_SEQ
 from asyncbatch.engine.scheduler import Scheduler
 from asyncbatch.sampling_params import SamplingParams
 from asyncbatch.speculative.config import SpeculativeConfig
+from asyncbatch.structured_outputs import StructuredOutputsParams
 
 BLOCK, MAX_BLOCKS, ROWS, BUDGET = 16, 10, 24, 256
 EOS, VOCAB, DEPTH = 3, 40, 4
+GRAMMAR = StructuredOutputsParams(regex="[a-z]+")  # the scheduler only reads that a request has one
 
 
 def _scheduler(vectorised: bool, num_blocks: int) -> Scheduler:
@@ -63,7 +65,7 @@ def _outcome(rng: random.Random, plan) -> tuple[np.ndarray, np.ndarray, np.ndarr
     r, nd, width = len(plan.sample_rows), plan.num_decode, plan.spec_depth + 1
     tokens = np.array([[EOS if rng.random() < 0.04 else rng.randrange(4, VOCAB) for _ in range(width)]
                        for _ in range(r)], dtype=np.int64).reshape(r, width)
-    # A row held to one token (``decode_widths``: its request has a logit_bias) verifies nothing.
+    # A row held to one token (``decode_widths``: its request has a grammar) verifies nothing.
     widths = plan.decode_widths if plan.decode_widths is not None else np.full(nd, width)
     emitted = np.array([rng.randint(1, int(widths[i])) if i < nd else 1 for i in range(r)], dtype=np.int64)
     finite = np.array([rng.random() > 0.01 for _ in range(r)], dtype=bool)
@@ -72,11 +74,11 @@ def _outcome(rng: random.Random, plan) -> tuple[np.ndarray, np.ndarray, np.ndarr
 
 
 def _check_widths(sched: Scheduler, plan) -> int:
-    """A verify plan reserves one token for each decode row whose logits the host changes (logit_bias here) and
-    ``1 + spec_depth`` for the others; returns how many rows it held to one."""
+    """A verify plan reserves one token for each decode row with a grammar and ``1 + spec_depth`` for the
+    others; returns how many rows it held to one."""
     if not plan.spec_depth:
         return 0
-    extras = sched.rows.has_bias[plan.decode_rows] | sched.rows.has_grammar[plan.decode_rows]
+    extras = sched.rows.has_grammar[plan.decode_rows]
     widths = plan.decode_widths if plan.decode_widths is not None else np.full(plan.num_decode, plan.spec_depth + 1)
     assert widths.tolist() == np.where(extras, 1, plan.spec_depth + 1).tolist()
     assert not extras.all()  # then the plan verifies nothing (spec_depth 0)
@@ -98,7 +100,7 @@ def test_array_apply_equals_position_by_position(seed: int) -> None:
                 params = SamplingParams(max_tokens=rng.randrange(1, 70), temperature=0.0,
                                         ignore_eos=rng.random() < 0.3,
                                         stop_token_ids=[rng.randrange(4, VOCAB)] if rng.random() < 0.3 else None,
-                                        logit_bias={5: 1.0} if rng.random() < 0.2 else None)
+                                        structured_outputs=GRAMMAR if rng.random() < 0.2 else None)
                 for sched, reqs in zip((fast, ref), requests):
                     request = Request(str(seq), seq, list(prompt), params, seq, 0.0)
                     reqs[seq] = request

@@ -220,14 +220,14 @@ class Scheduler:
         if not len(rows):
             return _DecodePart(rows, seqs, NO_ROWS, NO_ROWS, NO_ROWS, version)
         depth = self._verify_depth(len(rows))
-        # A row whose logits the host changes (logit_bias, min_tokens, a grammar) is held to one token a step:
-        # the host's counts stay exact for it (min_tokens reads the output index, a grammar's matcher every
-        # token), and the device, finding no reserved position past the first, verifies none of its drafts
-        # (``SpeculativeState.decode_inputs``). The others (logprob rows too: every position is scored) verify
-        # theirs in the same step.
+        # A grammar row is held to one token a step: its mask for a step is its matcher's after every earlier
+        # token, which the host has only for the first position; the device, finding no reserved position past
+        # the first, verifies none of its drafts (``SpeculativeState.decode_inputs``). The others (logprob and
+        # bias rows too: the device scores and biases every position by its output index) verify theirs in
+        # the same step.
         widths: np.ndarray | None = None  # [D] tokens each row's reservation covers (None: 1 + depth each)
         if depth:
-            single = st.has_bias[rows] | st.has_grammar[rows]  # [D]
+            single = st.has_grammar[rows]  # [D]
             if single.all():
                 depth = 0
             elif single.any():

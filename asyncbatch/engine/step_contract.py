@@ -186,11 +186,17 @@ class CachedContext:
 @dataclass(slots=True)
 class SparseBias:
     """Additions to sampled rows' logits, one entry each ([N] each): ``logit_bias`` and the -inf of
-    ``min_tokens`` (EOS and stop ids of rows that have not reached their minimum)."""
+    ``min_tokens`` (EOS and stop ids of rows that have not reached their minimum). An entry applies to a
+    position whose output index is below its ``until`` (the device knows the index: in a verify step a
+    decode row's entries apply at each of its positions, and a row's count is the host's only as a bound)."""
 
     index: np.ndarray  # [N] int64 sample index (row of the step's logits)
     token_ids: np.ndarray  # [N] int64
     values: np.ndarray  # [N] float32 (may be -inf)
+    until: np.ndarray  # [N] int64 output index from which the entry no longer applies (ALWAYS: never)
+
+
+ALWAYS = np.iinfo(np.int64).max  # ``SparseBias.until`` of an entry for every output (``logit_bias``)
 
 
 @dataclass(slots=True)

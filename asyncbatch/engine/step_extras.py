@@ -19,6 +19,7 @@ import numpy as np
 
 from asyncbatch.engine.row_state import RowState
 from asyncbatch.engine.step_contract import (
+    ALWAYS,
     GrammarMask,
     LogprobRows,
     PromptLogprobRows,
@@ -99,28 +100,35 @@ class StepExtrasWriter:
         return self._decode
 
     def _bias(self, index: np.ndarray, sampled_rows: np.ndarray, steps: np.ndarray) -> SparseBias | None:
-        """``logit_bias`` entries, and -inf on EOS and the stop ids of rows still short of ``min_tokens``."""
+        """``logit_bias`` entries, and -inf on EOS and the stop ids of rows that may still be short of
+        ``min_tokens``: while the outputs applied so far (a lower bound of the index sampled now, which in a
+        speculative engine only the device knows) are fewer, with ``until`` = ``min_tokens`` for the device to
+        decide per position. ``steps`` (the host's output index of each sampled row) bounds it from above."""
         if not len(index):
             return None
         st = self.rows
-        parts_index, parts_tokens, parts_values = [], [], []
+        parts_index, parts_tokens, parts_values, parts_until = [], [], [], []
         for i in index.tolist():
             row = int(sampled_rows[i])
             params = st.params[row]
             tokens, values = st.bias[row]
-            if int(steps[i]) < params.min_tokens:
+            until = np.full(len(tokens), ALWAYS, dtype=np.int64)
+            if min(int(steps[i]), int(st.num_outputs[row])) < params.min_tokens:
                 banned = list(params.stop_token_ids or ())
                 if self.eos_token_id is not None:
                     banned.append(self.eos_token_id)
                 tokens = np.concatenate([tokens, np.asarray(banned, dtype=np.int64)])
                 values = np.concatenate([values, np.full(len(banned), -np.inf, dtype=np.float32)])
+                until = np.concatenate([until, np.full(len(banned), params.min_tokens, dtype=np.int64)])
             if len(tokens):
                 parts_index.append(np.full(len(tokens), i, dtype=np.int64))
                 parts_tokens.append(tokens)
                 parts_values.append(values)
+                parts_until.append(until)
         if not parts_index:
             return None
-        return SparseBias(np.concatenate(parts_index), np.concatenate(parts_tokens), np.concatenate(parts_values))
+        return SparseBias(np.concatenate(parts_index), np.concatenate(parts_tokens), np.concatenate(parts_values),
+                          np.concatenate(parts_until))
 
     def _prompt_logprobs(self, plan: StepPlan) -> PromptLogprobRows | None:
         """Prompt positions this step's prefill chunks score: the logits at position ``q`` score token ``q + 1``;

@@ -196,7 +196,7 @@ class SimExecutor(ThreadedExecutor):
         input_ids[:nd] = self.token_buffer[decode_rows]
         fed = input_ids[logits_idx]
         h = self._hash(seeds, steps, fed)
-        banned_eos = self._eos_banned(extras, r)
+        banned_eos = self._eos_banned(extras, steps)
         tokens = self._pseudo_tokens(h, steps, seeds, banned_eos)
 
         def commit(end: float) -> None:
@@ -276,9 +276,10 @@ class SimExecutor(ThreadedExecutor):
         device state, ``1 + depth`` of them; of its drafts, each is accepted with probability
         ``SimConfig.spec_acceptance`` (a hash of the seed and the output index), the run stopping at the first
         rejection and at the KV the planner reserved. So a speculative run emits exactly a plain run's tokens,
-        more of them per step, and the planner's one-step-late reconciliation runs as on a real device. Rows
-        with sampler extras were reserved one token, so they verify nothing; their extras (a banned EOS,
-        pseudo logprobs, a grammar mask) apply at their first position, as in a plain step."""
+        more of them per step, and the planner's one-step-late reconciliation runs as on a real device. Grammar
+        rows were reserved one token, so they verify nothing, their token picked from the mask at their first
+        position, as in a plain step; ``min_tokens``' EOS ban holds at each position by its output index, and
+        logprob rows get an entry per position (``LogprobRows.entries``)."""
         s, nd, r, depth = meta.staging, meta.num_decode, meta.num_sampled, meta.spec_depth
         width = depth + 1
         rows, seeds = s.sample_token_rows[:r].copy(), s.sample_seed[:r].copy()
@@ -303,7 +304,7 @@ class SimExecutor(ThreadedExecutor):
             if not ends.any():
                 ends = None
         extras = meta.extras
-        banned_eos = self._eos_banned(extras, r)
+        banned_eos = self._eos_banned(extras, index)  # [R, W]
         fed_u = fed.astype(np.uint64)
         first_hash = None  # [R] position 0's hash: a grammar row's pick
         for j in range(width):
@@ -312,7 +313,7 @@ class SimExecutor(ThreadedExecutor):
             if j == 0:
                 first_hash = h
             fed_u[:n] = tokens[:n, j] = self._tokens_of(h, None if ends is None else ends[:n, j],
-                                                        None if banned_eos is None else banned_eos[:n])
+                                                        None if banned_eos is None else banned_eos[:n, j])
         # Draft j is accepted with probability spec_acceptance, while usable; the run stops at the first rejection.
         coin = mix64(seeds[:nd, None].astype(np.uint64) ^ mix64(index_u[:nd, :depth] + np.uint64(0x5EC))) >> np.uint64(11)
         accept = (coin.astype(np.float64) / float(1 << 53) < self.sim.spec_acceptance) & (np.arange(depth) < usable[:, None])
@@ -396,14 +397,17 @@ class SimExecutor(ThreadedExecutor):
             tokens = np.where(ends, eos, tokens)
         return tokens
 
-    def _eos_banned(self, extras, r: int) -> np.ndarray | None:
-        """``[R]`` rows whose EOS a -inf bias bans (``min_tokens``); the sim honours no other bias."""
+    def _eos_banned(self, extras, steps: np.ndarray) -> np.ndarray | None:
+        """Where a -inf bias bans EOS (``min_tokens``), for sampled rows at output indices ``steps`` (``[R]``, or
+        ``[R, W]`` for every position of a verify step): a bool array of that shape; the sim honours no other
+        bias."""
         if extras is None or extras.bias is None or self.eos_token_id is None:
             return None
         bias = extras.bias
         hit = (bias.token_ids == self.eos_token_id) & np.isneginf(bias.values)
-        banned = np.zeros(r, dtype=bool)
-        banned[bias.index[hit]] = True
+        banned = np.zeros(steps.shape, dtype=bool)
+        for row, until in zip(bias.index[hit].tolist(), bias.until[hit].tolist()):
+            banned[row] |= steps[row] < until
         return banned
 
     def _pseudo_logprobs(self, extras, tokens: np.ndarray, num_decode: int = 0):

@@ -65,7 +65,8 @@ class PenaltyInputs:
 class ExtrasInputs:
     """``SamplerExtras`` on the device (``None`` where the step has no such rows)."""
 
-    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # [N] sample index, token ids, values
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None  # [N] sample index, token ids,
+    # values, until (``SparseBias``)
     logprob_index: torch.Tensor | None  # [L] sample index
     prompt_targets: torch.Tensor | None  # [P] token ids scored by the logits after the R sampled rows
     grammar_index: torch.Tensor | None  # [G] sample index
@@ -109,9 +110,10 @@ class _ExtrasAt:
 
     The extras index the sampled rows (decode rows first); ``layout`` ``(num_decode, width, decode_tokens)``
     says that the logits are a verify step's instead, ``width`` positions a decode row and then the prefill
-    rows. Bias and grammar rows verify no drafts (the planner held them to one token): theirs apply at the
-    row's first position. A logprob row is scored at every position it computed, in row order
-    (``LogprobRows.entries``): the host keeps the entries of the tokens the row emitted. Also
+    rows. Grammar rows verify no drafts (the planner held them to one token): their masks apply at the row's
+    first position. A decode row's bias entries apply at each of its positions whose output index is below the
+    entry's ``until`` (``min_tokens``' bans end there). A logprob row is scored at every position it computed,
+    in row order (``LogprobRows.entries``): the host keeps the entries of the tokens the row emitted. Also
     collects the grammar mask's wait for the ``StepOutcome``."""
 
     __slots__ = ("_layout", "_logprob_rows", "extras", "inputs", "mask_wait_ms", "mask_wait_start")
@@ -128,17 +130,22 @@ class _ExtrasAt:
         nd, width, nt = self._layout
         return torch.where(index < nd, index * width, index + (nt - nd))
 
+    def spans(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sampled-row indices ``[N]`` (decode rows first) -> ``[E]`` the logits rows of every position each
+        computed (a verify step's decode rows ``width`` each, in order), and which of the ``N`` each is."""
+        entry = torch.arange(len(index), device=index.device)
+        if self._layout is None:
+            return index, entry
+        nd, width, nt = self._layout
+        d = int((index < nd).sum())  # decode rows come first
+        at = (index[:d, None] * width + torch.arange(width, device=index.device)[None, :]).reshape(-1)
+        return (torch.cat([at, index[d:] + (nt - nd)]),
+                torch.cat([entry[:d].repeat_interleave(width), entry[d:]]))
+
     def logprob_rows(self) -> torch.Tensor:
         """``[E]`` the logits rows the logprob entries score: a verify step's decode rows at every position."""
         if self._logprob_rows is None:
-            index = self.inputs.logprob_index
-            if self._layout is None:
-                self._logprob_rows = index
-            else:
-                nd, width, nt = self._layout
-                decode = index[index < nd]  # [Ld] (decode rows come first)
-                spans = (decode[:, None] * width + torch.arange(width, device=index.device)[None, :]).reshape(-1)
-                self._logprob_rows = torch.cat([spans, index[len(decode):] + (nt - nd)])
+            self._logprob_rows = self.spans(self.inputs.logprob_index)[0]
         return self._logprob_rows
 
     def raw_logprobs(self, logits: torch.Tensor) -> torch.Tensor | None:
@@ -257,7 +264,7 @@ class TorchStep:
         up = self.upload
         bias = extras.bias
         return ExtrasInputs(
-            bias=None if bias is None else (up(bias.index), up(bias.token_ids), up(bias.values)),
+            bias=None if bias is None else (up(bias.index), up(bias.token_ids), up(bias.values), up(bias.until)),
             logprob_index=None if extras.logprobs is None else up(extras.logprobs.index),
             prompt_targets=None if extras.prompt_logprobs is None else up(extras.prompt_logprobs.target_ids),
             grammar_index=None if extras.grammar is None else up(extras.grammar.index))
@@ -368,7 +375,7 @@ class TorchStep:
                 self._update_penalty_context(meta, step.batch, penalty)
                 logits = self.penalties.apply(logits, step.sample_rows, penalty.presence, penalty.frequency,
                                               penalty.repetition)
-            logits = self._bias_and_mask(meta, logits, extras, copied=penalty is not None,
+            logits = self._bias_and_mask(meta, logits, step.sampling.step, extras, copied=penalty is not None,
                                          wait_for_mask=wait_for_mask)
             result = sample(logits, step.sampling, all_greedy=meta.all_greedy, any_top_k_top_p_min_p=meta.any_filter)
             if penalty is not None:
@@ -386,18 +393,22 @@ class TorchStep:
             return None
         return token_logprobs(logits, step.extras.prompt_targets, extras.prompt_logprobs.max_k)
 
-    def _bias_and_mask(self, meta: StepMeta, logits: torch.Tensor, extras: _ExtrasAt, copied: bool,
-                       wait_for_mask: bool) -> torch.Tensor:
+    def _bias_and_mask(self, meta: StepMeta, logits: torch.Tensor, steps: torch.Tensor, extras: _ExtrasAt,
+                       copied: bool, wait_for_mask: bool) -> torch.Tensor:
         """``logit_bias`` / ``min_tokens`` and the grammar mask on their rows of ``logits`` (a copy unless
-        ``copied``: the forward's output may be a reused buffer); waits for the mask if ``wait_for_mask``."""
+        ``copied``: the forward's output may be a reused buffer; ``steps``: each logits row's output index);
+        waits for the mask if ``wait_for_mask``."""
         x, xin = meta.extras, extras.inputs
         if x is None or (x.bias is None and x.grammar is None):
             return logits
         if not copied:
             logits = logits.clone()
         if x.bias is not None:
-            index, token_ids, values = xin.bias
-            apply_sparse_bias_(logits, extras.at(index), token_ids, values)
+            index, token_ids, values, until = xin.bias
+            at, entry = extras.spans(index)  # [E] every position of each entry's row
+            values = torch.where(steps.index_select(0, at) < until.index_select(0, entry),
+                                 values.index_select(0, entry), 0.0)
+            apply_sparse_bias_(logits, at, token_ids.index_select(0, entry), values)
         if x.grammar is not None:
             if wait_for_mask:
                 extras.mask_wait_start, extras.mask_wait_ms = self._wait_for_mask(meta)
@@ -409,9 +420,9 @@ class TorchStep:
         the drafts before it), the confirmed drafts are kept (``SpeculativeState.accept``), the rows that ended
         their prefill start, and every sampled row drafts its next step's tokens.
 
-        Rows with a bias or a grammar verify no drafts (the planner held them to one token): theirs apply at
-        their first position, where their one token is sampled; logprob rows are scored at every position
-        (``_ExtrasAt``)."""
+        Grammar rows verify no drafts (the planner held them to one token): their masks apply at their first
+        position, where their one token is sampled; bias entries apply at every position by its output index,
+        and logprob rows are scored at every position (``_ExtrasAt``)."""
         nd, r = meta.num_decode, meta.num_sampled
         spec, verify = self.spec, step.verify
         width = verify.width if nd else 1
@@ -448,7 +459,8 @@ class TorchStep:
                                                      expand(penalty.frequency)[:nt], expand(penalty.repetition)[:nt]),
                     self.penalties.apply(logits[nt:], step.sample_rows[nd:], penalty.presence[nd:],
                                          penalty.frequency[nd:], penalty.repetition[nd:])])
-            logits = self._bias_and_mask(meta, logits, extras, copied=penalty is not None, wait_for_mask=True)
+            logits = self._bias_and_mask(meta, logits, sampling.step, extras, copied=penalty is not None,
+                                         wait_for_mask=True)
             result = sample(logits, sampling, all_greedy=meta.all_greedy, any_top_k_top_p_min_p=meta.any_filter)
             chosen = extras.chosen_logprobs(raw_logprobs, result.token_ids)
             verified = spec.accept(rows, result.token_ids[:nt].view(nd, width), result.finite[:nt].view(nd, width),
