@@ -1,9 +1,10 @@
-"""One batch of grounded requests under n-gram speculation, one of which asks for logprobs or a JSON object.
+"""One batch of grounded requests under n-gram speculation, one of which asks for a sampler extra (or nothing).
 
-    PYTHONPATH=<tree> python mixed_batch.py OUT.json [--extra logprobs|json|none] [--requests 4] [--max-tokens 96]
+    PYTHONPATH=<tree> python mixed_batch.py OUT.json [--extra logprobs|bias|json|none] [--requests 4] [--max-tokens 96]
 
 Default model, float32, 2 threads, overlap, ``speculative_config={"method": "ngram"}`` (k = 4), greedy, EOS
-honoured; the engine is built and warmed up once, then the batch runs ``--repeats`` times. Writes the batch's
+honoured; the engine is built and warmed up once, then the batch runs ``--repeats`` times. Request 0 asks for
+the ``--extra``: logprobs, a logit_bias and ``min_tokens``, a JSON object, or nothing. Writes the batch's
 wall seconds per repeat, output tokens, acceptance counters and every request's token ids (so that two trees'
 runs can be compared token for token). Run from outside the tree (``cd /tmp``) so that ``PYTHONPATH`` decides
 which tree's code runs, in the frontend and in the engine-core process alike.
@@ -32,6 +33,8 @@ def main() -> None:
     # for most of the batch.
     if extra == "logprobs":
         params[0] = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1)
+    elif extra == "bias":  # a ban that changes nothing here (token 0), and EOS banned for the first 32 tokens
+        params[0] = SamplingParams(max_tokens=max_tokens, temperature=0.0, logit_bias={0: -100.0}, min_tokens=32)
     elif extra == "json":
         params[0] = SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                    structured_outputs=StructuredOutputsParams(json_object=True))

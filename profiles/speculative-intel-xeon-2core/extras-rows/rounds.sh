@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Trees side by side, fresh processes, interleaved: each NAME=PATH argument after the round count is a tree
-# (a worktree of a commit, or the checkout), run in the order given, each extra (logprobs, json, none) in turn.
+# (a worktree of a commit, or the checkout), run in the order given, each extra (EXTRAS, default: logprobs json
+# none; bias also exists) in turn.
 #   OUT=/tmp/mixed bash rounds.sh 2 before=/tmp/wt-ref after=/work/main
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
@@ -9,7 +10,7 @@ rounds=$1; shift
 mkdir -p "$OUT"
 cd /tmp  # PYTHONPATH, not the working directory, decides whose code runs (the engine-core process too)
 for round in $(seq 1 "$rounds"); do
-  for extra in logprobs json none; do
+  for extra in ${EXTRAS:-logprobs json none}; do
     for named in "$@"; do
       name=${named%%=*}; tree=${named#*=}
       echo "round $round $name $(date -u +%T)"
