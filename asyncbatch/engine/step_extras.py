@@ -101,9 +101,10 @@ class StepExtrasWriter:
 
     def _bias(self, index: np.ndarray, sampled_rows: np.ndarray, steps: np.ndarray) -> SparseBias | None:
         """``logit_bias`` entries, and -inf on EOS and the stop ids of rows that may still be short of
-        ``min_tokens``: while the outputs applied so far (a lower bound of the index sampled now, which in a
-        speculative engine only the device knows) are fewer, with ``until`` = ``min_tokens`` for the device to
-        decide per position. ``steps`` (the host's output index of each sampled row) bounds it from above."""
+        ``min_tokens``, with ``until`` = ``min_tokens`` for the device to decide per position. "May": the output
+        index sampled now is at least the smaller of ``steps`` (the host's index of each sampled row, exact
+        without speculation) and the outputs applied so far (exact as of the last applied step); in a
+        speculative engine only the device knows it exactly."""
         if not len(index):
             return None
         st = self.rows

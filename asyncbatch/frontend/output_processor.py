@@ -169,9 +169,10 @@ class OutputProcessor:
 
     def _accept_rows(self, rows: list[tuple[int, RequestHandle, int, int]], out: StepOutputs, now: float,
                      finishes: list, ended: list[int], ended_codes: list[Finish]) -> int:
-        """``_accept`` each of ``rows`` (the token's index in ``out.token_ids``, handle, token, finish code); a request whose processing
-        raises fails alone, one that a stop string ends is reported in ``ended``. Returns the tokens dropped after
-        such an end in the same step (a speculative row's later tokens): they are not output tokens."""
+        """``_accept`` each of ``rows`` (the token's index in ``out.token_ids``, handle, token, finish code); a
+        request whose processing raises fails alone, one that a stop string ends is reported in ``ended``. Returns
+        the tokens dropped after such an end in the same step (a speculative row's later tokens): they are not
+        output tokens."""
         with_logprobs = _by_row(out.logprobs)
         stopped_here: set[int] = set()  # a speculative step lists several tokens of a request: none after its stop
         dropped = 0
