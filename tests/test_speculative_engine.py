@@ -182,8 +182,7 @@ def _extras_workload(grounded: list[int], stop_id: int, min_tokens: int) -> list
 
 @pytest.mark.parametrize("overlap, engine_process", [(True, False), (False, False), (True, True)],
                          ids=["overlap", "sync", "core-process"])
-def test_rows_with_sampler_extras_beside_rows_that_verify_drafts(make_llm, tiny_model, overlap,
-                                                                                engine_process):
+def test_rows_with_sampler_extras_beside_rows_that_verify_drafts(make_llm, tiny_model, overlap, engine_process):
     """A grammar row's mask for a step follows every earlier token: such a row is planned one token a step and
     verifies no drafts, while the other rows of the same steps verify theirs. Logprob rows verify theirs, scored
     at every position; logit_bias and min_tokens rows too, biased at every position by its output index. Every
