@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -127,6 +128,14 @@ class ServeProcess:
         self.log.seek(0)
         return self.log.read()
 
+    def dump_stacks(self, wait_s: float = 1.0) -> None:
+        """Ask the server and every process under it (its engine core) for every thread's stack, into the log
+        (``asyncbatch.profiling.stack_dump``): for a test that saw the server stop making progress."""
+        for pid in [self.proc.pid, *descendant_pids(self.proc.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGUSR1)
+        time.sleep(wait_s)
+
     def kill(self) -> str:
         """Stop the server (if it still runs; with ``new_session``, everything in its session) and return
         everything it printed."""
@@ -140,21 +149,35 @@ class ServeProcess:
         return self.output()
 
 
+def _stat_fields(entry: str) -> list[str] | None:
+    """``/proc/<entry>/stat`` after "pid (comm) ": state, ppid, pgrp, session, ...; None if it is gone."""
+    try:
+        with open(f"/proc/{entry}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2:].split()
+
+
+def descendant_pids(pid: int) -> list[int]:
+    """Live processes under ``pid`` (children, theirs, ...), from /proc."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (fields := _stat_fields(entry)) is not None and fields[0] != "Z":
+            parents.setdefault(int(fields[1]), []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
 def session_pids(sid: int) -> list[int]:
     """Live (not zombie) processes of session ``sid``, from /proc."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state ppid pgrp session ...
-        if fields[0] != "Z" and int(fields[3]) == sid:
-            out.append(int(entry))
-    return out
+    return [int(entry) for entry in os.listdir("/proc")
+            if entry.isdigit() and (fields := _stat_fields(entry)) is not None and fields[0] != "Z"
+            and int(fields[3]) == sid]
 
 
 def stream_ids(url: str, body: dict, out: list, headers: dict | None = None) -> None:

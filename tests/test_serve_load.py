@@ -85,13 +85,16 @@ def test_thousand_streams_no_error_no_lost_or_duplicated_token() -> None:
         start = time.monotonic()
         ids, errors, resent = asyncio.run(asyncio.wait_for(run_load(server.url, requests), TIME_LIMIT_S))
         elapsed = time.monotonic() - start
+        if errors:  # e.g. streams that stopped: every thread's stack, server and engine core, into the log
+            server.dump_stacks()
         metrics = httpx.get(server.url + "/metrics", timeout=10).text
     finally:
         log = server.kill()
     print(f"{len(ids)} of {NUM_REQUESTS} streams complete over {CONCURRENCY} connections in {elapsed:.1f} s; "
           f"{sum(len(v) for v in ids.values())} tokens; {len(errors)} errors; {len(resent)} sent again {resent[:3]}")
     problems = [line for line in log.splitlines() if "ERROR" in line or "Traceback" in line or "Error" in line]
-    assert not errors, (errors[:5], problems[:20])
+    stacks = log[log.find("Thread 0x"):] if "Thread 0x" in log else ""
+    assert not errors, (errors[:5], problems[:20], stacks[-12000:])
     assert len(ids) == NUM_REQUESTS
     assert len(resent) <= NUM_REQUESTS // 100, resent[:5]  # a rare connection race, not a pattern
     assert 'asyncbatch:request_success_total{finished_reason="length"' in metrics

@@ -91,3 +91,21 @@ def test_busy_port_is_a_one_line_error() -> None:
         sock.close()
     assert proc.returncode == 2, proc.stderr
     assert "cannot listen on" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_sigusr1_dumps_every_threads_stack_of_the_server_and_its_core_and_both_go_on() -> None:
+    """``kill -USR1`` (``profiling.stack_dump``): the server's and the engine core's threads' stacks reach the
+    log, and the server still answers; what a test that sees streams stop asks for before it kills the server."""
+    server = ServeProcess("--sim-step-ms", "2")
+    try:
+        server.dump_stacks()
+        health = httpx.get(server.url + "/health", timeout=10).status_code
+        out: list = []
+        stream_ids(server.url, {"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True, "stream": True,
+                                "return_token_ids": True}, out)
+    finally:
+        log = server.kill()
+    (ids, finishes, done), = out
+    assert health == 200 and len(ids) == 4 and finishes == ["length"] and done
+    assert "in run_server" in log  # the server's main thread
+    assert "in core_main" in log and "in _send_loop" in log  # the engine core's main and sender threads

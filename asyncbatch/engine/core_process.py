@@ -29,6 +29,7 @@ from asyncbatch.engine import step_wire
 from asyncbatch.engine.builder import ModelSpec, build_core
 from asyncbatch.engine.messages import CoreFailed, CoreReady, Shutdown, StepOutputs
 from asyncbatch.profiling.marks import enable_nvtx
+from asyncbatch.profiling.stack_dump import dump_stacks_on_signal
 
 _POLL_S = 0.5  # how often the main thread checks that the planner is still alive
 
@@ -36,6 +37,7 @@ _POLL_S = 0.5  # how often the main thread checks that the planner is still aliv
 def core_main(config: EngineConfig, spec: ModelSpec, conn: Connection) -> None:
     """Entry point of the core process (``multiprocessing`` target)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the caller, who closes us
+    dump_stacks_on_signal()  # kill -USR1: every thread's stack to stderr (a core that stops making progress)
     enable_nvtx(spec.nvtx)
     outbox: queue.SimpleQueue = queue.SimpleQueue()
     sender = threading.Thread(target=_send_loop, args=(outbox, conn), name="asyncbatch-core-sender", daemon=True)

@@ -5,7 +5,8 @@
                                  └─ shutdown_timeout passes first: abort them (streams end with
                                     finish_reason "abort" and [DONE]), then exit 0
 
-A second SIGINT forces uvicorn to quit at once (its Ctrl-C convention).
+A second SIGINT forces uvicorn to quit at once (its Ctrl-C convention). SIGUSR1 writes every thread's stack
+to stderr and changes nothing else (``profiling.stack_dump``; the engine core process does the same).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 
 import uvicorn
 
+from asyncbatch.profiling.stack_dump import dump_stacks_on_signal
 from asyncbatch.serve.app import build_app
 from asyncbatch.serve.engine_protocol import AsyncEngineClient
 from asyncbatch.serve.settings import ServeSettings
@@ -84,6 +86,7 @@ def run_server(engine: AsyncEngineClient, settings: ServeSettings, sock: socket.
     # uvicorn re-raises the stop signal once it has shut down; with the default handler that would kill
     # the process with the signal's status instead of the 0 a finished drain deserves.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    dump_stacks_on_signal()  # kill -USR1: every thread's stack to stderr, the server goes on
     host, port = sock.getsockname()[:2]
     print(f"asyncbatch serve: {settings.served_model_names[0]} on http://{host}:{port} "
           f"(OpenAI API under /v1; /health, /metrics)", file=sys.stderr, flush=True)
