@@ -137,14 +137,18 @@ def test_overlap_keeps_device_busy(make_llm):
 
 @pytest.mark.exclusive
 def test_overlap_hides_most_host_work_at_2ms_steps(make_llm):
-    """At 2 ms steps the host's work per step (planning, applying, output: 1.5-2.3 ms at 256 rows on this VM,
-    depending on how fast the VM runs that hour) is about a step long, so whether the device stays >= 99 %
-    busy measures the machine, not the pipeline; that figure lives in ``scripts/sweep_overlap.py``'s report.
-    Here: overlap must take most of the host's work off the device's critical path (sync idles ~half)."""
-    over, sync, attempts = best_of(
-        make_llm, 2.0, lambda o, s: o["device_busy_fraction"] >= s["device_busy_fraction"] + 0.25)
-    assert over["device_busy_fraction"] >= sync["device_busy_fraction"] + 0.25, attempts
-    assert sync["device_busy_fraction"] < 0.75, attempts
+    """At 2 ms steps the host's work per step (planning, applying, output at 256 rows: 0.5-2.3 ms on the 2-core
+    VMs, depending on the machine and how fast it runs that hour) is up to a step long, so whether the device
+    stays >= 99 % busy measures the machine, not the pipeline; that figure lives in
+    ``scripts/sweep_overlap.py``'s report. Here: overlap must take most of the host's work off the device's
+    critical path, i.e. leave at most a quarter of the idle time the synchronous loop has (which idles a
+    quarter to a half of the run), whatever the machine's speed."""
+    def idle(figures: dict) -> float:
+        return 1.0 - figures["device_busy_fraction"]
+
+    over, sync, attempts = best_of(make_llm, 2.0, lambda o, s: idle(o) <= 0.25 * idle(s))
+    assert idle(over) <= 0.25 * idle(sync), attempts
+    assert idle(sync) >= 0.05, attempts  # the host's work shows in the synchronous loop: there is work to hide
 
 
 @pytest.mark.parametrize("speculative", [None, {"num_speculative_tokens": 3}], ids=["plain", "speculative"])
