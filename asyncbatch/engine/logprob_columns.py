@@ -24,18 +24,17 @@ def sampled_columns(extras: SamplerExtras | None, values: TokenLogprobs | None, 
     if extras is None or extras.logprobs is None or values is None:
         return None
     lp = extras.logprobs
-    samples, positions = lp.entries(num_decode, width)  # [E]
+    rows, positions = lp.entries(num_decode, width)  # [E]
     kept, kept_positions = applied.token_keys()  # [T], ascending by (sample, position)
     if not len(kept):
         return None
-    keys, token_keys = samples * width + positions, kept * width + kept_positions
+    keys, token_keys = lp.index[rows] * width + positions, kept * width + kept_positions
     at = np.searchsorted(token_keys, keys)
     found = at < len(token_keys)
     found[found] = token_keys[at[found]] == keys[found]
     if not found.any():
         return None
-    k = lp.k if width == 1 else lp.k[np.searchsorted(lp.index, samples)]
-    return LogprobColumns(at[found], k[found], values.chosen[found], values.ranks[found],
+    return LogprobColumns(at[found], lp.k[rows[found]], values.chosen[found], values.ranks[found],
                           values.top_ids[found], values.top_logprobs[found])
 
 

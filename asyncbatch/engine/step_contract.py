@@ -210,17 +210,16 @@ class LogprobRows:
     max_k: int
 
     def entries(self, num_decode: int, width: int) -> tuple[np.ndarray, np.ndarray]:
-        """Where each of the executor's entries was sampled, as ``[E]`` (sample index, position in the row's
-        run): a decode row of a step that computed ``width`` positions a row has ``width`` entries, in order;
-        any other row one."""
-        index = self.index
+        """Where each of the executor's entries was sampled, as ``[E]`` (which of these rows, position in the
+        row's run): a decode row of a step that computed ``width`` positions a row has ``width`` entries, in
+        order; any other row one. ``index[rows]`` is each entry's sample index, ``k[rows]`` its alternatives."""
+        n = len(self.index)
         if width == 1:
-            return index, np.zeros(len(index), dtype=np.int64)
-        decode = index[index < num_decode]  # [Ld]
-        samples = np.concatenate([np.repeat(decode, width), index[len(decode):]])
-        positions = np.concatenate([np.tile(np.arange(width, dtype=np.int64), len(decode)),
-                                    np.zeros(len(index) - len(decode), dtype=np.int64)])
-        return samples, positions
+            return np.arange(n), np.zeros(n, dtype=np.int64)
+        d = int(np.count_nonzero(self.index < num_decode))  # decode rows come first
+        rows = np.concatenate([np.repeat(np.arange(d), width), np.arange(d, n)])
+        positions = np.concatenate([np.tile(np.arange(width, dtype=np.int64), d), np.zeros(n - d, dtype=np.int64)])
+        return rows, positions
 
 
 @dataclass(slots=True)

@@ -421,8 +421,8 @@ class SimExecutor(ThreadedExecutor):
         chosen = None
         if extras.logprobs is not None:
             if tokens.ndim == 2:
-                samples, positions = extras.logprobs.entries(num_decode, tokens.shape[1])
-                ids = tokens[samples, positions]
+                rows, positions = extras.logprobs.entries(num_decode, tokens.shape[1])
+                ids = tokens[extras.logprobs.index[rows], positions]
             else:
                 ids = tokens[extras.logprobs.index]
             chosen = columns(ids, extras.logprobs.max_k)

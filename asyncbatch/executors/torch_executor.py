@@ -130,15 +130,16 @@ class _ExtrasAt:
         nd, width, nt = self._layout
         return torch.where(index < nd, index * width, index + (nt - nd))
 
-    def spans(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def spans(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sampled-row indices ``[N]`` (decode rows first) -> ``[E]`` the logits rows of every position each
-        computed (a verify step's decode rows ``width`` each, in order), and which of the ``N`` each is."""
-        entry = torch.arange(len(index), device=index.device)
+        computed (a verify step's decode rows ``width`` each, in order), and which of the ``N`` each is (None:
+        ``E == N``, one each, in order)."""
         if self._layout is None:
-            return index, entry
+            return index, None
         nd, width, nt = self._layout
         d = int((index < nd).sum())  # decode rows come first
         at = (index[:d, None] * width + torch.arange(width, device=index.device)[None, :]).reshape(-1)
+        entry = torch.arange(len(index), device=index.device)
         return (torch.cat([at, index[d:] + (nt - nd)]),
                 torch.cat([entry[:d].repeat_interleave(width), entry[d:]]))
 
@@ -406,9 +407,9 @@ class TorchStep:
         if x.bias is not None:
             index, token_ids, values, until = xin.bias
             at, entry = extras.spans(index)  # [E] every position of each entry's row
-            values = torch.where(steps.index_select(0, at) < until.index_select(0, entry),
-                                 values.index_select(0, entry), 0.0)
-            apply_sparse_bias_(logits, at, token_ids.index_select(0, entry), values)
+            if entry is not None:
+                token_ids, values, until = (t.index_select(0, entry) for t in (token_ids, values, until))
+            apply_sparse_bias_(logits, at, token_ids, torch.where(steps.index_select(0, at) < until, values, 0.0))
         if x.grammar is not None:
             if wait_for_mask:
                 extras.mask_wait_start, extras.mask_wait_ms = self._wait_for_mask(meta)
