@@ -173,7 +173,7 @@ class OutputProcessor:
         request whose processing raises fails alone, one that a stop string ends is reported in ``ended``. Returns
         the tokens dropped after such an end in the same step (a speculative row's later tokens): they are not
         output tokens."""
-        with_logprobs = _by_row(out.logprobs)
+        with_logprobs = _by_token(out.logprobs)
         stopped_here: set[int] = set()  # a speculative step lists several tokens of a request: none after its stop
         dropped = 0
         for i, handle, token, code in rows:
@@ -269,7 +269,7 @@ def _logprobs(columns: LogprobColumns, lo: int, hi: int, token_ids: list[int]) -
                     [ids[:k] for ids, k in zip(top_ids, ks)], [lps[:k] for lps, k in zip(top_lps, ks)])
 
 
-def _by_row(columns: LogprobColumns | None) -> Callable[[int, int], Logprobs | None] | None:
+def _by_token(columns: LogprobColumns | None) -> Callable[[int, int], Logprobs | None] | None:
     """``(token index in the step's token_ids, the token) -> Logprobs`` of that one token, for the tokens
     ``columns`` has (one token a row: the index is the output row)."""
     if columns is None:
