@@ -146,6 +146,86 @@ def test_bitmask_agrees_with_accept_and_refusals_change_nothing(compiler, byte_t
     assert bitmask[0].tolist() == [0] * bitmask_words(TINY_VOCAB)  # other rows untouched
 
 
+def _random_tokens(compiler, case, rng: random.Random, length: int, after: tuple[int, ...] = ()) -> list[int]:
+    """Up to ``length`` tokens the case allows after ``after``, chosen at random (EOS never; fewer only where
+    the constraint allows nothing else)."""
+    matcher, bitmask, ids = compiler.matcher(case.params), allocate_bitmask(1, TINY_VOCAB), []
+    assert all(matcher.accept(t) for t in after)
+    for _ in range(length):
+        matcher.fill_bitmask(bitmask, 0)
+        choices = sorted(set(allowed(bitmask).tolist()) - {EOS_ID})
+        if not choices:
+            break
+        ids.append(rng.choice(choices))
+        assert matcher.accept(ids[-1])
+    return ids
+
+
+def test_draft_masks_follow_the_drafts_and_the_matchers_come_back(compiler, byte_tokenizer):
+    """``fill_draft_masks`` (a verify step's masks past the first position): row ``j`` of a matcher's rows is its
+    mask after its first ``j`` drafts, as a matcher fed the same tokens has it; from a refused draft, an EOS or
+    the end of the drafts on, its rows allow nothing; and every matcher is back where it was (same mask, same
+    tokens accepted next). Several matchers at once, in one batch, as the engine calls it."""
+    rng, width = random.Random(5), 5
+    names = ("json_person", "regex_email", "choice_prefixes", "grammar_arithmetic", "json_person", "json_person",
+             "choice_yes_no")
+    cases = [CASES_BY_NAME[n] for n in names]
+    prefixes = [_random_tokens(compiler, case, rng, rng.randrange(0, 6)) for case in cases]
+    drafts = [_random_tokens(compiler, case, rng, width - 1, tuple(prefix)) for case, prefix in zip(cases, prefixes)]
+    assert len(drafts[4]) == len(drafts[5]) == width - 1  # a JSON object has room for four more tokens
+    drafts[4][2] = 0  # <unk>: never allowed, so the walk stops before it
+    drafts[5][1] = EOS_ID  # the walk stops at an EOS draft (the request ends with it)
+    drafts[6] = []  # no drafts: only the first row is the matcher's
+    walks = [len(d) for d in drafts[:4]] + [2, 1, 0]
+    matchers = []
+    for case, prefix in zip(cases, prefixes):
+        matcher = compiler.matcher(case.params)
+        assert all(matcher.accept(t) for t in prefix)
+        matchers.append(matcher)
+    first = [i * width for i in range(len(cases))]
+    bitmask = np.full((len(cases) * width, bitmask_words(TINY_VOCAB)), 7, dtype=np.int32)  # stale contents
+    compiler.fill_bitmasks(matchers, bitmask, first)
+    compiler.fill_draft_masks(matchers, drafts, bitmask, first, width)
+    expected = allocate_bitmask(1, TINY_VOCAB)
+    for i, (case, prefix, walked) in enumerate(zip(cases, prefixes, walks)):
+        reference = compiler.matcher(case.params)
+        assert all(reference.accept(t) for t in prefix)
+        for j in range(width):
+            row = bitmask[first[i] + j]
+            if j > walked:
+                assert not row.any(), (case.name, j)  # past the walk: nothing allowed
+                continue
+            reference.fill_bitmask(expected, 0)
+            assert np.array_equal(row, expected[0]), (case.name, j)
+            if j < walked:
+                assert reference.accept(drafts[i][j])
+        matchers[i].fill_bitmask(expected, 0)
+        assert np.array_equal(expected[0], bitmask[first[i]]), case.name  # back at its state before the walk
+        if walked:  # and it goes on from there like any matcher
+            assert matchers[i].accept(drafts[i][0])
+            matchers[i].fill_bitmask(expected, 0)
+            assert np.array_equal(expected[0], bitmask[first[i] + 1]), case.name
+
+
+def test_one_batch_accepts_a_matchers_tokens_in_order(compiler, byte_tokenizer):
+    """A verify step's row feeds its matcher several tokens in one batched call (``GrammarState.advance``): the
+    library takes them in order, as one call each would."""
+    rng = random.Random(9)
+    for name in ("json_person", "regex_email", "grammar_arithmetic"):
+        case = CASES_BY_NAME[name]
+        tokens = _random_tokens(compiler, case, rng, 12)
+        batched, single = compiler.matcher(case.params), compiler.matcher(case.params)
+        other = compiler.matcher(CASES_BY_NAME["choice_yes_no"].params)
+        yes = byte_tokenizer.encode("yes", add_special_tokens=False)
+        mixed = [batched] * 6 + [other] + [batched] * (len(tokens) - 6)
+        assert all(compiler.accept_tokens(mixed, tokens[:6] + yes[:1] + tokens[6:]))
+        assert all(single.accept(t) for t in tokens)
+        masks = allocate_bitmask(2, TINY_VOCAB)
+        batched.fill_bitmask(masks, 0)
+        single.fill_bitmask(masks, 1)
+        assert np.array_equal(masks[0], masks[1]), name
+
+
 def test_after_eos_only_eos_and_nothing_is_accepted(compiler, byte_tokenizer):
     matcher = compiler.matcher(CASES_BY_NAME["choice_yes_no"].params)
     assert not matcher.accept(EOS_ID)  # not complete yet
@@ -445,6 +525,21 @@ def test_the_sim_devices_pick_takes_only_allowed_tokens(vocab):
     dense = np.full((64, words), -1, dtype=np.int32)
     picks = allowed_pick(dense, mix64(np.arange(64, dtype=np.uint64)))
     assert len(set(picks.tolist())) > 48
+    # ``chain_or_pick`` (a grammar row's sim token): the row's plain token where its bitmask row allows it, an
+    # allowed pick elsewhere; bitmask rows chosen by ``rows`` (a verify step's position of each row).
+    from asyncbatch.executors.sim_executor import chain_or_pick
+
+    order = rng.permutation(rows)
+    chain = rng.integers(0, vocab, rows)
+    chain[::3] = [int(allowed(bitmask, g, vocab)[0]) if len(allowed(bitmask, g, vocab)) else 0 for g in order[::3]]
+    h = mix64(np.arange(rows, dtype=np.uint64))
+    got = chain_or_pick(bitmask, order, chain, h)
+    for i, (g, token) in enumerate(zip(order.tolist(), got.tolist())):
+        ok = allowed(bitmask, g, vocab).tolist()
+        if chain[i] in ok:
+            assert token == chain[i]
+        else:
+            assert (token in ok) if ok else token == 0
 
 
 @pytest.mark.parametrize("backend", PARAMS)

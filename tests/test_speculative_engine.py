@@ -183,9 +183,9 @@ def _extras_workload(grounded: list[int], stop_id: int, min_tokens: int) -> list
 @pytest.mark.parametrize("overlap, engine_process", [(True, False), (False, False), (True, True)],
                          ids=["overlap", "sync", "core-process"])
 def test_rows_with_sampler_extras_beside_rows_that_verify_drafts(make_llm, tiny_model, overlap, engine_process):
-    """A grammar row's mask for a step follows every earlier token: such a row is planned one token a step and
-    verifies no drafts, while the other rows of the same steps verify theirs. Logprob rows verify theirs, scored
-    at every position; logit_bias and min_tokens rows too, biased at every position by its output index. Every
+    """Rows that need more of the sampler verify drafts beside plain rows: a grammar row under a mask per position
+    (the host's walk along its drafts), logprob rows scored at every position, logit_bias and min_tokens rows
+    biased at every position by its output index. Every
     request's tokens, logprobs and prompt logprobs equal a run without speculation: overlap and sync in process,
     and through the engine-core process (logprob columns of rows that emitted several tokens, beside rows of
     one, cross the wire)."""
@@ -233,6 +233,53 @@ def test_rows_with_sampler_extras_beside_rows_that_verify_drafts(make_llm, tiny_
         assert np.allclose(alone[i].logprobs.top_logprobs, reference[i].logprobs.top_logprobs, atol=1e-5)
         assert alone[i].logprobs.top_token_ids == reference[i].logprobs.top_token_ids
         assert alone[i].logprobs.ranks == reference[i].logprobs.ranks
+
+
+def _grammar_workload() -> tuple[list[list[int]], list[SamplingParams]]:
+    """Every case of the structured-output catalogue, greedy and seeded, on prompts that repeat a phrase (the kind
+    that drafts), and a regex whose output repeats itself (the n-gram proposer's best case)."""
+    from harness.structured_cases import CASES
+
+    prompts, params = [], []
+    for i, case in enumerate(CASES):
+        prompts.append([5 + i, 6, 7, 8] * 3)
+        params.append(SamplingParams(max_tokens=60, temperature=0.0 if i % 2 else 0.9, seed=i,
+                                     structured_outputs=case.params))
+    prompts.append([5, 6, 7])
+    params.append(SamplingParams(max_tokens=70, temperature=0.0,
+                                 structured_outputs=StructuredOutputsParams(regex=r"(ab|ba){5,30}")))
+    return prompts, params
+
+
+@pytest.mark.parametrize("overlap, engine_process", [(True, False), (False, False), (True, True)],
+                         ids=["overlap", "sync", "core-process"])
+def test_grammar_rows_verify_drafts_under_a_mask_per_position(make_llm, tiny_model, overlap, engine_process):
+    """N-gram drafts reach the host with the step that made them; the host fills a grammar row's mask at each
+    position along them, so grammar rows verify drafts like any other row. With only grammar requests running,
+    drafts are accepted; every token equals a run without speculation (greedy and seeded), and every output its
+    grammar finished satisfies it. With a draft model (drafts made in the step that checks them) grammar rows
+    are held to one token, so such a batch verifies nothing, and its tokens are the plain ones too."""
+    from harness.structured_cases import CASES
+
+    prompts, params = _grammar_workload()
+    common = {"device": "cpu", "dtype": "float32", "engine_process": engine_process, "debug_check_integrity": True,
+              "overlap": overlap}
+    reference = run(make_llm(tiny_model, **common), prompts, params)
+    llm = make_llm(tiny_model, speculative_config=SPEC, **common)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert_idle_and_clean(llm)
+    assert [(o.token_ids, o.finish_reason, o.stop_reason) for o in outs] == reference
+    stats = llm.stats()
+    assert stats["spec_decode_num_accepted_tokens"] > 20, stats
+    stopped = [i for i, o in enumerate(outs[:len(CASES)]) if o.finish_reason == "stop"]
+    assert len(stopped) >= len(CASES) // 2
+    for i in stopped:
+        CASES[i].check(outs[i].text)
+    assert outs[-1].finish_reason == "stop" and re.fullmatch(r"(ab|ba){5,30}", outs[-1].text)
+    if overlap and not engine_process:
+        drafted = make_llm(tiny_model, speculative_config=proposer("draft_self", tiny_model, None), **common)
+        assert run(drafted, prompts, params) == reference
+        assert drafted.stats()["spec_decode_num_draft_tokens"] == 0
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_self"])
@@ -433,9 +480,10 @@ def test_speculative_counters_reach_the_metrics_endpoint():
 
 def test_sim_verify_steps_with_grammar_and_logprob_rows_give_the_plain_tokens(make_llm):
     """On ``sim`` with the default tokenizer: grammar rows (every case of the structured-output catalogue),
-    logprob rows and plain rows share verify steps; the grammar and logprob rows take one token a step (each
-    grammar row's token picked from its mask), the plain ones several. Tokens equal a run without speculation,
-    in overlap and sync, with preemption, and every output its grammar finished satisfies it."""
+    logprob rows and plain rows share verify steps, all of them verifying drafts (a grammar row's token at each
+    position picked under that position's mask: the plain chain where the grammar allows it, which is the
+    sim's draft). Tokens equal a run without speculation, in overlap and sync, with preemption, and every
+    output its grammar finished satisfies it; grammar rows alone accept drafts too."""
     pytest.importorskip("xgrammar", reason="structured outputs need the structured extra")
     from harness.structured_cases import CASES
 
@@ -462,10 +510,14 @@ def test_sim_verify_steps_with_grammar_and_logprob_rows_give_the_plain_tokens(ma
         runs[name] = ([(o.token_ids, o.finish_reason) for o in outs], llm.stats(), outs)
         shared = [r for r in llm.timeline.records if r.grammar_rows and r.spec_drafts]
         assert (len(shared) > 10) == (spec is not None), name  # steps where grammar rows and drafts met
+        alone = llm.generate(prompts[::3], params[::3], use_tqdm=False)  # the grammar requests alone
+        accepted = llm.stats()["spec_decode_num_accepted_tokens"] - runs[name][1]["spec_decode_num_accepted_tokens"]
+        assert (accepted > 0) == (spec is not None), name
+        runs[name] += ([o.token_ids for o in alone],)
     plain = runs["plain"][0]
     for name in ("overlap", "sync"):
-        got, stats, outs = runs[name]
-        assert got == plain, name
+        got, stats, outs, alone = runs[name]
+        assert got == plain and alone == runs["plain"][3], name
         assert stats["spec_decode_num_accepted_tokens"] > 0 and stats["preemptions"] > 0, name
         stopped = 0
         for i, out in enumerate(outs):

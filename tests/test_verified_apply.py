@@ -31,9 +31,10 @@ EOS, VOCAB, DEPTH = 3, 40, 4
 GRAMMAR = StructuredOutputsParams(regex="[a-z]+")  # the scheduler only reads that a request has one
 
 
-def _scheduler(vectorised: bool, num_blocks: int) -> Scheduler:
+def _scheduler(vectorised: bool, num_blocks: int, method: str = "ngram") -> Scheduler:
     blocks = BlockManager(num_blocks, BLOCK, ROWS, MAX_BLOCKS, prefix_caching=True)
-    spec = SpeculativeConfig(num_speculative_tokens=DEPTH, disable_by_batch_size=None)
+    spec = SpeculativeConfig(method=method, model="draft" if method == "draft_model" else None,
+                             num_speculative_tokens=DEPTH, disable_by_batch_size=None)
     sched = Scheduler(blocks, BUDGET, eos_token_id=EOS, speculative=spec)
     sched.applier.vectorised = vectorised
     return sched
@@ -65,7 +66,8 @@ def _outcome(rng: random.Random, plan) -> tuple[np.ndarray, np.ndarray, np.ndarr
     r, nd, width = len(plan.sample_rows), plan.num_decode, plan.spec_depth + 1
     tokens = np.array([[EOS if rng.random() < 0.04 else rng.randrange(4, VOCAB) for _ in range(width)]
                        for _ in range(r)], dtype=np.int64).reshape(r, width)
-    # A row held to one token (``decode_widths``: its request has a grammar) verifies nothing.
+    # A row held to one token (``decode_widths``: its request has a grammar, and drafts come from a draft
+    # model) verifies nothing.
     widths = plan.decode_widths if plan.decode_widths is not None else np.full(nd, width)
     emitted = np.array([rng.randint(1, int(widths[i])) if i < nd else 1 for i in range(r)], dtype=np.int64)
     finite = np.array([rng.random() > 0.01 for _ in range(r)], dtype=bool)
@@ -74,24 +76,28 @@ def _outcome(rng: random.Random, plan) -> tuple[np.ndarray, np.ndarray, np.ndarr
 
 
 def _check_widths(sched: Scheduler, plan) -> int:
-    """A verify plan reserves one token for each decode row with a grammar and ``1 + spec_depth`` for the
-    others; returns how many rows it held to one."""
+    """A verify plan reserves ``1 + spec_depth`` tokens for each decode row, but one for a row with a grammar when
+    the drafts come from a draft model (the host never sees them in time to fill a mask along them); returns
+    how many grammar rows it planned (held to one, or verifying drafts with the others)."""
     if not plan.spec_depth:
         return 0
-    extras = sched.rows.has_grammar[plan.decode_rows]
+    grammar = sched.rows.has_grammar[plan.decode_rows]
     widths = plan.decode_widths if plan.decode_widths is not None else np.full(plan.num_decode, plan.spec_depth + 1)
-    assert widths.tolist() == np.where(extras, 1, plan.spec_depth + 1).tolist()
-    assert not extras.all()  # then the plan verifies nothing (spec_depth 0)
-    return int(extras.sum())
+    if sched.speculative.uses_draft_model:
+        assert widths.tolist() == np.where(grammar, 1, plan.spec_depth + 1).tolist()
+        assert not grammar.all()  # then the plan verifies nothing (spec_depth 0)
+    else:
+        assert plan.decode_widths is None
+    return int(grammar.sum())
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_array_apply_equals_position_by_position(seed: int) -> None:
+@pytest.mark.parametrize("seed, method", [(0, "ngram"), (1, "ngram"), (2, "draft_model"), (3, "draft_model")])
+def test_array_apply_equals_position_by_position(seed: int, method: str) -> None:
     rng = random.Random(seed)
-    fast, ref = _scheduler(True, 32), _scheduler(False, 32)
+    fast, ref = _scheduler(True, 32, method), _scheduler(False, 32, method)
     requests: list[dict[int, Request]] = [{}, {}]
     prefix = [rng.randrange(4, VOCAB) for _ in range(2 * BLOCK)]
-    seq, in_flight, finished, held_to_one = 0, [], 0, 0
+    seq, in_flight, finished, grammar_rows = 0, [], 0, 0
     codes_seen: set[int] = set()
     for step in range(600):
         if step < 300 and rng.random() < 0.4:
@@ -114,7 +120,7 @@ def test_array_apply_equals_position_by_position(seed: int) -> None:
         assert (plans[0] is None) == (plans[1] is None)
         if plans[0] is not None:
             assert plans[0].decode_seqs.tolist() == plans[1].decode_seqs.tolist()
-            held_to_one += _check_widths(fast, plans[0])
+            grammar_rows += _check_widths(fast, plans[0])
             for sched, plan in zip((fast, ref), plans):
                 sched.release_drained(plan)
             in_flight.append((plans, _outcome(rng, plans[0])))
@@ -133,7 +139,7 @@ def test_array_apply_equals_position_by_position(seed: int) -> None:
     assert not ref.has_work() and not in_flight
     # The workload reached every rule and the paths around them.
     assert {int(Finish.EOS), int(Finish.STOP_TOKEN), int(Finish.LENGTH)} <= codes_seen
-    assert fast.num_preemptions > 0 and finished > 0 and held_to_one > 0
+    assert fast.num_preemptions > 0 and finished > 0 and grammar_rows > 0
     assert fast.blocks.num_free_blocks == fast.blocks.num_usable_blocks
 
 

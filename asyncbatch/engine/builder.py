@@ -203,7 +203,9 @@ def _build_core(config: EngineConfig, spec: ModelSpec, send: Callable[[object], 
         num_blocks = choose_num_blocks(config, device, _kv_bytes(hf_config, spec, torch.bfloat16), max_len)
         executor = SimExecutor(config.sim, spec.vocab_size, spec.eos_token_id, config.max_num_seqs,
                                speculative=config.speculative_config is not None,
-                               draft_model=spec.draft_path is not None)
+                               draft_model=spec.draft_path is not None,
+                               num_speculative_tokens=0 if config.speculative_config is None
+                               else config.speculative_config.num_speculative_tokens)
     else:
         from asyncbatch.executors.torch_executor import TorchExecutor
 

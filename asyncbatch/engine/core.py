@@ -103,8 +103,9 @@ class EngineCore:
         self.config = config
         self.executor = executor
         self.scheduler = scheduler
-        extras = StepExtrasWriter(scheduler.rows, scheduler.eos_token_id, bitmask_words(vocab_size)) \
-            if vocab_size else None
+        spec = scheduler.speculative
+        extras = StepExtrasWriter(scheduler.rows, scheduler.eos_token_id, bitmask_words(vocab_size),
+                                  1 if spec is None else 1 + spec.num_speculative_tokens) if vocab_size else None
         self.writer = StepMetadataWriter(scheduler.rows, scheduler.blocks, extras,
                                          speculative=scheduler.speculative is not None)
         self.grammar = GrammarState(make_grammar_compiler) if make_grammar_compiler is not None else None
@@ -305,6 +306,9 @@ class EngineCore:
             applied, ended, ended_codes = self._live.advance_grammars(applied, ended, ended_codes)
             for seq in applied.seqs[applied.finish != Finish.NONE].tolist() + ended.tolist():
                 self._live.forget(seq)
+            if result.grammar_drafts is not None:  # what the grammar rows' next verify checks
+                self.grammar.note_drafts(step.meta.extras.grammar.seqs, result.grammar_drafts,
+                                         result.grammar_num_drafts)
         if fill is not None and fill.meta.extras is not None and fill.meta.extras.grammar in self._unfilled:
             self._fill_launched(fill)
         step_end(step.nvtx)

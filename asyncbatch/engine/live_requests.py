@@ -108,19 +108,21 @@ class LiveRequests:
         (``Finish.GRAMMAR``) and is not kept. Returns the step's kept rows and ended seqs/codes, updated."""
         if self.grammar is None or not self.grammar.active:
             return applied, ended, ended_codes
-        # A verify step holds grammar rows to one token each (``Scheduler._schedule_decode``), but others may
-        # have several: the matchers read one token a row. Tokens keep their order (logprob columns index them).
+        # A row may have several tokens in a verify step: the matchers read them one by one, in order (the
+        # masks allowed each after the ones before it). Tokens keep their order (logprob columns index them).
         applied = applied.per_token()
         rejected = self.grammar.advance(applied.seqs, applied.token_ids)
         if not rejected:
             return applied, ended, ended_codes
-        for i in rejected:
-            if applied.finish[i] == Finish.NONE:
-                self.scheduler.finish(self.requests[int(applied.seqs[i])], Finish.GRAMMAR.reason)
+        ending = dict.fromkeys(applied.seqs[rejected].tolist())  # the requests that end, in order
+        finished = set(applied.seqs[applied.finish != Finish.NONE].tolist())  # by the step itself (a stop)
+        for seq in ending:
+            if seq not in finished:
+                self.scheduler.finish(self.requests[seq], Finish.GRAMMAR.reason)
         keep = np.ones(len(applied.seqs), dtype=bool)
         keep[rejected] = False
         kept, positions = applied.token_keys()
-        bad = applied.seqs[rejected]
+        bad = np.fromiter(ending, dtype=np.int64, count=len(ending))
         return (AppliedStep(applied.seqs[keep], applied.token_ids[keep], applied.finish[keep], applied.errored,
                             kept[keep], positions=positions[keep]),
                 np.concatenate([ended, bad]),

@@ -220,13 +220,15 @@ class Scheduler:
         if not len(rows):
             return _DecodePart(rows, seqs, NO_ROWS, NO_ROWS, NO_ROWS, version)
         depth = self._verify_depth(len(rows))
-        # A grammar row is held to one token a step: its mask for a step is its matcher's after every earlier
-        # token, which the host has only for the first position; the device, finding no reserved position past
-        # the first, verifies none of its drafts (``SpeculativeState.decode_inputs``). The others (logprob and
-        # bias rows too: the device scores and biases every position by its output index) verify theirs in
-        # the same step.
+        # With a draft model a grammar row is held to one token a step: its drafts are made on the device at the
+        # start of the step that checks them, too late for the host to fill a mask along them, so it has the
+        # mask of the first position only; the device, finding no reserved position past the first, verifies
+        # none of its drafts (``SpeculativeState.decode_inputs``). N-gram drafts are made at the end of the
+        # step before and reach the host with its outputs: the host fills a mask per position
+        # (``GrammarState.fill``) and grammar rows verify like the others (logprob and bias rows too: the
+        # device scores and biases every position by its output index).
         widths: np.ndarray | None = None  # [D] tokens each row's reservation covers (None: 1 + depth each)
-        if depth:
+        if depth and self.speculative.uses_draft_model:
             single = st.has_grammar[rows]  # [D]
             if single.all():
                 depth = 0

@@ -242,17 +242,36 @@ class GrammarMask:
     forward meanwhile and only its sampling waits (``wait_ready``). Rows without a grammar never wait.
     ``begin_fill`` marks the moment the fill enters the grammar library (``wait_fill_begun``: the simulated
     device's cue to do its own host work, ``SimExecutor._wait_for_host_gap``).
+
+    In a verify step (``width`` > 1) each of the first ``num_decode`` rows (the decode rows: sample indices
+    below the step's ``num_decode``) has ``width`` bitmask rows, one per position it may compute: its mask
+    after the drafts before that position (``GrammarCompiler.fill_draft_masks``); the other rows one each.
     """
 
-    __slots__ = ("_filling", "_ready", "bitmask", "index", "ready_time", "seqs")
+    __slots__ = ("_filling", "_ready", "bitmask", "index", "num_decode", "ready_time", "seqs", "width")
 
-    def __init__(self, index: np.ndarray, seqs: np.ndarray, bitmask: np.ndarray) -> None:
+    def __init__(self, index: np.ndarray, seqs: np.ndarray, bitmask: np.ndarray, width: int = 1,
+                 num_decode: int = 0) -> None:
         self.index = index  # [G] int64 sample index
         self.seqs = seqs  # [G] int64 the requests
-        self.bitmask = bitmask  # [G, ceil(V / 32)] int32, bit set = allowed; every row is written by the fill
+        # [num_decode * width + G - num_decode, ceil(V / 32)] int32, bit set = allowed; all written by the fill
+        self.bitmask = bitmask
+        self.width = width  # bitmask rows of each decode row (1 + the step's planned drafts)
+        self.num_decode = num_decode if width > 1 else 0
         self._ready = threading.Event()
         self._filling = threading.Event()  # the fill's library call has begun (or the mask is ready)
         self.ready_time = 0.0  # perf_counter when the mask became ready
+
+    @staticmethod
+    def num_mask_rows(num_rows: int, num_decode: int, width: int) -> int:
+        return num_decode * width + num_rows - num_decode
+
+    def first_rows(self) -> np.ndarray:
+        """``[G]`` the bitmask row of each row's first position (its own row when ``width`` is 1)."""
+        g, d, w = len(self.index), self.num_decode, self.width
+        if w == 1:
+            return np.arange(g)
+        return np.concatenate([np.arange(d) * w, np.arange(d * w, d * w + g - d)])
 
     def begin_fill(self) -> None:
         """The host enters the grammar library's fill, which runs without the GIL: a modelled device may do
@@ -307,7 +326,8 @@ class StepMeta:
     # Speculative engines (``docs/speculative.md``): drafts each decode row verifies; its tokens are the
     # ``1 + spec_depth`` first of the step, row after row, and the device derives their ids, positions and slots
     # from what it holds. ``decode_context_lens`` is then each row's reserved KV (positions past it are not
-    # written) and ``sample_step`` of decode rows is not read. Extras never meet a verify step (depth > 0).
+    # written) and ``sample_step`` of decode rows is not read. Its extras index the sampled rows as ever; the
+    # executor finds each row's positions in the verify layout (``torch_executor._ExtrasAt``).
     spec_depth: int = 0
     # Speculative engines: the reused cached prefixes of this step's first chunks (every row, penalised or not),
     # for the device's token history, which the n-gram proposer reads.

@@ -8,7 +8,10 @@ not change within a version); what depends on the step (``min_tokens`` against
 the output index) is recomputed for the few rows that have it.
 
 Grammar rows get an empty ``GrammarMask``: the planner fills it later, once the
-tokens of every earlier step were applied (``engine.structured_state``).
+tokens of every earlier step were applied (``engine.structured_state``). In a
+verify step whose rows all take ``1 + spec_depth`` tokens (n-gram drafts), each
+decode grammar row gets a mask per position; where the planner held grammar rows
+to one token (``StepPlan.decode_widths``: a draft model's drafts), one.
 """
 
 from __future__ import annotations
@@ -46,10 +49,11 @@ class _DecodeExtras:
 class StepExtrasWriter:
     """Builds ``SamplerExtras`` for the steps of one scheduler (planner thread only)."""
 
-    def __init__(self, rows: RowState, eos_token_id: int | None, bitmask_words: int) -> None:
+    def __init__(self, rows: RowState, eos_token_id: int | None, bitmask_words: int, max_width: int = 1) -> None:
         self.rows = rows
         self.eos_token_id = eos_token_id
         self.bitmask_words = bitmask_words
+        self.max_width = max_width  # positions a decode row may compute: 1 + num_speculative_tokens
         self._decode = _DecodeExtras(-1, False, _NONE, _NONE, _NONE)
         # Grammar masks by step id modulo the ring: reused, not allocated (and page-faulted) every step. A
         # step's mask is read until its sampling is done, before the planner waits for that step; the step
@@ -70,21 +74,23 @@ class StepExtrasWriter:
                                    prefill_index[st.logprobs_k[sampled_rows[prefill_index]] >= 0]])
         bias_index = np.concatenate([_NONE if empty else decode.bias_index,
                                      prefill_index[st.has_bias[sampled_rows[prefill_index]]]])
-        grammar_index = np.concatenate([_NONE if empty else decode.grammar_index,
-                                        prefill_index[st.has_grammar[sampled_rows[prefill_index]]]])
+        decode_grammar = _NONE if empty else decode.grammar_index
+        grammar_index = np.concatenate([decode_grammar, prefill_index[st.has_grammar[sampled_rows[prefill_index]]]])
         logprobs = None
         if len(lp_index):
             k = st.logprobs_k[sampled_rows[lp_index]]
             logprobs = LogprobRows(lp_index, k, int(k.max()))
         grammar = None
         if len(grammar_index):
+            width = plan.spec_depth + 1 if plan.decode_widths is None else 1
+            rows = GrammarMask.num_mask_rows(len(grammar_index), len(decode_grammar), width)
             grammar = GrammarMask(grammar_index, st.seq[sampled_rows[grammar_index]],
-                                  self._mask_buffer(plan.step_id)[:len(grammar_index)])
+                                  self._mask_buffer(plan.step_id)[:rows], width, len(decode_grammar))
         return SamplerExtras(self._bias(bias_index, sampled_rows, sample_steps), logprobs, prompt, grammar)
 
     def _mask_buffer(self, step_id: int) -> np.ndarray:
         if not self._mask_ring:
-            self._mask_ring = [np.zeros((len(self.rows.seq), self.bitmask_words), dtype=np.int32)
+            self._mask_ring = [np.zeros((len(self.rows.seq) * self.max_width, self.bitmask_words), dtype=np.int32)
                                for _ in range(_MASK_RING)]
         return self._mask_ring[step_id % _MASK_RING]
 

@@ -13,7 +13,12 @@ the overlap loop (``EngineCore.overlap_loop``):
 * ``fill`` writes a step's masks only once every earlier step was applied
   (the planner calls it then), so the mask of step N+1 sees token N;
 * a row whose request ended since the plan (its late token is dropped) gets
-  an all-allowed mask: its token is never used.
+  an all-allowed mask: its token is never used;
+* in a verify step a decode row also gets the mask of each position past its
+  first, its matcher walked along the drafts the device will check there (n-gram
+  drafts are made at the end of the row's last step and come back with its
+  outputs: ``note_drafts``) and rolled back, so every position a grammar row
+  may emit is sampled under its own grammar state.
 
 The fill stays on the planner thread on purpose: a fill worker (the batched
 fill is C++ that releases the GIL) was measured on 2 cores and lost more to
@@ -45,6 +50,7 @@ class GrammarState:
         self._compiler = None
         self._pool: ThreadPoolExecutor | None = None
         self.matchers: dict[int, object] = {}
+        self.drafts: dict[int, list[int]] = {}  # seq -> the drafts its next verify step checks
         self._seqs = np.zeros(0, dtype=np.int64)  # sorted keys of ``matchers``, for vectorised lookups
         self._dirty = False
 
@@ -68,8 +74,17 @@ class GrammarState:
         self._dirty = True
 
     def drop(self, seq: int) -> None:
+        self.drafts.pop(seq, None)
         if self.matchers.pop(seq, None) is not None:
             self._dirty = True
+
+    def note_drafts(self, seqs: np.ndarray, drafts: np.ndarray, counts: np.ndarray) -> None:
+        """The drafts (``[G, k]``, the first ``counts`` ``[G]`` of each) that the next verify step of the requests
+        ``seqs`` ``[G]`` checks, from the step that proposed them; requests that ended are skipped."""
+        live, store = self.matchers, self.drafts
+        for seq, row, n in zip(seqs.tolist(), drafts.tolist(), counts.tolist()):
+            if seq in live:
+                store[seq] = row[:n]
 
     def _sorted_seqs(self) -> np.ndarray:
         if self._dirty:
@@ -78,8 +93,9 @@ class GrammarState:
         return self._seqs
 
     def advance(self, seqs: np.ndarray, tokens: np.ndarray) -> list[int]:
-        """Feed each kept token (``[K]`` seqs and tokens, step order) to its request's matcher; returns the
-        positions whose token the grammar rejected (their requests must end)."""
+        """Feed each kept token (``[K]`` seqs and tokens, step order: a request's tokens of a verify step in a
+        row, which one batched call takes in order) to its request's matcher; returns the positions whose token
+        the grammar rejected, and those of the same request's later tokens (their requests must end)."""
         keys = self._sorted_seqs()
         if not len(keys) or not len(seqs):
             return []
@@ -92,24 +108,37 @@ class GrammarState:
                                                 tokens[index].tolist())
         if all(accepted):
             return []
-        return [i for i, ok in zip(index.tolist(), accepted) if not ok]
+        refused, ended = [], set()
+        for i, seq, ok in zip(index.tolist(), seqs[index].tolist(), accepted):
+            if not ok or seq in ended:
+                refused.append(i)
+                ended.add(seq)
+        return refused
 
     def fill(self, mask: GrammarMask) -> tuple[float, float]:
         """Write every row of ``mask`` from its request's matcher (one batched library call), then mark it
         ready; returns the milliseconds it took and this thread's CPU milliseconds in them."""
         t0, cpu = time.perf_counter(), time.thread_time()
-        bitmask = mask.bitmask
+        bitmask, width = mask.bitmask, mask.width
         get = self.matchers.get
-        matchers = [get(seq) for seq in mask.seqs.tolist()]
-        rows = list(range(len(matchers)))
+        seqs = mask.seqs.tolist()
+        matchers = [get(seq) for seq in seqs]
+        first = mask.first_rows().tolist()  # [G] each row's first position
+        live = range(len(matchers))
         if None in matchers:  # requests that ended since the plan: all allowed, their tokens are dropped
-            ended = [g for g, m in enumerate(matchers) if m is None]
-            bitmask[ended] = -1
-            rows = [g for g, m in enumerate(matchers) if m is not None]
-            matchers = [matchers[g] for g in rows]
-        if matchers:
+            for g, m in enumerate(matchers):
+                if m is None:
+                    bitmask[first[g]:first[g] + (width if g < mask.num_decode else 1)] = -1
+            live = [g for g, m in enumerate(matchers) if m is not None]
+        if live:
             mask.begin_fill()
-            self._compiler.fill_bitmasks(matchers, bitmask, rows)
+            self._compiler.fill_bitmasks([matchers[g] for g in live], bitmask, [first[g] for g in live])
+            drafting = [g for g in live if g < mask.num_decode]
+            if drafting:
+                drafts = self.drafts
+                self._compiler.fill_draft_masks([matchers[g] for g in drafting],
+                                                [drafts.get(seqs[g], ()) for g in drafting], bitmask,
+                                                [first[g] for g in drafting], width)
         now, cpu_now = time.perf_counter(), time.thread_time()
         mask.set_ready(now)
         return (now - t0) * 1e3, (cpu_now - cpu) * 1e3

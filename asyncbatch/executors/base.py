@@ -49,6 +49,11 @@ class StepResult:
     # ``spec_counts``: rows that verified drafts, draft tokens, accepted drafts (the metrics).
     num_emitted: np.ndarray | None = None
     spec_counts: tuple[int, int, int] = (0, 0, 0)
+    # Speculative engines whose drafts are made at the end of a step (n-gram): the drafts each of the step's
+    # grammar rows (``GrammarMask`` order) checks in its next verify step, ``[G, k]`` of which the first
+    # ``grammar_num_drafts`` ``[G]`` count; the host fills that step's masks along them.
+    grammar_drafts: np.ndarray | None = None
+    grammar_num_drafts: np.ndarray | None = None
 
 
 class StepHandle:

@@ -65,9 +65,10 @@ def mix64(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def allowed_pick(bitmask: np.ndarray, h: np.ndarray) -> np.ndarray:
+def allowed_pick(bitmask: np.ndarray, h: np.ndarray, rows: np.ndarray | None = None) -> np.ndarray:
     """Per grammar row ``[G]``, an allowed token chosen by the row's hash ``h`` ``[G]`` (uint64, mixed); 0 for
-    a row with nothing allowed. ``bitmask`` ``[G, W]`` int32, bit set = allowed.
+    a row with nothing allowed. ``bitmask`` ``[G, W]`` int32, bit set = allowed (or ``[M, W]`` of which row
+    ``rows[i]`` is row ``i``'s).
 
     Runs on the host between the mask's ready mark and the step's result (on a real device it is part of
     the sampling kernel), so it must cost next to nothing: one hash-chosen 64-token word per row, taken if
@@ -80,18 +81,19 @@ def allowed_pick(bitmask: np.ndarray, h: np.ndarray) -> np.ndarray:
         words, lanes = bitmask.view(np.uint64), 64  # [G, W/2]
     else:
         words, lanes = np.ascontiguousarray(bitmask).view(np.uint32), 32  # [G, W]
-    g, n = words.shape
-    rows = np.arange(g)
+    n = words.shape[1]
+    if rows is None:
+        rows = np.arange(len(h))
     column = ((h >> np.uint64(8)) % np.uint64(n)).astype(np.int64)  # [G]
     word = words[rows, column]
     missed = (word == 0).nonzero()[0]
     if len(missed):
-        head = words[missed, :_PREFIX_WORDS] != 0  # [F, P]
+        head = words[rows[missed], :_PREFIX_WORDS] != 0  # [F, P]
         found = head.any(axis=1)
         first = head.argmax(axis=1)
         if not found.all():
             far = (~found).nonzero()[0]
-            first[far] = (words[missed[far]] != 0).argmax(axis=1)  # 0 where the row allows nothing
+            first[far] = (words[rows[missed[far]]] != 0).argmax(axis=1)  # 0 where the row allows nothing
         column[missed] = first
         word = words[rows, column]
     word = word.astype(np.uint64)
@@ -106,12 +108,27 @@ def allowed_pick(bitmask: np.ndarray, h: np.ndarray) -> np.ndarray:
     return np.where(word != 0, column * lanes + bit, 0)
 
 
+def chain_or_pick(bitmask: np.ndarray, rows: np.ndarray, chain: np.ndarray, h: np.ndarray) -> np.ndarray:
+    """Per grammar row ``[G]``: its plain pseudo-token ``chain`` where its bitmask row (``rows`` of ``bitmask``
+    ``[M, W]``) allows it, else an allowed token chosen by its hash ``h`` (``allowed_pick``). So a grammar row
+    emits the plain chain wherever the grammar lets it (a string's contents, mostly), and a modelled draft,
+    which is that chain, is accepted there (``SimExecutor._prepare_verify``)."""
+    lane = (chain & 31).astype(np.uint32)
+    allowed = (bitmask.view(np.uint32)[rows, chain >> 5] >> lane) & np.uint32(1)
+    out = chain.copy()
+    miss = (allowed == 0).nonzero()[0]
+    if len(miss):
+        out[miss] = allowed_pick(bitmask, h[miss], rows[miss])
+    return out
+
+
 class SimExecutor(ThreadedExecutor):
     name = "sim"
     simulated = True
 
     def __init__(self, sim: SimConfig, vocab_size: int, eos_token_id: int | None, max_num_seqs: int,
-                 first_token_id: int = 256, speculative: bool = False, draft_model: bool = False) -> None:
+                 first_token_id: int = 256, speculative: bool = False, draft_model: bool = False,
+                 num_speculative_tokens: int = 0) -> None:
         self.sim = sim
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
@@ -122,6 +139,10 @@ class SimExecutor(ThreadedExecutor):
         # next input's position and the outputs so far.
         self.speculative = speculative
         self.draft_model = draft_model  # ``method="draft_model"``: each step also pays the draft's forwards
+        # N-gram engines: the drafts a grammar row's next verify checks, made at the end of its step and returned
+        # with it (``StepResult.grammar_drafts``): the plain chain on from its newest token (``_next_drafts``).
+        self.num_speculative_tokens = num_speculative_tokens if speculative and not draft_model else 0
+        self._drafts = np.zeros((max_num_seqs, self.num_speculative_tokens), dtype=np.int64)
         self.length = np.zeros(max_num_seqs, dtype=np.int64)
         self.num_outputs = np.zeros(max_num_seqs, dtype=np.int64)
         self.forward_hook = None
@@ -215,6 +236,9 @@ class SimExecutor(ThreadedExecutor):
                              h2d_ms=h2d_ms, forward_ms=forward_ms, mask_wait_ms=wait_ms, mask_wait_start=wait_start)
             if extras is not None:
                 out.logprobs, out.prompt_logprobs = self._pseudo_logprobs(extras, tokens)
+            if grammar is not None:
+                out.grammar_drafts, out.grammar_num_drafts = self._next_drafts(sample_rows[grammar.index],
+                                                                               seeds[grammar.index])
             return out
 
         forward_ms = (end - start) * 1e3
@@ -223,7 +247,8 @@ class SimExecutor(ThreadedExecutor):
             return self._delivered_at(end, result(end))
 
         def pick(bitmask: np.ndarray) -> None:
-            tokens[grammar.index] = allowed_pick(bitmask, h[grammar.index])
+            g = grammar.index
+            tokens[g] = chain_or_pick(bitmask, grammar.first_rows(), tokens[g], h[g])
 
         return PreparedStep(end, False, self._after_mask(meta, handle, grammar, end, pick, commit, result))
 
@@ -276,10 +301,13 @@ class SimExecutor(ThreadedExecutor):
         device state, ``1 + depth`` of them; of its drafts, each is accepted with probability
         ``SimConfig.spec_acceptance`` (a hash of the seed and the output index), the run stopping at the first
         rejection and at the KV the planner reserved. So a speculative run emits exactly a plain run's tokens,
-        more of them per step, and the planner's one-step-late reconciliation runs as on a real device. Grammar
-        rows were reserved one token, so they verify nothing, their token picked from the mask at their first
-        position, as in a plain step; ``min_tokens``' EOS ban holds at each position by its output index, and
-        logprob rows get an entry per position (``LogprobRows.entries``)."""
+        more of them per step, and the planner's one-step-late reconciliation runs as on a real device. A grammar
+        row's token at each position is ``chain_or_pick`` under that position's mask (the host's walk along the
+        drafts this sim returned for it, ``_next_drafts``: the chain itself), so its draft there is accepted where
+        the grammar allows the chain and the coin says so, and its run stops after an EOS (a real device finds
+        no mask past it: ``GrammarCompiler.fill_draft_masks``); rows held to one token (a draft model) pick at
+        their first position. ``min_tokens``' EOS ban holds at each position by its output index, and logprob
+        rows get an entry per position (``LogprobRows.entries``)."""
         s, nd, r, depth = meta.staging, meta.num_decode, meta.num_sampled, meta.spec_depth
         width = depth + 1
         rows, seeds = s.sample_token_rows[:r].copy(), s.sample_seed[:r].copy()
@@ -306,12 +334,10 @@ class SimExecutor(ThreadedExecutor):
         extras = meta.extras
         banned_eos = self._eos_banned(extras, index)  # [R, W]
         fed_u = fed.astype(np.uint64)
-        first_hash = None  # [R] position 0's hash: a grammar row's pick
+        hashes = np.zeros((r, width), dtype=np.uint64)  # each position's hash: a grammar row's pick
         for j in range(width):
             n = r if j == 0 else nd
-            h = self._hash_fed(base[:n, j], fed_u[:n])  # = _hash(seeds, steps + j, fed)
-            if j == 0:
-                first_hash = h
+            h = hashes[:n, j] = self._hash_fed(base[:n, j], fed_u[:n])  # = _hash(seeds, steps + j, fed)
             fed_u[:n] = tokens[:n, j] = self._tokens_of(h, None if ends is None else ends[:n, j],
                                                         None if banned_eos is None else banned_eos[:n, j])
         # Draft j is accepted with probability spec_acceptance, while usable; the run stops at the first rejection.
@@ -320,6 +346,7 @@ class SimExecutor(ThreadedExecutor):
         emitted = np.ones(r, dtype=np.int64)
         emitted[:nd] += np.logical_and.accumulate(accept, axis=1).sum(axis=1)
         drafted = usable > 0
+        grammar = extras.grammar if extras is not None else None
         forward_ms = (end - start) * 1e3
 
         def commit(end: float) -> None:
@@ -339,17 +366,51 @@ class SimExecutor(ThreadedExecutor):
                                                                int((emitted[:nd] - 1).sum())))
             if extras is not None:
                 out.logprobs, out.prompt_logprobs = self._pseudo_logprobs(extras, tokens, nd)
+            if grammar is not None:
+                out.grammar_drafts, out.grammar_num_drafts = self._next_drafts(rows[grammar.index],
+                                                                               seeds[grammar.index])
             return out
 
-        grammar = extras.grammar if extras is not None else None
         if grammar is None:
             commit(end)
             return self._delivered_at(end, result(end))
 
         def pick(bitmask: np.ndarray) -> None:
-            tokens[grammar.index, 0] = allowed_pick(bitmask, first_hash[grammar.index])
+            g, first = grammar.index, grammar.first_rows()
+            tokens[g, 0] = chain_or_pick(bitmask, first, tokens[g, 0], hashes[g, 0])
+            gd = grammar.num_decode  # decode rows with a mask per position (the first gd of g)
+            if not gd or not depth:
+                return
+            d = g[:gd]
+            # Past position 0 a row's inputs are its drafts, the chain; each position's pick decides whether the
+            # next draft is accepted (with the coin), and the run ends after an EOS.
+            kept = accept[d]  # [Gd, depth]
+            drafts = self._drafts[rows[d]]
+            for j in range(1, width):
+                tokens[d, j] = chain_or_pick(bitmask, first[:gd] + j, tokens[d, j], hashes[d, j])
+                before = tokens[d, j - 1]
+                kept[:, j - 1] &= (before == drafts[:, j - 1]) & (before != self.eos_token_id)
+            emitted[d] = 1 + np.logical_and.accumulate(kept, axis=1).sum(axis=1)
 
         return PreparedStep(end, False, self._after_mask(meta, handle, grammar, end, pick, commit, result))
+
+    def _next_drafts(self, rows: np.ndarray, seeds: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """After a step's commit: the drafts the next verify of grammar rows ``rows`` (token rows; ``seeds``, ``[G]``
+        each) checks, ``[G, k]``, and their counts (k each), kept for that verify and returned to the host: the
+        plain chain on from each row's newest token, what an n-gram proposer that always finds a match would
+        propose. None in an engine that does not return drafts (not speculative, or a draft model)."""
+        k = self.num_speculative_tokens
+        if not k:
+            return None, None
+        index = self.num_outputs[rows]  # [G] the output index of the next step's first position
+        fed = self.token_buffer[rows]
+        lengths = self.output_length(seeds) if self.eos_token_id is not None else None
+        drafts = np.zeros((len(rows), k), dtype=np.int64)
+        for j in range(k):
+            h = self._hash(seeds, index + j, fed)
+            fed = drafts[:, j] = self._tokens_of(h, None if lengths is None else index + j + 1 >= lengths, None)
+        self._drafts[rows] = drafts
+        return drafts, np.full(len(rows), k, dtype=np.int64)
 
     def is_done(self, handle: StepHandle) -> bool:
         """The modelled device has finished the step (its end has passed), or its result is in. A real device's

@@ -103,6 +103,8 @@ class StepOutcome:
     prompt_logprobs: TokenLogprobs | None = None
     num_emitted: torch.Tensor | None = None  # [R] int64 (speculative)
     spec_counts: tuple[int, int, int] = (0, 0, 0)  # rows that verified drafts, draft tokens, accepted tokens
+    grammar_drafts: torch.Tensor | None = None  # [G, k] int64 the grammar rows' next drafts (n-gram)
+    grammar_num_drafts: torch.Tensor | None = None  # [G] int64
 
 
 class _ExtrasAt:
@@ -110,8 +112,9 @@ class _ExtrasAt:
 
     The extras index the sampled rows (decode rows first); ``layout`` ``(num_decode, width, decode_tokens)``
     says that the logits are a verify step's instead, ``width`` positions a decode row and then the prefill
-    rows. Grammar rows verify no drafts (the planner held them to one token): their masks apply at the row's
-    first position. A decode row's bias entries apply at each of its positions whose output index is below the
+    rows. A decode grammar row's mask of each position (``GrammarMask.width`` a row, the host's walk along its
+    drafts) applies at that position; where the planner held grammar rows to one token (a draft model), at the
+    row's first. A decode row's bias entries apply at each of its positions whose output index is below the
     entry's ``until`` (``min_tokens``' bans end there). A logprob row is scored at every position it computed,
     in row order (``LogprobRows.entries``): the host keeps the entries of the tokens the row emitted. Also
     collects the grammar mask's wait for the ``StepOutcome``."""
@@ -142,6 +145,23 @@ class _ExtrasAt:
         entry = torch.arange(len(index), device=index.device)
         return (torch.cat([at, index[d:] + (nt - nd)]),
                 torch.cat([entry[:d].repeat_interleave(width), entry[d:]]))
+
+    def mask_rows(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(``[E]`` the logits rows the grammar mask applies to, ``[E]`` the bitmask row of each; None: the
+        bitmask's rows in order): a decode row's ``width`` positions get its ``width`` bitmask rows (the first
+        ``width`` of its ``GrammarMask.width``: the host filled one per position it may compute)."""
+        grammar, index = self.extras.grammar, self.inputs.grammar_index
+        if grammar.width == 1:
+            return self.at(index), None
+        gd, w = grammar.num_decode, grammar.width
+        first = torch.arange(len(index), device=index.device)  # [G] each row's first bitmask row
+        first = torch.where(first < gd, first * w, first + gd * (w - 1))
+        if self._layout is None:  # no row had a draft to check: one position each
+            return index, first
+        nd, width, nt = self._layout
+        offsets = torch.arange(width, device=index.device)
+        return (torch.cat([(index[:gd, None] * width + offsets).reshape(-1), index[gd:] + (nt - nd)]),
+                torch.cat([(first[:gd, None] + offsets).reshape(-1), first[gd:]]))
 
     def logprob_rows(self) -> torch.Tensor:
         """``[E]`` the logits rows the logprob entries score: a verify step's decode rows at every position."""
@@ -413,7 +433,7 @@ class TorchStep:
         if x.grammar is not None:
             if wait_for_mask:
                 extras.mask_wait_start, extras.mask_wait_ms = self._wait_for_mask(meta)
-            self._apply_mask(logits, x.grammar, extras.at(xin.grammar_index))
+            self._apply_mask(logits, x.grammar, *extras.mask_rows())
         return logits
 
     def sample_verified(self, meta: StepMeta, step: DeviceStep, logits: torch.Tensor, t_sample: float) -> StepOutcome:
@@ -421,9 +441,10 @@ class TorchStep:
         the drafts before it), the confirmed drafts are kept (``SpeculativeState.accept``), the rows that ended
         their prefill start, and every sampled row drafts its next step's tokens.
 
-        Grammar rows verify no drafts (the planner held them to one token): their masks apply at their first
-        position, where their one token is sampled; bias entries apply at every position by its output index,
-        and logprob rows are scored at every position (``_ExtrasAt``)."""
+        A grammar row's mask of each position applies there (the host walked its matcher along the drafts,
+        which this executor proposed at the end of the row's last step and returned with its outputs:
+        ``_grammar_drafts``); bias entries apply at every position by its output index, and logprob rows are
+        scored at every position (``_ExtrasAt``)."""
         nd, r = meta.num_decode, meta.num_sampled
         spec, verify = self.spec, step.verify
         width = verify.width if nd else 1
@@ -439,6 +460,7 @@ class TorchStep:
             self._start_and_propose(meta, step, tokens[nd:])
             out.token_ids, out.spec_counts = tokens[:, None], counts
             out.num_emitted = torch.ones(r, dtype=torch.int64, device=self.device)
+            out.grammar_drafts, out.grammar_num_drafts = self._grammar_drafts(meta, step)
             return out
         nt = step.num_decode_tokens
         rows, expand = step.decode_rows, _expand_decode(nd, width)
@@ -479,9 +501,11 @@ class TorchStep:
             tokens[:nd] = verified.tokens
             tokens[nd:, 0] = prefill_tokens
             num_emitted = torch.cat([emitted, torch.ones(r - nd, dtype=torch.int64, device=self.device)])
+        grammar_drafts, grammar_num_drafts = self._grammar_drafts(meta, step)
         return StepOutcome(tokens, torch.cat([verified.finite, result.finite[nt:]]), t_sample, extras.mask_wait_ms,
                            extras.mask_wait_start, chosen, prompt, num_emitted=num_emitted,
-                           spec_counts=self._spec_counts(verified))
+                           spec_counts=self._spec_counts(verified), grammar_drafts=grammar_drafts,
+                           grammar_num_drafts=grammar_num_drafts)
 
     def _start_and_propose(self, meta: StepMeta, step: DeviceStep, prefill_tokens: torch.Tensor) -> None:
         """The rows whose prefill ended start decoding (``prefill_tokens``: their first outputs, in sample order
@@ -495,6 +519,15 @@ class TorchStep:
                                  step.sampling.step[nd:r] + 1, prefill_tokens)
         if self.draft is None:  # a draft model proposes at the start of the step that verifies (``draft_model``)
             self.spec.propose(step.sample_rows)
+
+    def _grammar_drafts(self, meta: StepMeta, step: DeviceStep) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The drafts the step's grammar rows proposed for their next verify (``StepResult.grammar_drafts``): the
+        host fills that step's masks along them. None without grammar rows, or with a draft model (its drafts
+        are made in the step that checks them)."""
+        if self.draft is not None or meta.extras is None or meta.extras.grammar is None:
+            return None, None
+        rows = step.sample_rows.index_select(0, step.extras.grammar_index)
+        return self.spec.drafts.index_select(0, rows), self.spec.num_drafts.index_select(0, rows)
 
     @staticmethod
     def _spec_counts(verified: Verified) -> tuple[int, int, int]:
@@ -511,11 +544,15 @@ class TorchStep:
             grammar.wait_ready()
         return t0, (time.perf_counter() - t0) * 1e3
 
-    def _apply_mask(self, logits: torch.Tensor, grammar: GrammarMask, index: torch.Tensor) -> None:
-        bitmask = torch.from_numpy(grammar.bitmask)  # [G, W] int32; filled and final once ready
+    def _apply_mask(self, logits: torch.Tensor, grammar: GrammarMask, index: torch.Tensor,
+                    mask_rows: torch.Tensor | None) -> None:
+        """``grammar``'s bitmask rows ``mask_rows`` (None: all, in order) on logits rows ``index``."""
+        bitmask = torch.from_numpy(grammar.bitmask)  # [M, words] int32; filled and final once ready
         if self.device.type != "cpu":
             bitmask = bitmask.to(self.device, non_blocking=True)  # pinned by CudaExecutor.masks_ready
-        rows = logits.index_select(0, index)  # [G, V]
+        if mask_rows is not None:
+            bitmask = bitmask.index_select(0, mask_rows)
+        rows = logits.index_select(0, index)  # [E, V]
         apply_bitmask_(rows, bitmask)
         logits.index_copy_(0, index, rows)
 
@@ -598,6 +635,8 @@ class TorchExecutor(ThreadedExecutor):
         with mark("d2h", meta.step_id):
             out_tokens, out_finite = out.token_ids.numpy().copy(), out.finite.numpy().copy()
             num_emitted = None if out.num_emitted is None else out.num_emitted.numpy().copy()
+            drafts = None if out.grammar_drafts is None else out.grammar_drafts.numpy().copy()
+            num_drafts = None if out.grammar_num_drafts is None else out.grammar_num_drafts.numpy().copy()
             logprobs = None if out.logprobs is None else out.logprobs.to_host()
             prompt = None if out.prompt_logprobs is None else out.prompt_logprobs.to_host()
         t3 = time.perf_counter()
@@ -606,7 +645,7 @@ class TorchExecutor(ThreadedExecutor):
                           sample_ms=(t2 - out.sample_start) * 1e3 - out.mask_wait_ms, d2h_ms=(t3 - t2) * 1e3,
                           mask_wait_ms=out.mask_wait_ms, mask_wait_start=out.mask_wait_start,
                           logprobs=logprobs, prompt_logprobs=prompt, num_emitted=num_emitted,
-                          spec_counts=out.spec_counts)
+                          spec_counts=out.spec_counts, grammar_drafts=drafts, grammar_num_drafts=num_drafts)
 
     def describe(self) -> dict:
         return {**super().describe(), **self._torch_step.memory_info(), "dtype_choice": self.dtype_choice,

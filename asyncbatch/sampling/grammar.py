@@ -66,6 +66,12 @@ class GrammarMatcher(Protocol):
     def is_terminated(self) -> bool:
         """True once EOS was accepted (or the matcher broke and can accept nothing)."""
 
+    def snapshot(self) -> tuple:
+        """The adapter's own state beside the library's, for ``rollback``."""
+
+    def rollback(self, num_tokens: int, snapshot: tuple) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (never EOS): back to when ``snapshot`` was taken."""
+
 
 def resolve_backend(backend: str) -> str:
     """The library ``backend`` names ("auto": the first of ``BACKENDS`` installed), checked importable."""
@@ -158,6 +164,35 @@ class GrammarCompiler:
             return
         check_bitmask(bitmask, max(rows), bitmask_words(self.vocab_size))
         fill_batch(list(matchers), bitmask, list(rows))
+
+    def fill_draft_masks(self, matchers: Sequence[GrammarMatcher], drafts: Sequence[Sequence[int]],
+                         bitmask: np.ndarray, first_rows: Sequence[int], width: int) -> None:
+        """The masks of a verify step's positions past the first: row ``first_rows[i] + j`` (``0 < j < width``)
+        gets ``matchers[i]``'s mask after its first ``j`` drafts (``drafts[i]``), as if they had been accepted.
+
+        Each matcher walks its drafts, one batched accept and one batched fill a position, and is rolled back
+        to where it was (row ``first_rows[i]``, the mask before any draft, is the caller's). A row's walk stops
+        at a draft its grammar refuses (the mask before it forbids it, so the device's verification stops there
+        too), at EOS (the request ends with it) and past its drafts: its rows from there on allow nothing, so a
+        position without a mask can never emit a token."""
+        n = len(matchers)
+        for i in range(n):
+            bitmask[first_rows[i] + 1:first_rows[i] + width] = 0
+        saved = [m.snapshot() for m in matchers]
+        walked = [0] * n
+        live = list(range(n))
+        for j in range(1, width):
+            live = [i for i in live if len(drafts[i]) >= j and drafts[i][j - 1] != self.eos_token_id]
+            if not live:
+                break
+            accepted = self.accept_tokens([matchers[i] for i in live], [drafts[i][j - 1] for i in live])
+            live = [i for i, ok in zip(live, accepted) if ok]
+            for i in live:
+                walked[i] = j
+            if live:
+                self.fill_bitmasks([matchers[i] for i in live], bitmask, [first_rows[i] + j for i in live])
+        for m, steps, snapshot in zip(matchers, walked, saved):
+            m.rollback(steps, snapshot)
 
     def accept_tokens(self, matchers: Sequence[GrammarMatcher], tokens: Sequence[int]) -> list[bool]:
         """``[m.accept(t) for m, t in zip(matchers, tokens)]``, in one library call where there is one."""

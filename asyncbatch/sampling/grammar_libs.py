@@ -101,6 +101,17 @@ class Matcher:
             return False
         return True
 
+    def snapshot(self) -> tuple:
+        """What this adapter tracks beside the library's state, for ``rollback``."""
+        return (self._start,)
+
+    def rollback(self, num_tokens: int, snapshot: tuple) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (never EOS), back to the state ``snapshot`` was taken in
+        (``GrammarCompiler.fill_draft_masks`` walks a row's drafts and comes back)."""
+        if num_tokens:
+            self._m.rollback(num_tokens)
+        (self._start,) = snapshot
+
     def is_terminated(self) -> bool:
         raise NotImplementedError
 
@@ -131,6 +142,14 @@ class LLGuidanceMatcher(Matcher):
 
     def is_terminated(self) -> bool:
         return self._done or bool(self._m.is_error())
+
+    def snapshot(self) -> tuple:
+        return self._start, self._done
+
+    def rollback(self, num_tokens: int, snapshot: tuple) -> None:
+        if num_tokens:
+            self._m.rollback(num_tokens)
+        self._start, self._done = snapshot
 
 
 class LLGuidanceLib:

@@ -110,6 +110,14 @@ class XGrammarMatcher(Matcher):
     def is_terminated(self) -> bool:
         return self._done
 
+    def snapshot(self) -> tuple:
+        return self._start, self._after_ed, self._done
+
+    def rollback(self, num_tokens: int, snapshot: tuple) -> None:
+        if num_tokens:
+            self._m.rollback(num_tokens)
+        self._start, self._after_ed, self._done = snapshot
+
 
 class XGrammarLib:
     name = "xgrammar"
