@@ -1,10 +1,13 @@
 """One batch of grounded requests under n-gram speculation, one of which asks for a sampler extra (or nothing).
 
-    PYTHONPATH=<tree> python mixed_batch.py OUT.json [--extra logprobs|bias|json|none] [--requests 4] [--max-tokens 96]
+    PYTHONPATH=<tree> python mixed_batch.py OUT.json [--extra logprobs|bias|json|json-schema|none] [--on first|all]
+        [--requests 4] [--max-tokens 96]
 
 Default model, float32, 2 threads, overlap, ``speculative_config={"method": "ngram"}`` (k = 4), greedy, EOS
 honoured; the engine is built and warmed up once, then the batch runs ``--repeats`` times. Request 0 asks for
-the ``--extra``: logprobs, a logit_bias and ``min_tokens``, a JSON object, or nothing. Writes the batch's
+the ``--extra`` (``--on all``: every request does): logprobs, a logit_bias and ``min_tokens``, a JSON object, a JSON
+schema with two free-text fields (``JSON_SCHEMA``, the prompt asking for it: the answer in JSON, which echoes the
+given text as the plain answer does), or nothing. Writes the batch's
 wall seconds per repeat, output tokens, acceptance counters and every request's token ids (so that two trees'
 runs can be compared token for token). Run from outside the tree (``cd /tmp``) so that ``PYTHONPATH`` decides
 which tree's code runs, in the frontend and in the engine-core process alike.
@@ -20,6 +23,10 @@ from harness.speculative_workloads import load_workload, prompt_ids, spread
 
 from asyncbatch import LLM, SamplingParams, StructuredOutputsParams
 
+JSON_SCHEMA = {"type": "object", "properties": {"title": {"type": "string"}, "text": {"type": "string"}},
+               "required": ["title", "text"]}
+JSON_ASK = '\n\nAnswer in JSON: {"title": a short title, "text": your answer}.'
+
 
 def main() -> None:
     out = Path(sys.argv[1])
@@ -27,7 +34,14 @@ def main() -> None:
     extra, n = args.get("--extra", "logprobs"), int(args.get("--requests", "4"))
     max_tokens, repeats = int(args.get("--max-tokens", "96")), int(args.get("--repeats", "3"))
     llm = LLM(dtype="float32", num_threads=2, speculative_config={"method": "ngram"})
-    prompts = [prompt_ids(llm, c["messages"]) for c in spread(load_workload("grounded"), n)]
+    cases = spread(load_workload("grounded"), n)
+    on_all = args.get("--on", "first") == "all"
+    if extra == "json-schema":  # the requests that answer in JSON are told how
+        for i, case in enumerate(cases):
+            if on_all or i == 0:
+                last = case["messages"][-1]
+                case["messages"] = [*case["messages"][:-1], {**last, "content": last["content"] + JSON_ASK}]
+    prompts = [prompt_ids(llm, c["messages"]) for c in cases]
     params = [SamplingParams(max_tokens=max_tokens, temperature=0.0) for _ in prompts]
     # The first request asks for the extra; its answer is as long as the others' (max_tokens), so it is live
     # for most of the batch.
@@ -38,6 +52,11 @@ def main() -> None:
     elif extra == "json":
         params[0] = SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                    structured_outputs=StructuredOutputsParams(json_object=True))
+    elif extra == "json-schema":
+        params[0] = SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                   structured_outputs=StructuredOutputsParams(json=JSON_SCHEMA))
+    if on_all:
+        params = [params[0]] * n
     llm.generate(prompts[:1], SamplingParams(max_tokens=8), use_tqdm=False)  # warm up
     before = llm.stats()
     walls, runs, latencies = [], [], []
@@ -50,7 +69,8 @@ def main() -> None:
     logprobs = outs[0].logprobs.logprobs if outs[0].logprobs is not None else None  # the chosen tokens'
     stats = llm.stats()
     keys = ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "steps")
-    result = {"extra": extra, "requests": n, "max_tokens": max_tokens, "walls_s": walls, "latencies_s": latencies,
+    result = {"extra": extra, "on": args.get("--on", "first"), "requests": n, "max_tokens": max_tokens,
+              "walls_s": walls, "latencies_s": latencies, "texts": [o.text for o in outs],
               "output_tokens": sum(len(t) for t in runs[0]), "tokens": runs[0], "logprobs_0": logprobs,
               "same_tokens_every_repeat": all(r == runs[0] for r in runs),
               **{k: stats[k] - before.get(k, 0) for k in keys},

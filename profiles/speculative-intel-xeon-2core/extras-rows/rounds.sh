@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Trees side by side, fresh processes, interleaved: each NAME=PATH argument after the round count is a tree
 # (a worktree of a commit, or the checkout), run in the order given, each extra (EXTRAS, default: logprobs json
-# none; bias also exists) in turn.
+# none; bias and json-schema also exist) in turn; ON=all gives every request the extra.
 #   OUT=/tmp/mixed bash rounds.sh 2 before=/tmp/wt-ref after=/work/main
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
@@ -14,7 +14,8 @@ for round in $(seq 1 "$rounds"); do
     for named in "$@"; do
       name=${named%%=*}; tree=${named#*=}
       echo "round $round $name $(date -u +%T)"
-      PYTHONPATH="$tree" "$PY" "$HERE/mixed_batch.py" "$OUT/$name-$extra-$round.json" --extra "$extra" 2>&1 | tail -1
+      PYTHONPATH="$tree" "$PY" "$HERE/mixed_batch.py" "$OUT/$name-$extra-$round.json" --extra "$extra" \
+        --on "${ON:-first}" 2>&1 | tail -1
     done
   done
 done
