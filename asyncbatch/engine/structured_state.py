@@ -124,16 +124,17 @@ class GrammarState:
         seqs = mask.seqs.tolist()
         matchers = [get(seq) for seq in seqs]
         first = mask.first_rows().tolist()  # [G] each row's first position
-        live = range(len(matchers))
+        live, live_matchers, live_rows = range(len(matchers)), matchers, first
         if None in matchers:  # requests that ended since the plan: all allowed, their tokens are dropped
             for g, m in enumerate(matchers):
                 if m is None:
                     bitmask[first[g]:first[g] + (width if g < mask.num_decode else 1)] = -1
             live = [g for g, m in enumerate(matchers) if m is not None]
+            live_matchers, live_rows = [matchers[g] for g in live], [first[g] for g in live]
         if live:
             mask.begin_fill()
-            self._compiler.fill_bitmasks([matchers[g] for g in live], bitmask, [first[g] for g in live])
-            drafting = [g for g in live if g < mask.num_decode]
+            self._compiler.fill_bitmasks(live_matchers, bitmask, live_rows)
+            drafting = [g for g in live if g < mask.num_decode] if mask.num_decode else None
             if drafting:
                 drafts = self.drafts
                 self._compiler.fill_draft_masks([matchers[g] for g in drafting],
