@@ -251,19 +251,22 @@ def _grammar_workload() -> tuple[list[list[int]], list[SamplingParams]]:
     return prompts, params
 
 
-@pytest.mark.parametrize("overlap, engine_process", [(True, False), (False, False), (True, True)],
-                         ids=["overlap", "sync", "core-process"])
-def test_grammar_rows_verify_drafts_under_a_mask_per_position(make_llm, tiny_model, overlap, engine_process):
+@pytest.mark.parametrize("overlap, engine_process, engine", [(True, False, None), (False, False, None),
+                                                              (True, True, None), (True, False, "preempting"),
+                                                              (True, False, "chunked")],
+                         ids=["overlap", "sync", "core-process", "preempting", "chunked"])
+def test_grammar_rows_verify_drafts_under_a_mask_per_position(make_llm, tiny_model, overlap, engine_process, engine):
     """N-gram drafts reach the host with the step that made them; the host fills a grammar row's mask at each
     position along them, so grammar rows verify drafts like any other row. With only grammar requests running,
     drafts are accepted; every token equals a run without speculation (greedy and seeded), and every output its
-    grammar finished satisfies it. With a draft model (drafts made in the step that checks them) grammar rows
-    are held to one token, so such a batch verifies nothing, and its tokens are the plain ones too."""
+    grammar finished satisfies it, also with preemption (a grammar row recomputed, its matcher kept) and chunked
+    prefill. With a draft model (drafts made in the step that checks them) grammar rows are held to one token,
+    so such a batch verifies nothing, and its tokens are the plain ones too."""
     from harness.structured_cases import CASES
 
     prompts, params = _grammar_workload()
     common = {"device": "cpu", "dtype": "float32", "engine_process": engine_process, "debug_check_integrity": True,
-              "overlap": overlap}
+              "overlap": overlap, **ENGINES.get(engine, {})}
     reference = run(make_llm(tiny_model, **common), prompts, params)
     llm = make_llm(tiny_model, speculative_config=SPEC, **common)
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -271,12 +274,13 @@ def test_grammar_rows_verify_drafts_under_a_mask_per_position(make_llm, tiny_mod
     assert [(o.token_ids, o.finish_reason, o.stop_reason) for o in outs] == reference
     stats = llm.stats()
     assert stats["spec_decode_num_accepted_tokens"] > 20, stats
+    assert (stats["preemptions"] > 0) == (engine == "preempting")
     stopped = [i for i, o in enumerate(outs[:len(CASES)]) if o.finish_reason == "stop"]
     assert len(stopped) >= len(CASES) // 2
     for i in stopped:
         CASES[i].check(outs[i].text)
     assert outs[-1].finish_reason == "stop" and re.fullmatch(r"(ab|ba){5,30}", outs[-1].text)
-    if overlap and not engine_process:
+    if overlap and not engine_process and engine is None:
         drafted = make_llm(tiny_model, speculative_config=proposer("draft_self", tiny_model, None), **common)
         assert run(drafted, prompts, params) == reference
         assert drafted.stats()["spec_decode_num_draft_tokens"] == 0
