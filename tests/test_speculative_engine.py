@@ -189,6 +189,7 @@ def test_rows_with_sampler_extras_beside_rows_that_verify_drafts(make_llm, tiny_
     request's tokens, logprobs and prompt logprobs equal a run without speculation: overlap and sync in process,
     and through the engine-core process (logprob columns of rows that emitted several tokens, beside rows of
     one, cross the wire)."""
+    pytest.importorskip("xgrammar", reason="structured outputs need the structured extra")
     prompts, params = tiny_workload(16)
     grounded = prompts[0]
     common = {"device": "cpu", "dtype": "float32", "engine_process": engine_process, "debug_check_integrity": True,
@@ -262,6 +263,7 @@ def test_grammar_rows_verify_drafts_under_a_mask_per_position(make_llm, tiny_mod
     grammar finished satisfies it, also with preemption (a grammar row recomputed, its matcher kept) and chunked
     prefill. With a draft model (drafts made in the step that checks them) grammar rows are held to one token,
     so such a batch verifies nothing, and its tokens are the plain ones too."""
+    pytest.importorskip("xgrammar", reason="structured outputs need the structured extra")
     from harness.structured_cases import CASES
 
     prompts, params = _grammar_workload()
