@@ -101,16 +101,19 @@ class Matcher:
             return False
         return True
 
+    _tracked: tuple[str, ...] = ("_start",)  # what the adapter tracks beside the library's state
+
     def snapshot(self) -> tuple:
-        """What this adapter tracks beside the library's state, for ``rollback``."""
-        return (self._start,)
+        """The adapter's own state (``_tracked``), for ``rollback``."""
+        return tuple(getattr(self, name) for name in self._tracked)
 
     def rollback(self, num_tokens: int, snapshot: tuple) -> None:
         """Undo the last ``num_tokens`` accepted tokens (never EOS), back to the state ``snapshot`` was taken in
         (``GrammarCompiler.fill_draft_masks`` walks a row's drafts and comes back)."""
         if num_tokens:
             self._m.rollback(num_tokens)
-        (self._start,) = snapshot
+        for name, value in zip(self._tracked, snapshot):
+            setattr(self, name, value)
 
     def is_terminated(self) -> bool:
         raise NotImplementedError
@@ -124,6 +127,7 @@ class Matcher:
 
 class LLGuidanceMatcher(Matcher):
     __slots__ = ("_done",)
+    _tracked = ("_start", "_done")
 
     def __init__(self, matcher: Any, compiled: Compiled, eos: int, vocab_size: int) -> None:
         super().__init__(matcher, compiled, eos, vocab_size)
@@ -142,14 +146,6 @@ class LLGuidanceMatcher(Matcher):
 
     def is_terminated(self) -> bool:
         return self._done or bool(self._m.is_error())
-
-    def snapshot(self) -> tuple:
-        return self._start, self._done
-
-    def rollback(self, num_tokens: int, snapshot: tuple) -> None:
-        if num_tokens:
-            self._m.rollback(num_tokens)
-        self._start, self._done = snapshot
 
 
 class LLGuidanceLib:

@@ -82,6 +82,7 @@ def scan_schema(schema: Any) -> tuple[list[str], int]:
 
 class XGrammarMatcher(Matcher):
     __slots__ = ("_after_ed", "_done", "_h", "_lib")
+    _tracked = ("_start", "_after_ed", "_done")
 
     def __init__(self, matcher: Any, compiled: Compiled, lib: XGrammarLib) -> None:
         super().__init__(matcher, compiled, lib.eos, lib.vocab_size)
@@ -109,14 +110,6 @@ class XGrammarMatcher(Matcher):
 
     def is_terminated(self) -> bool:
         return self._done
-
-    def snapshot(self) -> tuple:
-        return self._start, self._after_ed, self._done
-
-    def rollback(self, num_tokens: int, snapshot: tuple) -> None:
-        if num_tokens:
-            self._m.rollback(num_tokens)
-        self._start, self._after_ed, self._done = snapshot
 
 
 class XGrammarLib:
