@@ -84,7 +84,8 @@ def grammar_step(allowed: int) -> tuple[StepMeta, GrammarMask]:
 def test_an_early_mask_is_picked_from_once_the_planner_waits_or_at_the_modelled_end(monkeypatch, await_after_s):
     picked: list[float] = []
     real_pick = sim_executor.chain_or_pick
-    monkeypatch.setattr(sim_executor, "chain_or_pick", lambda *a: (picked.append(time.perf_counter()), real_pick(*a))[1])
+    monkeypatch.setattr(sim_executor, "chain_or_pick",
+                        lambda *a: (picked.append(time.perf_counter()), real_pick(*a))[1])
     executor = SimExecutor(SimConfig(step_fixed_ms=400.0, per_token_us=0.0, per_context_token_ns=0.0), 1000, 2, 4)
     try:
         meta, grammar = grammar_step(allowed=777)

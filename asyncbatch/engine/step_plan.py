@@ -75,7 +75,8 @@ class StepPlan:
     # the machine's other threads and processes took from it.
     admit_cpu_s: float = 0.0
     # Speculative engines: [D] int64 tokens each decode row reserved, where some rows are held to one token (a
-    # request with a grammar in an engine with a draft model, ``Scheduler._schedule_decode``); None: ``1 + spec_depth`` each.
+    # request with a grammar in an engine with a draft model, ``Scheduler._schedule_decode``); None:
+    # ``1 + spec_depth`` each.
     decode_widths: np.ndarray | None = None
 
     @property
