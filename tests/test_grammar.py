@@ -18,6 +18,8 @@ import threading
 import numpy as np
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from harness.structured_cases import BAD_CASES, CASES, CASES_BY_NAME, EXTRA_CASES, EXTRA_VIOLATIONS
 from tiny_models import EOS_ID, TINY_VOCAB, build_byte_tokenizer
 
@@ -205,6 +207,46 @@ def test_draft_masks_follow_the_drafts_and_the_matchers_come_back(compiler, byte
             assert matchers[i].accept(drafts[i][0])
             matchers[i].fill_bitmask(expected, 0)
             assert np.array_equal(expected[0], bitmask[first[i] + 1]), case.name
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32 - 1), width=st.integers(2, 6))
+def test_draft_masks_match_a_matcher_fed_the_drafts_for_any_drafts(compiler, seed, width):
+    """The walk of ``fill_draft_masks`` for random batches: rows of random cases at random points, whose drafts
+    mix tokens the constraint allows, random ids and EOS. Each row's masks up to where its walk stops equal a
+    fresh matcher's fed the same drafts, the rows after allow nothing, and every matcher comes back."""
+    rng = random.Random(seed)
+    cases = [rng.choice(CASES) for _ in range(rng.randint(1, 6))]
+    prefixes = [_random_tokens(compiler, case, rng, rng.randint(0, 8)) for case in cases]
+    drafts = []
+    for case, prefix in zip(cases, prefixes):
+        valid = _random_tokens(compiler, case, rng, width - 1, tuple(prefix))
+        drafts.append([t if rng.random() < 0.7 else (EOS_ID if rng.random() < 0.3 else rng.randrange(TINY_VOCAB))
+                       for t in valid[:rng.randint(0, len(valid))]])
+    matchers = []
+    for case, prefix in zip(cases, prefixes):
+        matcher = compiler.matcher(case.params)
+        assert all(matcher.accept(t) for t in prefix)
+        matchers.append(matcher)
+    first = [i * width for i in range(len(cases))]
+    bitmask = np.full((len(cases) * width, bitmask_words(TINY_VOCAB)), -1, dtype=np.int32)
+    compiler.fill_bitmasks(matchers, bitmask, first)
+    compiler.fill_draft_masks(matchers, drafts, bitmask, first, width)
+    expected = allocate_bitmask(1, TINY_VOCAB)
+    for i, (case, prefix) in enumerate(zip(cases, prefixes)):
+        reference = compiler.matcher(case.params)
+        assert all(reference.accept(t) for t in prefix)
+        walking = True
+        for j in range(width):
+            row = bitmask[first[i] + j]
+            if not walking:
+                assert not row.any(), (case.name, j, drafts[i])
+                continue
+            reference.fill_bitmask(expected, 0)
+            assert np.array_equal(row, expected[0]), (case.name, j, drafts[i])
+            walking = j < len(drafts[i]) and drafts[i][j] != EOS_ID and reference.accept(drafts[i][j])
+        matchers[i].fill_bitmask(expected, 0)
+        assert np.array_equal(expected[0], bitmask[first[i]]), (case.name, drafts[i])
 
 
 def test_one_batch_accepts_a_matchers_tokens_in_order(compiler, byte_tokenizer):
