@@ -18,9 +18,9 @@ import threading
 import numpy as np
 import pytest
 import torch
+from harness.structured_cases import BAD_CASES, CASES, CASES_BY_NAME, EXTRA_CASES, EXTRA_VIOLATIONS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from harness.structured_cases import BAD_CASES, CASES, CASES_BY_NAME, EXTRA_CASES, EXTRA_VIOLATIONS
 from tiny_models import EOS_ID, TINY_VOCAB, build_byte_tokenizer
 
 from asyncbatch.sampling import grammar
