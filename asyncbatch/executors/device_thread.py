@@ -94,6 +94,26 @@ def _fail_step(meta: StepMeta, handle: StepHandle, exc: BaseException) -> None:
     handle.set_error(exc)
 
 
+def get_within(q: queue.SimpleQueue, timeout: float) -> object:
+    """``q.get(timeout=timeout)`` for ``q``'s one consumer, without the wait that never ends.
+
+    CPython 3.11's ``SimpleQueue.get(timeout=t)`` on an empty queue whose internal lock is free takes the lock
+    at once, then recomputes the time left; when the thread lost more than ``t`` (+1 us) in between (a
+    descheduled thread, a short ``t``), the time left is negative, which its lock wait reads as "forever": the
+    call returns only at the next ``put``. (``asyncbatch serve --device sim`` stopped for good that way, rarely,
+    under load: the planner in ``StepHandle.result``, the device loop here; a 2 us timeout does it within
+    seconds, ``tests/test_pipelined_device_thread.py``.) A ``get_nowait`` first leaves the lock taken when the
+    queue is empty, so the timed call waits on the lock with the whole positive timeout, which ends at the
+    deadline or at a ``put``. Left: a signal interrupting that wait past the deadline (``SimpleQueue`` then
+    recomputes again); nothing signals this process's threads while it runs. ``queue.Queue`` has no such case
+    but cost the simulated device 0.5-0.9 points of busy time at 1 ms steps."""
+    try:
+        return q.get_nowait()
+    except queue.Empty:
+        pass
+    return q.get(timeout=timeout)
+
+
 @dataclass(slots=True)
 class PreparedStep:
     """A step whose work is done but whose modelled end may lie ahead (``PipelinedDeviceThread``).
@@ -122,7 +142,12 @@ class PipelinedDeviceThread(DeviceThread):
     at the modelled end is waking up and delivering. Results are delivered in launch order, each at its modelled
     end; a step that is not ``final`` (its tokens wait for a grammar mask) is completed before the next one is
     prepared, and ``call`` work runs after every pending step has completed. ``when_idle`` runs before a
-    step's ``prepare`` when nothing is pending (so it may wait without holding back a delivery)."""
+    step's ``prepare`` when nothing is pending (so it may wait without holding back a delivery).
+
+    The loop waits for the next launch at most until the oldest step's end: ``get_within``, not
+    ``SimpleQueue.get(timeout=...)``, which can block until the next launch however long (see there). The
+    planner, waiting for the step this thread was about to deliver, then never launches again."""
+
 
     def __init__(self, name: str, prepare: Callable[[StepMeta, StepHandle], PreparedStep],
                  on_start: Callable[[], None] | None = None,
@@ -145,7 +170,7 @@ class PipelinedDeviceThread(DeviceThread):
                 wait = pending[0][0].end - time.perf_counter()
                 if wait > 0 and pending[-1][0].final:
                     try:
-                        item = self._queue.get(timeout=wait)
+                        item = get_within(self._queue, wait)
                     except queue.Empty:
                         item = None
                 if item is None:  # the oldest step's end has come: deliver it
