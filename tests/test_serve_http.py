@@ -4,7 +4,9 @@ the body limit, token-only engines, and the auxiliary routes."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import threading
 import time
 
@@ -14,6 +16,7 @@ import pytest
 pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install -e '.[serve]')")
 
 from asyncbatch.config import SimConfig
+from asyncbatch.serve.request_stream import RequestStream
 from asyncbatch.serve.settings import ServeSettings
 from tests.serve_harness import client, serving, wait_idle
 
@@ -272,3 +275,49 @@ def test_concurrent_streams_in_threads(served) -> None:
         t.join(60)
     assert sorted(results) == list(range(8)) and all(len(v) == 20 for v in results.values())
     wait_idle(engine)
+
+
+class _NeverEnding(RequestStream):
+    """A choice whose engine never confirms its abort (an engine that stopped)."""
+
+    def __init__(self) -> None:
+        super().__init__("never", [1])
+        self.aborted = False
+
+    @property
+    def output(self):
+        return None
+
+    @property
+    def finished(self) -> bool:
+        return False
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    async def final_output(self):
+        await asyncio.sleep(3600)
+
+    async def deltas(self):
+        yield  # pragma: no cover - never iterated here
+
+
+def test_an_abandoned_choice_whose_abort_never_comes_is_logged_not_left_raising(monkeypatch, caplog) -> None:
+    """A response that stopped reading aborts its choices and awaits their final outputs off its path; when one
+    never comes, a warning says so (no "Task exception was never retrieved" from an unawaited task)."""
+    from asyncbatch.serve import generation
+
+    monkeypatch.setattr(generation, "ABORT_CONFIRM_S", 0.05)
+    choice = _NeverEnding()
+    gen = generation.Generation(state=None, response_id="cmpl-x", model="m", requests=[choice], prompt_tokens=1)
+
+    async def abandon() -> list[BaseException | None]:
+        gen._record_abandoned()
+        tasks = list(generation._background)
+        await asyncio.wait(tasks, timeout=5)
+        return [t.exception() for t in tasks]
+
+    with caplog.at_level(logging.WARNING, logger="asyncbatch.serve"):
+        errors = asyncio.run(abandon())
+    assert choice.aborted and errors == [None]
+    assert "cmpl-x: choice 0 was abandoned and its abort not confirmed" in caplog.text

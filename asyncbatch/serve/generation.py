@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ from asyncbatch.serve.state import ServerState
 
 ChunkBuilder = Callable[[int, StreamDelta], dict]
 _background: set[asyncio.Task] = set()  # tasks nobody awaits must be referenced until they finish
+log = logging.getLogger("asyncbatch.serve")
+ABORT_CONFIRM_S = 60.0  # how long an abandoned choice's final output is awaited (off the response's path)
 
 
 @dataclass
@@ -69,7 +72,17 @@ class Generation:
                 task.add_done_callback(_background.discard)
 
     async def _await_final(self, index: int, request: RequestStream) -> None:
-        output = await asyncio.wait_for(request.final_output(), timeout=60.0)
+        """Nobody awaits this task: what it cannot wait for is logged here, not left as "Task exception was
+        never retrieved" (an engine that stopped, or died: the response has ended either way)."""
+        try:
+            output = await asyncio.wait_for(request.final_output(), timeout=ABORT_CONFIRM_S)
+        except asyncio.TimeoutError:
+            log.warning("%s: choice %d was abandoned and its abort not confirmed within %.0f s", self.response_id,
+                        index, ABORT_CONFIRM_S)
+            return
+        except (EngineDeadError, RequestFailedError) as exc:
+            log.info("%s: choice %d was abandoned and ended with %r", self.response_id, index, exc)
+            return
         if output is not None and self.outputs[index] is None:
             self.outputs[index] = output
             self.state.finished(output)
