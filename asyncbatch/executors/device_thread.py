@@ -148,7 +148,6 @@ class PipelinedDeviceThread(DeviceThread):
     ``SimpleQueue.get(timeout=...)``, which can block until the next launch however long (see there). The
     planner, waiting for the step this thread was about to deliver, then never launches again."""
 
-
     def __init__(self, name: str, prepare: Callable[[StepMeta, StepHandle], PreparedStep],
                  on_start: Callable[[], None] | None = None,
                  when_idle: Callable[[StepMeta, StepHandle], None] | None = None) -> None:
