@@ -163,6 +163,21 @@ def _random_tokens(compiler, case, rng: random.Random, length: int, after: tuple
     return ids
 
 
+def _walk_drafts(compiler, cases, prefixes, drafts, width: int) -> tuple[list, list[int], np.ndarray]:
+    """A matcher per case after its prefix, and a verify step's masks of them (``width`` rows each, in a bitmask
+    that held stale bits): the first row of each by ``fill_bitmasks``, the rest by ``fill_draft_masks``."""
+    matchers = []
+    for case, prefix in zip(cases, prefixes):
+        matcher = compiler.matcher(case.params)
+        assert all(matcher.accept(t) for t in prefix)
+        matchers.append(matcher)
+    first = [i * width for i in range(len(cases))]
+    bitmask = np.full((len(cases) * width, bitmask_words(TINY_VOCAB)), 7, dtype=np.int32)
+    compiler.fill_bitmasks(matchers, bitmask, first)
+    compiler.fill_draft_masks(matchers, drafts, bitmask, first, width)
+    return matchers, first, bitmask
+
+
 def test_draft_masks_follow_the_drafts_and_the_matchers_come_back(compiler, byte_tokenizer):
     """``fill_draft_masks`` (a verify step's masks past the first position): row ``j`` of a matcher's rows is its
     mask after its first ``j`` drafts, as a matcher fed the same tokens has it; from a refused draft, an EOS or
@@ -179,15 +194,7 @@ def test_draft_masks_follow_the_drafts_and_the_matchers_come_back(compiler, byte
     drafts[5][1] = EOS_ID  # the walk stops at an EOS draft (the request ends with it)
     drafts[6] = []  # no drafts: only the first row is the matcher's
     walks = [len(d) for d in drafts[:4]] + [2, 1, 0]
-    matchers = []
-    for case, prefix in zip(cases, prefixes):
-        matcher = compiler.matcher(case.params)
-        assert all(matcher.accept(t) for t in prefix)
-        matchers.append(matcher)
-    first = [i * width for i in range(len(cases))]
-    bitmask = np.full((len(cases) * width, bitmask_words(TINY_VOCAB)), 7, dtype=np.int32)  # stale contents
-    compiler.fill_bitmasks(matchers, bitmask, first)
-    compiler.fill_draft_masks(matchers, drafts, bitmask, first, width)
+    matchers, first, bitmask = _walk_drafts(compiler, cases, prefixes, drafts, width)
     expected = allocate_bitmask(1, TINY_VOCAB)
     for i, (case, prefix, walked) in enumerate(zip(cases, prefixes, walks)):
         reference = compiler.matcher(case.params)
@@ -223,15 +230,7 @@ def test_draft_masks_match_a_matcher_fed_the_drafts_for_any_drafts(compiler, see
         valid = _random_tokens(compiler, case, rng, width - 1, tuple(prefix))
         drafts.append([t if rng.random() < 0.7 else (EOS_ID if rng.random() < 0.3 else rng.randrange(TINY_VOCAB))
                        for t in valid[:rng.randint(0, len(valid))]])
-    matchers = []
-    for case, prefix in zip(cases, prefixes):
-        matcher = compiler.matcher(case.params)
-        assert all(matcher.accept(t) for t in prefix)
-        matchers.append(matcher)
-    first = [i * width for i in range(len(cases))]
-    bitmask = np.full((len(cases) * width, bitmask_words(TINY_VOCAB)), -1, dtype=np.int32)
-    compiler.fill_bitmasks(matchers, bitmask, first)
-    compiler.fill_draft_masks(matchers, drafts, bitmask, first, width)
+    matchers, first, bitmask = _walk_drafts(compiler, cases, prefixes, drafts, width)
     expected = allocate_bitmask(1, TINY_VOCAB)
     for i, (case, prefix) in enumerate(zip(cases, prefixes)):
         reference = compiler.matcher(case.params)
