@@ -153,9 +153,8 @@ class _ExtrasAt:
         grammar, index = self.extras.grammar, self.inputs.grammar_index
         if grammar.width == 1:
             return self.at(index), None
-        gd, w = grammar.num_decode, grammar.width
-        first = torch.arange(len(index), device=index.device)  # [G] each row's first bitmask row
-        first = torch.where(first < gd, first * w, first + gd * (w - 1))
+        gd = grammar.num_decode
+        first = torch.from_numpy(grammar.first_rows()).to(index.device)  # [G] each row's first bitmask row
         if self._layout is None:  # no row had a draft to check: one position each
             return index, first
         nd, width, nt = self._layout
