@@ -97,6 +97,8 @@ class LLM:
         self.processor = InputProcessor(self.tokenizer, self._spec.vocab_size, self.max_model_len,
                                         self._usable_tokens, self._spec.eos_token_id,
                                         self.config.structured_outputs_backend)
+        if self.config.structured_outputs_warmup:
+            self.processor.warm_up_grammar()
         self._preemptions = 0
         self._prefix_cache: dict = {"hit_rate": 0.0, "cached_blocks": 0}
 
@@ -376,6 +378,9 @@ class LLM:
         if client is None:
             return
         client.close()
+        processor = getattr(self, "processor", None)
+        if processor is not None:
+            processor.close()
         if self._switch_interval_held:
             self._switch_interval_held = False
             release_switch_interval(self.config.switch_interval_s)

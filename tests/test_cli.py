@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-from asyncbatch.cli.main import USAGE_ERROR, main
+from asyncbatch.cli.main import USAGE_ERROR, build_parser, main
+from asyncbatch.cli.serve import _model_settings_kwargs
+from asyncbatch.config import EngineConfig
 
 
 @pytest.mark.parametrize(("argv", "option"), [
@@ -35,3 +37,19 @@ def test_an_unknown_option_is_argparse_s_usage_error():
                           capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == USAGE_ERROR and "unrecognized arguments: --bogus" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(("flag", "warm"), [([], True), (["--no-structured-outputs-warmup"], False)])
+def test_serve_builds_the_grammar_compiler_at_start_unless_told_not_to(flag, warm):
+    """A server's first structured request should not wait for the grammar compiler; ``LLM`` leaves it off."""
+    class Settings:
+        def __init__(self, *args, **kwargs) -> None:
+            pass
+
+    args = build_parser().parse_args(["serve", "--device", "sim", *flag])
+    _, _, kwargs = _model_settings_kwargs(args, Settings)
+    assert kwargs["structured_outputs_warmup"] is warm
+    assert EngineConfig.from_kwargs(**kwargs).structured_outputs_warmup is warm
+    assert EngineConfig(device="sim").structured_outputs_warmup is False
+    with pytest.raises(TypeError, match="structured_outputs_warmup must be a bool"):
+        EngineConfig(device="sim", structured_outputs_warmup="yes")

@@ -11,6 +11,10 @@ GPU machine ``scripts/gpu_check.sh`` runs it with ``device="cuda"``.
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -118,3 +122,66 @@ def test_scripted_grammar_is_followed_exactly_in_every_mode(tiny_model, scripted
             assert stats["mask_fill_us_per_row"] > 0
             tokens[overlap, mask_overlap] = [o.token_ids for o in outputs]
     assert tokens[True, True] == tokens[False, True] == tokens[True, False]
+
+
+def _wait_for(condition, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def _choice(word: str) -> SamplingParams:
+    return SamplingParams(max_tokens=48, structured_outputs=StructuredOutputsParams(choice=[word]))
+
+
+@pytest.mark.parametrize("warm", [True, False])
+def test_the_warm_up_builds_both_compilers_before_the_first_grammar(tiny_model, monkeypatch, make_llm, warm):
+    """``structured_outputs_warmup``: the frontend's compiler (the submission's check) and the core's (the
+    matchers) are built on their background threads at start, once each; the first grammar finds them.
+    Without it they are built when that grammar arrives, on the caller's thread and the core's worker."""
+    from asyncbatch.sampling import grammar
+
+    built: list[str] = []
+
+    class Counting(ScriptedCompiler):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            built.append(threading.current_thread().name)
+
+    monkeypatch.setattr(grammar, "GrammarCompiler", Counting)
+    llm = make_llm(str(tiny_model), device="cpu", dtype="float32", max_num_seqs=4, engine_process=False,
+                   num_kv_blocks=24, structured_outputs_warmup=warm)
+    if warm:
+        _wait_for(lambda: len(built) == 2)
+        assert sorted(built) == ["asyncbatch-grammar-warmup", "asyncbatch-grammar_0"]
+    else:
+        time.sleep(0.2)
+        assert built == []
+    outputs = llm.generate(["p", "q"], [_choice("json"), _choice("overlap")], use_tqdm=False)
+    assert [o.text for o in outputs] == ["json", "overlap"]
+    assert all(o.finish_reason == "stop" for o in outputs)
+    assert sorted(built) == (["asyncbatch-grammar-warmup", "asyncbatch-grammar_0"] if warm
+                             else ["MainThread", "asyncbatch-grammar_0"])
+
+
+def test_a_warm_up_that_cannot_build_is_logged_and_the_engine_serves_on(tiny_model, monkeypatch, make_llm,
+                                                                        caplog):
+    """No grammar library: the warm-up says so in the log; plain requests run; a structured one gets the
+    reason at submission, as it would without the warm-up."""
+    from asyncbatch.sampling import grammar
+
+    class Missing:
+        def __init__(self, *args, **kwargs) -> None:
+            raise ImportError("no grammar library in this test")
+
+    monkeypatch.setattr(grammar, "GrammarCompiler", Missing)
+    with caplog.at_level(logging.INFO):
+        llm = make_llm(str(tiny_model), device="cpu", dtype="float32", max_num_seqs=4, engine_process=False,
+                       num_kv_blocks=24, structured_outputs_warmup=True)
+        _wait_for(lambda: sum("was not built ahead" in r.getMessage() for r in caplog.records) == 2)
+    plain = SamplingParams(max_tokens=6, ignore_eos=True)
+    assert len(llm.generate(["p"], plain, use_tqdm=False)[0].token_ids) == 6
+    with pytest.raises(ImportError, match="no grammar library in this test"):
+        llm.generate(["p"], _choice("json"), use_tqdm=False)
+    assert len(llm.generate(["q"], plain, use_tqdm=False)[0].token_ids) == 6

@@ -55,6 +55,9 @@ def add_serve_command(subparsers) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="uvicorn's access log line per HTTP request")
     p.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
+    p.add_argument("--structured-outputs-warmup", action=argparse.BooleanOptionalAction, default=True,
+                   help="build the grammar compiler at start, so the first structured request does not wait ~1 s "
+                        "for it (default: on)")
     p.add_argument("--replicas", type=int, default=1,
                    help="engine replicas; > 1 runs them on Ray Serve (pip install -e '.[cluster]'), see docs/scaling.md")
     p.add_argument("--router", default="cache-aware", choices=["cache-aware", "pow2", "ray-prefix"],
@@ -108,7 +111,7 @@ def _model_settings_kwargs(args: argparse.Namespace, settings_cls) -> tuple[str 
     kwargs = engine_kwargs(args, overlap=not args.no_overlap)
     kwargs.update(max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
                   skip_tokenizer_init=args.skip_tokenizer_init, num_threads=args.num_threads,
-                  engine_process=args.engine_process)
+                  engine_process=args.engine_process, structured_outputs_warmup=args.structured_outputs_warmup)
     if args.device == "sim":
         kwargs["sim"] = SimConfig(step_fixed_ms=args.sim_step_ms, per_token_us=args.sim_per_token_us,
                                   per_context_token_ns=args.sim_per_context_ns)

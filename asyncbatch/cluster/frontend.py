@@ -45,8 +45,12 @@ class FrontendModel:
     """The ingress's side of the model: its ``InputProcessor`` (tokenizer and the engines' limits), and an
     empty timeline (the ingress runs no steps; the replicas' timelines hold them). No weights."""
 
-    def __init__(self, tokenizer, spec, usable_tokens: int) -> None:
-        self.processor = InputProcessor(tokenizer, spec.vocab_size, spec.max_model_len, usable_tokens, spec.eos_token_id)
+    def __init__(self, tokenizer, spec, usable_tokens: int, grammar_backend: str = "auto",
+                 warm_grammar: bool = False) -> None:
+        self.processor = InputProcessor(tokenizer, spec.vocab_size, spec.max_model_len, usable_tokens, spec.eos_token_id,
+                                        grammar_backend)
+        if warm_grammar:
+            self.processor.warm_up_grammar()
         self.model_path: Path = spec.path
         self.timeline = Timeline()
 

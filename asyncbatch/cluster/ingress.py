@@ -69,7 +69,8 @@ class Ingress:
         # it (``asyncbatch serve --replicas N``) imports this module for the class only.
         from asyncbatch.engine.builder import resolve_model
 
-        self._resolved = resolve_model(EngineConfig.from_kwargs(model=model, **engine_kwargs))
+        self._config = EngineConfig.from_kwargs(model=model, **engine_kwargs)
+        self._resolved = resolve_model(self._config)
         self._max_retries = max_retries
         self._engine: ClusterEngine | None = None
         self._state: ServerState | None = None
@@ -79,7 +80,8 @@ class Ingress:
         from asyncbatch.cluster.frontend import ClusterEngine, FrontendModel  # torch: see __init__
 
         info = await self._replicas.info.remote()
-        model = FrontendModel(self._resolved.tokenizer, self._resolved.spec, info["usable_tokens"])
+        model = FrontendModel(self._resolved.tokenizer, self._resolved.spec, info["usable_tokens"],
+                              self._config.structured_outputs_backend, self._config.structured_outputs_warmup)
         engine = ClusterEngine(self._replicas, model, self._max_retries)
         # The engine series come from the replicas (through the router's view of their stats), not from here.
         guard, self._state = build_app(engine, self._settings, unhealthy=self._no_replica_answers,

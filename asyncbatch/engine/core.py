@@ -132,6 +132,8 @@ class EngineCore:
             # at CPython's 5 ms a thread that wants it back may wait a whole step. ``LLM`` holds this for an
             # in-process core; here it also covers the engine core's own process, where nothing else did.
             hold_switch_interval(self.config.switch_interval_s)
+        if self.config.structured_outputs_warmup and self.grammar is not None:
+            self.grammar.warm_up()
         self._thread.start()
 
     def join(self, timeout: float | None = None) -> None:

@@ -28,6 +28,7 @@ the fill (profiles/structured-output-sim-amd-epyc-2core).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -37,12 +38,15 @@ import numpy as np
 from asyncbatch.engine.step_contract import GrammarMask
 from asyncbatch.structured_outputs import StructuredOutputsParams
 
+logger = logging.getLogger(__name__)
+
 
 class GrammarState:
     """Matchers by request seq; compiles through a lazily built ``GrammarCompiler``.
 
     ``make_compiler`` builds the compiler (loads the tokenizer) on first use, so engines that never see a
-    grammar never pay for it.
+    grammar never pay for it, or ahead of it with ``warm_up``. Only the worker thread builds it and compiles,
+    so the first grammar waits for a warm-up in progress instead of building a second compiler.
     """
 
     def __init__(self, make_compiler: Callable[[], object]) -> None:
@@ -60,14 +64,33 @@ class GrammarState:
 
     def compile_async(self, params: StructuredOutputsParams) -> Future:
         """Compile ``params`` on the worker thread; the future's result is a fresh matcher (or the error)."""
+        return self._worker().submit(self._new_matcher, params)
+
+    def warm_up(self) -> Future:
+        """Build the compiler on the worker thread now (``EngineConfig.structured_outputs_warmup``). One that
+        cannot be built (no grammar library installed) is only logged: each grammar request then fails with
+        the reason, as it would without the warm-up."""
+        return self._worker().submit(self._warm)
+
+    def _worker(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="asyncbatch-grammar")
-        return self._pool.submit(self._new_matcher, params)
+        return self._pool
 
-    def _new_matcher(self, params: StructuredOutputsParams) -> object:
+    def _built(self) -> object:
         if self._compiler is None:
             self._compiler = self._make_compiler()
-        return self._compiler.matcher(params)
+        return self._compiler
+
+    def _warm(self) -> None:
+        try:
+            self._built()
+        except Exception as exc:  # noqa: BLE001 - the requests that need it will report it
+            logger.info("structured outputs: the engine core's grammar compiler was not built ahead (%s: %s)",
+                        type(exc).__name__, exc)
+
+    def _new_matcher(self, params: StructuredOutputsParams) -> object:
+        return self._built().matcher(params)
 
     def add(self, seq: int, matcher: object) -> None:
         self.matchers[seq] = matcher

@@ -17,6 +17,7 @@ other requests are untouched (DESIGN invariant 6). Should the engine core still 
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -33,6 +34,7 @@ if TYPE_CHECKING:  # annotations only: transformers is imported by the tokenizer
     from transformers import PreTrainedTokenizerBase
 
 Prompt = str | list[int]
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +51,8 @@ class InputProcessor:
     """Tokenizes and validates against one engine's limits: its vocabulary, ``max_model_len`` and KV cache.
 
     Stateless past construction and thread-safe (the tokenizer is only read), so the asyncio API may
-    tokenize on a worker thread.
+    tokenize on a worker thread. The grammar compiler that validates structured outputs is built once, on
+    the first such request or ahead of it (``warm_up_grammar``); a request arriving meanwhile waits for it.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, max_model_len: int,
@@ -62,19 +65,44 @@ class InputProcessor:
         self.grammar_backend = grammar_backend
         self._grammar = None  # the GrammarCompiler that validates structured_outputs, built on first use
         self._grammar_lock = threading.Lock()
+        self._warmup: threading.Thread | None = None
 
     def check_structured_outputs(self, params: SamplingParams) -> None:
         """Compile the request's grammar (cached) so a bad schema, regex or grammar is a ``ValueError`` naming
         the field at submission, never a failure inside the engine."""
         if params.structured_outputs is None:
             return
+        self._grammar_compiler().validate(params.structured_outputs)
+
+    def _grammar_compiler(self):
         with self._grammar_lock:
             if self._grammar is None:
                 from asyncbatch.sampling.grammar import GrammarCompiler
 
                 self._grammar = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_id,
                                                 backend=self.grammar_backend)
-        self._grammar.validate(params.structured_outputs)
+            return self._grammar
+
+    def warm_up_grammar(self) -> None:
+        """Build the grammar compiler on a thread of its own now (``EngineConfig.structured_outputs_warmup``);
+        nothing to build without a tokenizer. One that cannot be built (no grammar library installed) is only
+        logged: structured requests then get the reason, as they would without the warm-up."""
+        if self.tokenizer is None or self._warmup is not None:
+            return
+        self._warmup = threading.Thread(target=self._warm_grammar, name="asyncbatch-grammar-warmup", daemon=True)
+        self._warmup.start()
+
+    def _warm_grammar(self) -> None:
+        try:
+            self._grammar_compiler()
+        except Exception as exc:  # noqa: BLE001 - the structured requests will report it
+            logger.info("structured outputs: the frontend's grammar compiler was not built ahead (%s: %s)",
+                        type(exc).__name__, exc)
+
+    def close(self) -> None:
+        """Wait for a warm-up in progress (well under a second), so a closed engine leaves no thread behind."""
+        if self._warmup is not None:
+            self._warmup.join()
 
     @property
     def usable_context(self) -> int:
