@@ -13,7 +13,7 @@ import pytest
 import torch
 from tiny_models import save_tiny_model
 
-from asyncbatch import EngineDeadError, RequestFailedError, SamplingParams
+from asyncbatch import EngineDeadError, RequestFailedError, SamplingParams, StructuredOutputsParams
 from asyncbatch.executors import torch_executor
 
 PARAMS = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
@@ -28,12 +28,12 @@ def engine_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("asyncbatch-")]
 
 
-def run_callers(llm, n: int = 4) -> list[BaseException]:
+def run_callers(llm, n: int = 4, params: SamplingParams = PARAMS) -> list[BaseException]:
     errors: list[BaseException] = []
 
     def caller(i):
         try:
-            llm.generate([[5 + i, 6, 7]], PARAMS, use_tqdm=False)
+            llm.generate([[5 + i, 6, 7]], params, use_tqdm=False)
         except BaseException as exc:  # noqa: BLE001 - collected for the assertions
             errors.append(exc)
 
@@ -81,6 +81,36 @@ def test_sampler_fault_reaches_every_caller(make_llm, tiny_dir, overlap, monkeyp
     llm = make_llm(str(tiny_dir), device="cpu", dtype="float32", overlap=overlap, engine_process=False)
     errors = run_callers(llm)
     assert len(errors) == 4 and "injected sampler fault" in repr(errors[0].__cause__)
+    llm.close()
+    assert not engine_threads()
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_a_draft_fault_ends_the_planners_wait_for_the_drafts(make_llm, tiny_dir, overlap, monkeypatch):
+    """With a draft model the planner's fill of a grammar step waits for the drafts the device makes in that
+    step (``GrammarMask.device_drafts``); a fault before the device offers them ends that wait, and every caller
+    gets ``EngineDeadError`` instead of a hang."""
+    pytest.importorskip("xgrammar", reason="structured outputs need the structured extra")
+    from asyncbatch.speculative.draft_model import DraftModel
+
+    real = DraftModel.propose
+    count = {"n": 0}
+
+    def faulty(self, *args, **kwargs):
+        count["n"] += 1
+        if count["n"] == 3:
+            raise RuntimeError("injected draft fault")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(DraftModel, "propose", faulty)
+    llm = make_llm(str(tiny_dir), device="cpu", dtype="float32", overlap=overlap, engine_process=False,
+                   speculative_config={"method": "draft_model", "model": str(tiny_dir), "num_speculative_tokens": 3,
+                                       "disable_by_batch_size": None})
+    grammar = SamplingParams(max_tokens=30, temperature=0.0,
+                             structured_outputs=StructuredOutputsParams(regex="[a-z]{20,40}"))
+    errors = run_callers(llm, params=grammar)
+    assert count["n"] >= 3 and len(errors) == 4 and all(isinstance(e, EngineDeadError) for e in errors)
+    assert "injected draft fault" in repr(errors[0].__cause__)
     llm.close()
     assert not engine_threads()
 

@@ -252,25 +252,45 @@ def _grammar_workload() -> tuple[list[list[int]], list[SamplingParams]]:
     return prompts, params
 
 
+def _own_continuations(llm, most: int = 3) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Greedy requests whose only choice is the model's own greedy continuation of their prompt, where that is
+    one printable ASCII character a token: the grammar allows what the model prefers anyway, so a draft model
+    drafting for itself has its drafts accepted under the mask of each position (a random model's grammar rows
+    otherwise accept few: its unconstrained argmax is rarely allowed)."""
+    candidates = [[i] * 4 for i in range(3, 259)] + [[i, i + 1, i + 2] * 2 for i in range(3, 250)]
+    outs = llm.generate(candidates, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    own = [(p, o.text) for p, o in zip(candidates, outs)
+           if o.text.isascii() and o.text.isprintable() and len(o.text) == len(o.token_ids)][:most]
+    assert own, "no prompt of the tiny model continues in printable ASCII"
+    return [p for p, _ in own], [SamplingParams(max_tokens=40, temperature=0.0,
+                                                structured_outputs=StructuredOutputsParams(choice=[text]))
+                                 for _, text in own]
+
+
 @pytest.mark.parametrize("overlap, engine_process, engine", [(True, False, None), (False, False, None),
                                                               (True, True, None), (True, False, "preempting"),
                                                               (True, False, "chunked")],
                          ids=["overlap", "sync", "core-process", "preempting", "chunked"])
-def test_grammar_rows_verify_drafts_under_a_mask_per_position(make_llm, tiny_model, overlap, engine_process, engine):
-    """N-gram drafts reach the host with the step that made them; the host fills a grammar row's mask at each
-    position along them, so grammar rows verify drafts like any other row. With only grammar requests running,
-    drafts are accepted; every token equals a run without speculation (greedy and seeded), and every output its
-    grammar finished satisfies it, also with preemption (a grammar row recomputed, its matcher kept) and chunked
-    prefill. With a draft model (drafts made in the step that checks them) grammar rows are held to one token,
-    so such a batch verifies nothing, and its tokens are the plain ones too."""
+@pytest.mark.parametrize("method", ["ngram", "draft_self"])
+def test_grammar_rows_verify_drafts_under_a_mask_per_position(make_llm, tiny_model, method, overlap, engine_process,
+                                                              engine):
+    """The host fills a grammar row's mask at each position along its drafts, so grammar rows verify drafts like
+    any other row: n-gram drafts reach the host with the step that made them, a draft model's mid-step, from
+    the step that checks them (``GrammarMask.device_drafts``: in sync mode and after idle the fill waits for
+    them after the launch). With only grammar requests running, drafts are accepted; every token equals a run
+    without speculation (greedy and seeded), and every output its grammar finished satisfies it, also with
+    preemption (a grammar row recomputed, its matcher kept) and chunked prefill."""
     pytest.importorskip("xgrammar", reason="structured outputs need the structured extra")
     from harness.structured_cases import CASES
 
     prompts, params = _grammar_workload()
     common = {"device": "cpu", "dtype": "float32", "engine_process": engine_process, "debug_check_integrity": True,
               "overlap": overlap, **ENGINES.get(engine, {})}
-    reference = run(make_llm(tiny_model, **common), prompts, params)
-    llm = make_llm(tiny_model, speculative_config=SPEC, **common)
+    plain = make_llm(tiny_model, **common)
+    own_prompts, own_params = _own_continuations(plain)
+    prompts, params = prompts + own_prompts, params + own_params
+    reference = run(plain, prompts, params)
+    llm = make_llm(tiny_model, speculative_config=proposer(method, tiny_model, None), **common)
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert_idle_and_clean(llm)
     assert [(o.token_ids, o.finish_reason, o.stop_reason) for o in outs] == reference
@@ -281,11 +301,10 @@ def test_grammar_rows_verify_drafts_under_a_mask_per_position(make_llm, tiny_mod
     assert len(stopped) >= len(CASES) // 2
     for i in stopped:
         CASES[i].check(outs[i].text)
-    assert outs[-1].finish_reason == "stop" and re.fullmatch(r"(ab|ba){5,30}", outs[-1].text)
-    if overlap and not engine_process and engine is None:
-        drafted = make_llm(tiny_model, speculative_config=proposer("draft_self", tiny_model, None), **common)
-        assert run(drafted, prompts, params) == reference
-        assert drafted.stats()["spec_decode_num_draft_tokens"] == 0
+    regex = len(prompts) - len(own_prompts) - 1
+    assert outs[regex].finish_reason == "stop" and re.fullmatch(r"(ab|ba){5,30}", outs[regex].text)
+    for out, own in zip(outs[regex + 1:], own_params):
+        assert out.finish_reason == "stop" and out.text == own.structured_outputs.choice[0]
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_self"])
@@ -488,8 +507,9 @@ def test_sim_verify_steps_with_grammar_and_logprob_rows_give_the_plain_tokens(ma
     """On ``sim`` with the default tokenizer: grammar rows (every case of the structured-output catalogue),
     logprob rows and plain rows share verify steps, all of them verifying drafts (a grammar row's token at each
     position picked under that position's mask: the plain chain where the grammar allows it, which is the
-    sim's draft). Tokens equal a run without speculation, in overlap and sync, with preemption, and every
-    output its grammar finished satisfies it; grammar rows alone accept drafts too."""
+    sim's draft, returned with the step before, or for a draft model offered in the verify step itself).
+    Tokens equal a run without speculation, in overlap and sync, with preemption, and every output its grammar
+    finished satisfies it; grammar rows alone accept drafts too."""
     pytest.importorskip("xgrammar", reason="structured outputs need the structured extra")
     from harness.structured_cases import CASES
 
@@ -505,7 +525,9 @@ def test_sim_verify_steps_with_grammar_and_logprob_rows_give_the_plain_tokens(ma
         else:
             params.append(SamplingParams(max_tokens=60, temperature=0.0, seed=i))
     runs = {}
-    for name, spec, overlap in [("plain", None, True), ("overlap", SPEC, True), ("sync", SPEC, False)]:
+    draft = {"model": "smollm2-135m", "num_speculative_tokens": 4, "disable_by_batch_size": None}
+    modes = [("overlap", SPEC, True), ("sync", SPEC, False), ("draft", draft, True), ("draft-sync", draft, False)]
+    for name, spec, overlap in [("plain", None, True), *modes]:
         llm = make_llm(device="sim", engine_process=False, overlap=overlap, debug_check_integrity=True,
                        num_kv_blocks=60, max_num_seqs=48, sim=sim, speculative_config=spec)
         # The grammar compiler loads the tokenizer once, a second or so; meanwhile the plain requests behind the
@@ -521,7 +543,7 @@ def test_sim_verify_steps_with_grammar_and_logprob_rows_give_the_plain_tokens(ma
         assert (accepted > 0) == (spec is not None), name
         runs[name] += ([o.token_ids for o in alone],)
     plain = runs["plain"][0]
-    for name in ("overlap", "sync"):
+    for name, _, _ in modes:
         got, stats, outs, alone = runs[name]
         assert got == plain and alone == runs["plain"][3], name
         assert stats["spec_decode_num_accepted_tokens"] > 0 and stats["preemptions"] > 0, name

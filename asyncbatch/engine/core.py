@@ -105,7 +105,8 @@ class EngineCore:
         self.scheduler = scheduler
         spec = scheduler.speculative
         extras = StepExtrasWriter(scheduler.rows, scheduler.eos_token_id, bitmask_words(vocab_size),
-                                  1 if spec is None else 1 + spec.num_speculative_tokens) if vocab_size else None
+                                  1 if spec is None else 1 + spec.num_speculative_tokens,
+                                  spec is not None and spec.uses_draft_model) if vocab_size else None
         self.writer = StepMetadataWriter(scheduler.rows, scheduler.blocks, extras,
                                          speculative=scheduler.speculative is not None)
         self.grammar = GrammarState(make_grammar_compiler) if make_grammar_compiler is not None else None
@@ -230,13 +231,13 @@ class EngineCore:
             meta = self.writer.write(plan, staging)
         mask = meta.extras.grammar if meta.extras is not None else None
         if mask is not None:
-            if in_flight:
+            if in_flight or mask.device_drafts:  # filled while it runs (its drafts: ``GrammarMask.device_drafts``)
                 self._unfilled.append(mask)
             else:
                 self._fill(mask, record)
         with stage(record, None, "launch_end", "launch"):
             handle = self.executor.launch(meta)
-            if mask is not None and not in_flight:
+            if mask is not None and not in_flight and not mask.device_drafts:
                 self.executor.masks_ready(handle)
         record.num_tokens, record.num_decode = plan.num_tokens, plan.num_decode
         record.num_prefill, record.num_sampled = plan.num_prefill, meta.num_sampled
@@ -250,7 +251,10 @@ class EngineCore:
         record.kv_blocks_used = record.kv_blocks_usable - blocks.num_free_blocks
         record.after_idle, self._idle = self._idle, False
         self.last_launched_step = plan.step_id
-        return InFlight(plan, meta, handle, record, nvtx)
+        launched = InFlight(plan, meta, handle, record, nvtx)
+        if mask is not None and not in_flight and mask.device_drafts:
+            self._fill_launched(launched)
+        return launched
 
     def _release(self, launched: InFlight, awaited: InFlight) -> None:
         """What ``launched``'s plan leaves to do once it runs, off the launch path: register the blocks its
@@ -269,10 +273,13 @@ class EngineCore:
         if self.config.debug_check_integrity:
             scheduler.check_integrity()
 
-    def _fill(self, mask: GrammarMask, record: StepRecord) -> None:
-        """Fill a step's grammar masks: every earlier step is applied."""
+    def _fill(self, mask: GrammarMask, record: StepRecord, handle: StepHandle | None = None) -> None:
+        """Fill a step's grammar masks: every earlier step is applied (and, with ``mask.device_drafts``, the
+        step, ``handle``, is launched: its drafts come from the device)."""
+        executor = self.executor
+        gone = None if handle is None else (lambda: executor.is_done(handle))
         with mark("grammar_mask_fill", record.step_id):
-            record.mask_fill_ms, record.mask_fill_cpu_ms = self.grammar.fill(mask)
+            record.mask_fill_ms, record.mask_fill_cpu_ms = self.grammar.fill(mask, gone)
         record.grammar_rows = len(mask.index)
 
     def _fill_launched(self, step: InFlight) -> None:
@@ -280,7 +287,7 @@ class EngineCore:
         run. Here on the planner, not on a worker thread: measured on 2 cores, the hand-off to a worker cost
         more than running the planner's next steps beside the fill saved (profiles/structured-output-sim-*)."""
         mask = step.meta.extras.grammar
-        self._fill(mask, step.record)
+        self._fill(mask, step.record, step.handle)
         self._unfilled.remove(mask)
         self.executor.masks_ready(step.handle)
 

@@ -72,7 +72,6 @@ class _DecodePart(NamedTuple):
     grew: np.ndarray  # [G] int64 indices into rows
     version: int
     depth: int = 0  # drafts each row verifies (speculative engines)
-    widths: np.ndarray | None = None  # [D] tokens each row reserved, where some are held to one (``StepPlan``)
 
 
 class RequestRefused(ValueError):
@@ -103,7 +102,7 @@ class Scheduler:
         # reconciled, and the row keeps those blocks when they were not (``StepApplier._reconcile``). A reach
         # made of two steps' rejected drafts (2k tokens) can outlive both reconciliations; the newest step's own
         # tokens count in ``num_computed``, so the excess is largest when that step verifies nothing (a depth that
-        # drops from k to 0: ``prefill_first``, ``disable_by_batch_size``, every decode row held to one token).
+        # drops from k to 0: ``prefill_first``, ``disable_by_batch_size``).
         self._reserve_slack = 0 if speculative is None else 2 * speculative.num_speculative_tokens
         self.max_num_seqs = block_manager.max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -209,7 +208,7 @@ class Scheduler:
         return StepPlan(self._step_id, decode.rows, decode.seqs, decode.positions, decode.steps, decode.grew,
                         decode.version, prefill, self.max_num_batched_tokens - budget, sample_rows, sample_seqs,
                         self.num_releases, preempted, drained, num_admitted, admit_s if num_admitted else 0.0,
-                        decode.depth, admitted, admit_cpu_s if num_admitted else 0.0, decode.widths)
+                        decode.depth, admitted, admit_cpu_s if num_admitted else 0.0)
 
     def _schedule_decode(self, preempted: list[Request], drained: list[Request]) -> _DecodePart:
         """One token for every request in the decode phase (1 + depth in a verify step): array operations over
@@ -220,21 +219,11 @@ class Scheduler:
         if not len(rows):
             return _DecodePart(rows, seqs, NO_ROWS, NO_ROWS, NO_ROWS, version)
         depth = self._verify_depth(len(rows))
-        # With a draft model a grammar row is held to one token a step: its drafts are made on the device at the
-        # start of the step that checks them, too late for the host to fill a mask along them, so it has the
-        # mask of the first position only; the device, finding no reserved position past the first, verifies
-        # none of its drafts (``SpeculativeState.decode_inputs``). N-gram drafts are made at the end of the
-        # step before and reach the host with its outputs: the host fills a mask per position
-        # (``GrammarState.fill``) and grammar rows verify like the others (logprob and bias rows too: the
-        # device scores and biases every position by its output index).
-        widths: np.ndarray | None = None  # [D] tokens each row's reservation covers (None: 1 + depth each)
-        if depth and self.speculative.uses_draft_model:
-            single = st.has_grammar[rows]  # [D]
-            if single.all():
-                depth = 0
-            elif single.any():
-                widths = np.where(single, 1, depth + 1)
-        width = depth + 1 if widths is None else widths
+        # Rows with sampler extras verify like the others: the device scores and biases every position by its
+        # output index, and the host fills a grammar row's mask of each position along its drafts
+        # (``GrammarState.fill``: n-gram drafts come back with the step before; a draft model's, from the
+        # device at the start of the step that checks them).
+        width = depth + 1
         positions = st.num_computed[rows]  # [D] the input token's position, i.e. its KV slot (speculative: at most)
         # [D] tokens of KV the row holds once this step ran: one more, or (speculative) up to 1 + depth more,
         # never past the most it can ever need (a verify step's drafts past it are not checked).
@@ -245,11 +234,6 @@ class Scheduler:
         if len(grew) > blocks.num_free_blocks:
             kept, grew = self.preemptor.decode_under_pressure(rows, reach, preempted)
             rows, seqs, positions, reach = rows[kept], seqs[kept], positions[kept], reach[kept]
-            if widths is not None:
-                widths = widths[kept]
-                if not (widths > 1).any():  # the rows that were to verify drafts were preempted
-                    depth, widths = 0, None
-                width = depth + 1 if widths is None else widths
             self.decode.mark_removed()  # rebuild next time, whatever this pass kept
             version = self.decode.new_version()
         elif len(grew):
@@ -270,12 +254,12 @@ class Scheduler:
             request = self._owners[row]
             request.status = RequestStatus.DRAINING
             drained.append(request)
-        return _DecodePart(rows, seqs, positions, steps, grew, version, depth, widths)
+        return _DecodePart(rows, seqs, positions, steps, grew, version, depth)
 
     def _verify_depth(self, num_decode: int) -> int:
         """Drafts each decode row verifies in this step: 0 without speculation, or when the batch is larger than
         ``disable_by_batch_size``; and what the token budget allows, less (``prefill_first``) what prefill may take
-        of it this step (``_prefill_demand``). Rows held to one token are ``_schedule_decode``'s."""
+        of it this step (``_prefill_demand``)."""
         spec = self.speculative
         if spec is None:
             return 0

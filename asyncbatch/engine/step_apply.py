@@ -276,15 +276,14 @@ class StepApplier:
             return
         st = self.rows
         rows, seqs = plan.decode_rows, plan.decode_seqs  # [D]
-        width = np.full(nd, depth + 1) if plan.decode_widths is None else plan.decode_widths  # [D] tokens counted
-        over = width - emitted[:nd]  # [D] drafts counted but not accepted
+        over = depth + 1 - emitted[:nd]  # [D] drafts counted but not accepted
         held = None if unreleased else st.seq[rows] == seqs  # [D] (None: all)
         mine = slice(None) if held is None else held
         # The row keeps the blocks it reserved (at most one past what it needs, ``Scheduler.check_integrity``):
         # giving them back here and taking them again at the next plan would churn a block a row a step.
         st.num_computed[rows[mine]] -= over[mine]
         st.num_scheduled[rows[mine]] -= over[mine]
-        st.spec_over[rows[mine]] -= width[mine] - 1
+        st.spec_over[rows[mine]] -= depth
         if held is None:
             return
         for i in np.flatnonzero(~held & (over > 0)).tolist():

@@ -24,7 +24,7 @@ Invariants the two sides share:
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -246,21 +246,33 @@ class GrammarMask:
     In a verify step (``width`` > 1) each of the first ``num_decode`` rows (the decode rows: sample indices
     below the step's ``num_decode``) has ``width`` bitmask rows, one per position it may compute: its mask
     after the drafts before that position (``GrammarCompiler.fill_draft_masks``); the other rows one each.
+
+    ``device_drafts`` (a draft model's engine, in a verify step): those drafts are made by the device at the
+    start of this very step, so the host's walk along them waits for them: the device hands every row's
+    drafts over with ``offer_drafts`` (each ``[G, k]`` row's first ``counts`` drafts; the first ``num_decode``
+    rows are read), then runs its forwards, and its sampling waits for the mask as ever::
+
+        device   [propose: draft forwards]●offer_drafts [forward: target .....................][wait][sample]
+        planner  [apply N, fill first positions][wait_drafts ●][walk the drafts, fill]●set_ready
     """
 
-    __slots__ = ("_filling", "_ready", "bitmask", "index", "num_decode", "ready_time", "seqs", "width")
+    __slots__ = ("_drafts", "_drafts_offered", "_filling", "_ready", "bitmask", "device_drafts", "index",
+                 "num_decode", "ready_time", "seqs", "width")
 
     def __init__(self, index: np.ndarray, seqs: np.ndarray, bitmask: np.ndarray, width: int = 1,
-                 num_decode: int = 0) -> None:
+                 num_decode: int = 0, device_drafts: bool = False) -> None:
         self.index = index  # [G] int64 sample index
         self.seqs = seqs  # [G] int64 the requests
         # [num_decode * width + G - num_decode, ceil(V / 32)] int32, bit set = allowed; all written by the fill
         self.bitmask = bitmask
         self.width = width  # bitmask rows of each decode row (1 + the step's planned drafts)
         self.num_decode = num_decode if width > 1 else 0
+        self.device_drafts = device_drafts and self.num_decode > 0
         self._ready = threading.Event()
         self._filling = threading.Event()  # the fill's library call has begun (or the mask is ready)
         self.ready_time = 0.0  # perf_counter when the mask became ready
+        self._drafts_offered = threading.Event()
+        self._drafts: tuple[np.ndarray, np.ndarray] | None = None
 
     @staticmethod
     def num_mask_rows(num_rows: int, num_decode: int, width: int) -> int:
@@ -293,6 +305,19 @@ class GrammarMask:
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         return self._ready.wait(timeout)
+
+    def offer_drafts(self, drafts: np.ndarray, counts: np.ndarray) -> None:
+        """The device's drafts of this step's rows (``device_drafts``): ``[G, k]`` int64 and ``[G]`` counts."""
+        self._drafts = (drafts, counts)
+        self._drafts_offered.set()
+
+    def wait_drafts(self, gone: Callable[[], bool], poll_s: float = 0.005) -> tuple[np.ndarray, np.ndarray] | None:
+        """The drafts ``offer_drafts`` handed over; None if ``gone()`` (the step ended, failed, without
+        offering them) turns true first."""
+        while not self._drafts_offered.wait(poll_s):
+            if gone():
+                return self._drafts
+        return self._drafts
 
 
 @dataclass(slots=True)

@@ -9,9 +9,9 @@ the output index) is recomputed for the few rows that have it.
 
 Grammar rows get an empty ``GrammarMask``: the planner fills it later, once the
 tokens of every earlier step were applied (``engine.structured_state``). In a
-verify step whose rows all take ``1 + spec_depth`` tokens (n-gram drafts), each
-decode grammar row gets a mask per position; where the planner held grammar rows
-to one token (``StepPlan.decode_widths``: a draft model's drafts), one.
+verify step each decode grammar row gets a mask per position (``1 + spec_depth``);
+with a draft model the host walks its drafts once the device offers them
+(``GrammarMask.device_drafts``).
 """
 
 from __future__ import annotations
@@ -49,11 +49,13 @@ class _DecodeExtras:
 class StepExtrasWriter:
     """Builds ``SamplerExtras`` for the steps of one scheduler (planner thread only)."""
 
-    def __init__(self, rows: RowState, eos_token_id: int | None, bitmask_words: int, max_width: int = 1) -> None:
+    def __init__(self, rows: RowState, eos_token_id: int | None, bitmask_words: int, max_width: int = 1,
+                 drafts_on_device: bool = False) -> None:
         self.rows = rows
         self.eos_token_id = eos_token_id
         self.bitmask_words = bitmask_words
         self.max_width = max_width  # positions a decode row may compute: 1 + num_speculative_tokens
+        self.drafts_on_device = drafts_on_device  # a draft model: drafts made in the step that checks them
         self._decode = _DecodeExtras(-1, False, _NONE, _NONE, _NONE)
         # Grammar masks by step id modulo the ring: reused, not allocated (and page-faulted) every step. A
         # step's mask is read until its sampling is done, before the planner waits for that step; the step
@@ -82,10 +84,11 @@ class StepExtrasWriter:
             logprobs = LogprobRows(lp_index, k, int(k.max()))
         grammar = None
         if len(grammar_index):
-            width = plan.spec_depth + 1 if plan.decode_widths is None else 1
+            width = plan.spec_depth + 1
             rows = GrammarMask.num_mask_rows(len(grammar_index), len(decode_grammar), width)
             grammar = GrammarMask(grammar_index, st.seq[sampled_rows[grammar_index]],
-                                  self._mask_buffer(plan.step_id)[:rows], width, len(decode_grammar))
+                                  self._mask_buffer(plan.step_id)[:rows], width, len(decode_grammar),
+                                  self.drafts_on_device)
         return SamplerExtras(self._bias(bias_index, sampled_rows, sample_steps), logprobs, prompt, grammar)
 
     def _mask_buffer(self, step_id: int) -> np.ndarray:

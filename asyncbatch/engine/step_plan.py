@@ -74,10 +74,6 @@ class StepPlan:
     # The planner thread's CPU seconds in ``admit_s`` (``admission_cpu_us_per_request``): wall time less what
     # the machine's other threads and processes took from it.
     admit_cpu_s: float = 0.0
-    # Speculative engines: [D] int64 tokens each decode row reserved, where some rows are held to one token (a
-    # request with a grammar in an engine with a draft model, ``Scheduler._schedule_decode``); None:
-    # ``1 + spec_depth`` each.
-    decode_widths: np.ndarray | None = None
 
     @property
     def num_decode(self) -> int:

@@ -17,8 +17,9 @@ the overlap loop (``EngineCore.overlap_loop``):
 * in a verify step a decode row also gets the mask of each position past its
   first, its matcher walked along the drafts the device will check there (n-gram
   drafts are made at the end of the row's last step and come back with its
-  outputs: ``note_drafts``) and rolled back, so every position a grammar row
-  may emit is sampled under its own grammar state.
+  outputs: ``note_drafts``; a draft model's are made at the start of this step
+  and handed over mid-step: ``GrammarMask.device_drafts``) and rolled back, so
+  every position a grammar row may emit is sampled under its own grammar state.
 
 The fill stays on the planner thread on purpose: a fill worker (the batched
 fill is C++ that releases the GIL) was measured on 2 cores and lost more to
@@ -138,10 +139,13 @@ class GrammarState:
                 ended.add(seq)
         return refused
 
-    def fill(self, mask: GrammarMask) -> tuple[float, float]:
+    def fill(self, mask: GrammarMask, gone: Callable[[], bool] | None = None) -> tuple[float, float]:
         """Write every row of ``mask`` from its request's matcher (one batched library call), then mark it
-        ready; returns the milliseconds it took and this thread's CPU milliseconds in them."""
+        ready; returns the milliseconds it took and this thread's CPU milliseconds in them. With
+        ``mask.device_drafts`` it waits for the device's drafts between the first positions and the walk (not
+        counted in the milliseconds), or until ``gone()`` says the step ended without them."""
         t0, cpu = time.perf_counter(), time.thread_time()
+        waited = 0.0
         bitmask, width = mask.bitmask, mask.width
         get = self.matchers.get
         seqs = mask.seqs.tolist()
@@ -159,13 +163,20 @@ class GrammarState:
             self._compiler.fill_bitmasks(live_matchers, bitmask, live_rows)
             drafting = [g for g in live if g < mask.num_decode] if mask.num_decode else None
             if drafting:
-                drafts = self.drafts
-                self._compiler.fill_draft_masks([matchers[g] for g in drafting],
-                                                [drafts.get(seqs[g], ()) for g in drafting], bitmask,
+                if mask.device_drafts:
+                    t_wait = time.perf_counter()
+                    offered = mask.wait_drafts(gone if gone is not None else lambda: False)
+                    waited = time.perf_counter() - t_wait
+                    rows, counts = offered if offered is not None else (None, None)
+                    drafts = [() if rows is None else rows[g, :counts[g]].tolist() for g in drafting]
+                else:
+                    stored = self.drafts
+                    drafts = [stored.get(seqs[g], ()) for g in drafting]
+                self._compiler.fill_draft_masks([matchers[g] for g in drafting], drafts, bitmask,
                                                 [first[g] for g in drafting], width)
         now, cpu_now = time.perf_counter(), time.thread_time()
         mask.set_ready(now)
-        return (now - t0) * 1e3, (cpu_now - cpu) * 1e3
+        return (now - t0 - waited) * 1e3, (cpu_now - cpu) * 1e3
 
     def close(self) -> None:
         """Cancel the compilations not begun and wait for the one running (a grammar compiles in well under a

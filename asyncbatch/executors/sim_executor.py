@@ -139,9 +139,11 @@ class SimExecutor(ThreadedExecutor):
         # next input's position and the outputs so far.
         self.speculative = speculative
         self.draft_model = draft_model  # ``method="draft_model"``: each step also pays the draft's forwards
-        # N-gram engines: the drafts a grammar row's next verify checks, made at the end of its step and returned
-        # with it (``StepResult.grammar_drafts``): the plain chain on from its newest token (``_next_drafts``).
-        self.num_speculative_tokens = num_speculative_tokens if speculative and not draft_model else 0
+        # The drafts a grammar row's next verify checks: the plain chain on from its newest token
+        # (``_chain_drafts``); an n-gram engine's are made at the end of the row's step and returned with it
+        # (``StepResult.grammar_drafts``), a draft model's at the start of the verify and offered to the host
+        # there (``GrammarMask.device_drafts``).
+        self.num_speculative_tokens = num_speculative_tokens if speculative else 0
         self._drafts = np.zeros((max_num_seqs, self.num_speculative_tokens), dtype=np.int64)
         self.length = np.zeros(max_num_seqs, dtype=np.int64)
         self.num_outputs = np.zeros(max_num_seqs, dtype=np.int64)
@@ -305,8 +307,8 @@ class SimExecutor(ThreadedExecutor):
         row's token at each position is ``chain_or_pick`` under that position's mask (the host's walk along the
         drafts this sim returned for it, ``_next_drafts``: the chain itself), so its draft there is accepted where
         the grammar allows the chain and the coin says so, and its run stops after an EOS (a real device finds
-        no mask past it: ``GrammarCompiler.fill_draft_masks``); rows held to one token (a draft model) pick at
-        their first position. ``min_tokens``' EOS ban holds at each position by its output index, and logprob
+        no mask past it: ``GrammarCompiler.fill_draft_masks``); a draft model's grammar rows get the same drafts,
+        made here and offered to the host's walk before the mask is waited for. ``min_tokens``' EOS ban holds at each position by its output index, and logprob
         rows get an entry per position (``LogprobRows.entries``)."""
         s, nd, r, depth = meta.staging, meta.num_decode, meta.num_sampled, meta.spec_depth
         width = depth + 1
@@ -347,6 +349,8 @@ class SimExecutor(ThreadedExecutor):
         emitted[:nd] += np.logical_and.accumulate(accept, axis=1).sum(axis=1)
         drafted = usable > 0
         grammar = extras.grammar if extras is not None else None
+        if grammar is not None and grammar.device_drafts:
+            grammar.offer_drafts(*self._chain_drafts(rows[grammar.index], seeds[grammar.index]))
         forward_ms = (end - start) * 1e3
 
         def commit(end: float) -> None:
@@ -396,12 +400,18 @@ class SimExecutor(ThreadedExecutor):
 
     def _next_drafts(self, rows: np.ndarray, seeds: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
         """After a step's commit: the drafts the next verify of grammar rows ``rows`` (token rows; ``seeds``, ``[G]``
-        each) checks, ``[G, k]``, and their counts (k each), kept for that verify and returned to the host: the
-        plain chain on from each row's newest token, what an n-gram proposer that always finds a match would
-        propose. None in an engine that does not return drafts (not speculative, or a draft model)."""
-        k = self.num_speculative_tokens
-        if not k:
+        each) checks, returned to the host (``_chain_drafts``). None in an engine that does not return drafts
+        (not speculative, or a draft model: it offers them in the verify step itself)."""
+        if not self.num_speculative_tokens or self.draft_model:
             return None, None
+        return self._chain_drafts(rows, seeds)
+
+    def _chain_drafts(self, rows: np.ndarray, seeds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The drafts the next verify of grammar rows ``rows`` (token rows; ``seeds``, ``[G]`` each) checks, from
+        the device state after the rows' newest token, ``[G, k]``, and their counts (k each), kept for that
+        verify: the plain chain on from each row's newest token, what an n-gram proposer that always finds a
+        match, or a draft model that always agrees with the target, would propose."""
+        k = self.num_speculative_tokens
         index = self.num_outputs[rows]  # [G] the output index of the next step's first position
         fed = self.token_buffer[rows]
         lengths = self.output_length(seeds) if self.eos_token_id is not None else None

@@ -113,11 +113,10 @@ class _ExtrasAt:
     The extras index the sampled rows (decode rows first); ``layout`` ``(num_decode, width, decode_tokens)``
     says that the logits are a verify step's instead, ``width`` positions a decode row and then the prefill
     rows. A decode grammar row's mask of each position (``GrammarMask.width`` a row, the host's walk along its
-    drafts) applies at that position; where the planner held grammar rows to one token (a draft model), at the
-    row's first. A decode row's bias entries apply at each of its positions whose output index is below the
-    entry's ``until`` (``min_tokens``' bans end there). A logprob row is scored at every position it computed,
-    in row order (``LogprobRows.entries``): the host keeps the entries of the tokens the row emitted. Also
-    collects the grammar mask's wait for the ``StepOutcome``."""
+    drafts) applies at that position. A decode row's bias entries apply at each of its positions whose output
+    index is below the entry's ``until`` (``min_tokens``' bans end there). A logprob row is scored at every
+    position it computed, in row order (``LogprobRows.entries``): the host keeps the entries of the tokens the
+    row emitted. Also collects the grammar mask's wait for the ``StepOutcome``."""
 
     __slots__ = ("_layout", "_logprob_rows", "extras", "inputs", "mask_wait_ms", "mask_wait_start")
 
@@ -334,6 +333,11 @@ class TorchStep:
             with mark("draft_propose", meta.step_id):
                 self.draft.propose(self.spec, step.decode_rows, meta.spec_depth, batch.decode_block_tables,
                                    batch.decode_context_lens, self.token_buffer, dummy_slot)
+            grammar = meta.extras.grammar if meta.extras is not None else None
+            if grammar is not None and grammar.device_drafts:  # the host walks its matchers along them now
+                rows = step.sample_rows.index_select(0, step.extras.grammar_index)
+                grammar.offer_drafts(self.spec.drafts.index_select(0, rows).cpu().numpy(),
+                                     self.spec.num_drafts.index_select(0, rows).cpu().numpy())
         if nd:
             v = self.spec.decode_inputs(step.decode_rows, meta.spec_depth, batch.decode_block_tables,
                                         batch.decode_context_lens, self.token_buffer, self.block_size, dummy_slot)
@@ -522,7 +526,7 @@ class TorchStep:
     def _grammar_drafts(self, meta: StepMeta, step: DeviceStep) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The drafts the step's grammar rows proposed for their next verify (``StepResult.grammar_drafts``): the
         host fills that step's masks along them. None without grammar rows, or with a draft model (its drafts
-        are made in the step that checks them)."""
+        are made in the step that checks them, and offered to the host there: ``GrammarMask.device_drafts``)."""
         if self.draft is not None or meta.extras is None or meta.extras.grammar is None:
             return None, None
         rows = step.sample_rows.index_select(0, step.extras.grammar_index)
