@@ -1,9 +1,10 @@
-"""One batch of grounded requests under n-gram speculation, one of which asks for a sampler extra (or nothing).
+"""One batch of grounded requests under speculation, one of which asks for a sampler extra (or nothing).
 
     PYTHONPATH=<tree> python mixed_batch.py OUT.json [--extra logprobs|bias|json|json-schema|none] [--on first|all]
-        [--requests 4] [--max-tokens 96]
+        [--requests 4] [--max-tokens 96] [--spec ngram|draft-self]
 
-Default model, float32, 2 threads, overlap, ``speculative_config={"method": "ngram"}`` (k = 4), greedy, EOS
+Default model, float32, 2 threads, overlap, ``speculative_config={"method": "ngram"}`` (k = 4; ``--spec
+draft-self``: the default model drafting for itself, ``method="draft_model"``, k = 4), greedy, EOS
 honoured; the engine is built and warmed up once, then the batch runs ``--repeats`` times. Request 0 asks for
 the ``--extra`` (``--on all``: every request does): logprobs, a logit_bias and ``min_tokens``, a JSON object, a JSON
 schema with two free-text fields (``JSON_SCHEMA``, the prompt asking for it: the answer in JSON, which echoes the
@@ -33,7 +34,9 @@ def main() -> None:
     args = dict(zip(sys.argv[2::2], sys.argv[3::2]))
     extra, n = args.get("--extra", "logprobs"), int(args.get("--requests", "4"))
     max_tokens, repeats = int(args.get("--max-tokens", "96")), int(args.get("--repeats", "3"))
-    llm = LLM(dtype="float32", num_threads=2, speculative_config={"method": "ngram"})
+    spec = {"ngram": {"method": "ngram"},
+            "draft-self": {"method": "draft_model", "model": "smollm2-135m"}}[args.get("--spec", "ngram")]
+    llm = LLM(dtype="float32", num_threads=2, speculative_config=spec)
     cases = spread(load_workload("grounded"), n)
     on_all = args.get("--on", "first") == "all"
     if extra == "json-schema":  # the requests that answer in JSON are told how
@@ -69,7 +72,8 @@ def main() -> None:
     logprobs = outs[0].logprobs.logprobs if outs[0].logprobs is not None else None  # the chosen tokens'
     stats = llm.stats()
     keys = ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "steps")
-    result = {"extra": extra, "on": args.get("--on", "first"), "requests": n, "max_tokens": max_tokens,
+    result = {"extra": extra, "on": args.get("--on", "first"), "spec": args.get("--spec", "ngram"), "requests": n,
+              "max_tokens": max_tokens,
               "walls_s": walls, "latencies_s": latencies, "texts": [o.text for o in outs],
               "output_tokens": sum(len(t) for t in runs[0]), "tokens": runs[0], "logprobs_0": logprobs,
               "same_tokens_every_repeat": all(r == runs[0] for r in runs),

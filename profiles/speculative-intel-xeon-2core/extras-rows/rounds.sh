@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Trees side by side, fresh processes, interleaved: each NAME=PATH argument after the round count is a tree
 # (a worktree of a commit, or the checkout), run in the order given, each extra (EXTRAS, default: logprobs json
-# none; bias and json-schema also exist) in turn; ON=all gives every request the extra.
+# none; bias and json-schema also exist) in turn; ON=all gives every request the extra; SPEC=draft-self drafts
+# with the default model itself instead of n-gram lookup.
 #   OUT=/tmp/mixed bash rounds.sh 2 before=/tmp/wt-ref after=/work/main
 set -euo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
@@ -15,7 +16,7 @@ for round in $(seq 1 "$rounds"); do
       name=${named%%=*}; tree=${named#*=}
       echo "round $round $name $(date -u +%T)"
       PYTHONPATH="$tree" "$PY" "$HERE/mixed_batch.py" "$OUT/$name-$extra-$round.json" --extra "$extra" \
-        --on "${ON:-first}" 2>&1 | tail -1
+        --on "${ON:-first}" --spec "${SPEC:-ngram}" 2>&1 | tail -1
     done
   done
 done
