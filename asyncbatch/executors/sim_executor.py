@@ -308,8 +308,9 @@ class SimExecutor(ThreadedExecutor):
         drafts this sim returned for it, ``_next_drafts``: the chain itself), so its draft there is accepted where
         the grammar allows the chain and the coin says so, and its run stops after an EOS (a real device finds
         no mask past it: ``GrammarCompiler.fill_draft_masks``); a draft model's grammar rows get the same drafts,
-        made here and offered to the host's walk before the mask is waited for. ``min_tokens``' EOS ban holds at each position by its output index, and logprob
-        rows get an entry per position (``LogprobRows.entries``)."""
+        made here and offered to the host's walk before the mask is waited for. ``min_tokens``' EOS ban holds
+        at each position by its output index, and logprob rows get an entry per position
+        (``LogprobRows.entries``)."""
         s, nd, r, depth = meta.staging, meta.num_decode, meta.num_sampled, meta.spec_depth
         width = depth + 1
         rows, seeds = s.sample_token_rows[:r].copy(), s.sample_seed[:r].copy()
