@@ -92,6 +92,42 @@ def test_killing_the_core_fails_every_waiter_within_a_second(make_llm):
     assert not core_pids()
 
 
+def test_a_message_the_frontend_cannot_read_fails_every_waiter(make_llm, monkeypatch):
+    """The frontend's receiver is the only reader of the core's messages: one it cannot decode (a wire-format
+    bug, a core from other code) fails every caller with ``EngineDeadError`` naming it, instead of ending that
+    thread quietly and leaving every caller waiting."""
+    from asyncbatch.engine import step_wire
+
+    llm = make_llm(device="sim", sim=SLOW_SIM)
+    real, count = step_wire.loads, {"n": 0}
+
+    def garbled(data: bytes) -> object:
+        count["n"] += 1
+        if count["n"] == 5:
+            raise AttributeError("injected: an unreadable step record")
+        return real(data)
+
+    monkeypatch.setattr(step_wire, "loads", garbled)
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def waiter() -> None:
+        try:
+            llm.generate([[400] * 5], SamplingParams(max_tokens=5_000), use_tqdm=False)
+        except EngineDeadError as exc:
+            errors.append(exc)
+        done.set()
+
+    threading.Thread(target=waiter, daemon=True).start()
+    assert done.wait(30.0), "a waiter hung after the frontend failed to read a message"
+    assert len(errors) == 1 and "could not be read" in str(errors[0])
+    assert "injected" in repr(errors[0].__cause__)
+    with pytest.raises(EngineDeadError):
+        llm.generate([[5]], SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.close()
+    assert not core_pids()
+
+
 def test_close_with_requests_in_flight_leaves_no_process(make_llm):
     llm = make_llm(device="sim", sim=SLOW_SIM)
     stream = llm.stream([300] * 8, SamplingParams(max_tokens=5_000))

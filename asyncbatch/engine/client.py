@@ -168,6 +168,10 @@ class CoreClient:
                     code = self.process.exitcode if self.process is not None else None
                     self._die(EngineDeadError(f"the engine core process died (exit code {code})"))
                 return
+            except BaseException as exc:  # noqa: BLE001 - a message this frontend cannot read: every caller hears
+                # (this thread is the only reader: were it to end quietly, every waiting caller would wait forever)
+                self._die(EngineDeadError(f"a message from the engine core could not be read: {exc!r}"), cause=exc)
+                return
             if message is _CLOSED:
                 return
             if isinstance(message, Reply):
