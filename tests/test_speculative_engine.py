@@ -297,6 +297,8 @@ def test_grammar_rows_verify_drafts_under_a_mask_per_position(make_llm, tiny_mod
     stats = llm.stats()
     assert stats["spec_decode_num_accepted_tokens"] > 20, stats
     assert (stats["preemptions"] > 0) == (engine == "preempting")
+    # Only a draft model's drafts are waited for (in the planner's fill); n-gram drafts are on the host already.
+    assert (stats["drafts_wait_ms_per_step"] > 0) == (method == "draft_self"), stats
     stopped = [i for i, o in enumerate(outs[:len(CASES)]) if o.finish_reason == "stop"]
     assert len(stopped) >= len(CASES) // 2
     for i in stopped:

@@ -279,7 +279,7 @@ class EngineCore:
         executor = self.executor
         gone = None if handle is None else (lambda: executor.is_done(handle))
         with mark("grammar_mask_fill", record.step_id):
-            record.mask_fill_ms, record.mask_fill_cpu_ms = self.grammar.fill(mask, gone)
+            record.mask_fill_ms, record.mask_fill_cpu_ms, record.drafts_wait_ms = self.grammar.fill(mask, gone)
         record.grammar_rows = len(mask.index)
 
     def _fill_launched(self, step: InFlight) -> None:

@@ -139,11 +139,12 @@ class GrammarState:
                 ended.add(seq)
         return refused
 
-    def fill(self, mask: GrammarMask, gone: Callable[[], bool] | None = None) -> tuple[float, float]:
+    def fill(self, mask: GrammarMask, gone: Callable[[], bool] | None = None) -> tuple[float, float, float]:
         """Write every row of ``mask`` from its request's matcher (one batched library call), then mark it
-        ready; returns the milliseconds it took and this thread's CPU milliseconds in them. With
-        ``mask.device_drafts`` it waits for the device's drafts between the first positions and the walk (not
-        counted in the milliseconds), or until ``gone()`` says the step ended without them."""
+        ready; returns the milliseconds it took, this thread's CPU milliseconds in them, and the milliseconds
+        it waited for drafts: with ``mask.device_drafts`` it waits for the device's drafts between the first
+        positions and the walk (not counted in the first two), or until ``gone()`` says the step ended
+        without them."""
         t0, cpu = time.perf_counter(), time.thread_time()
         waited = 0.0
         bitmask, width = mask.bitmask, mask.width
@@ -176,7 +177,7 @@ class GrammarState:
                                                 [first[g] for g in drafting], width)
         now, cpu_now = time.perf_counter(), time.thread_time()
         mask.set_ready(now)
-        return (now - t0 - waited) * 1e3, (cpu_now - cpu) * 1e3
+        return (now - t0 - waited) * 1e3, (cpu_now - cpu) * 1e3, waited * 1e3
 
     def close(self) -> None:
         """Cancel the compilations not begun and wait for the one running (a grammar compiles in well under a

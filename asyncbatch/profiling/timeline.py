@@ -62,6 +62,10 @@ class StepRecord:
     mask_fill_ms: float = 0.0
     mask_fill_cpu_ms: float = 0.0
     grammar_rows: int = 0
+    # A draft model's verify step with grammar rows: the planner's wait, inside the fill, for the drafts the
+    # device makes at the start of the step (``GrammarMask.device_drafts``); not in ``mask_fill_ms``. It
+    # delays the planning of the next step, not this one.
+    drafts_wait_ms: float = 0.0
     # Speculative decoding (vLLM's counters): rows that verified drafts, draft tokens, and drafts accepted.
     spec_drafts: int = 0
     spec_draft_tokens: int = 0
@@ -256,6 +260,7 @@ def summarize(records: list[StepRecord]) -> dict:
         "mask_fill_ms_per_step": float(np.mean([r.mask_fill_ms for r in records])),
         "mask_fill_cpu_ms_per_step": float(np.mean([r.mask_fill_cpu_ms for r in records])),
         "mask_fill_us_per_row": _fill_us_per_row(records),
+        "drafts_wait_ms_per_step": float(np.mean([r.drafts_wait_ms for r in records])),
         "output_tokens_per_s": output_tokens / span if span > 0 else 0.0,
         **speculative_counts(records),
     }
