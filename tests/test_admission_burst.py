@@ -165,9 +165,11 @@ def test_burst_through_the_engine(make_llm) -> None:
         assert stats["admission_us_per_request"] > 0
         assert gap_report(llm).admission_us_per_request == pytest.approx(stats["admission_us_per_request"])
         # The planner thread's CPU time in the same spans: some, and never more than their wall time (both
-        # clocks read around the same code; 1 % for their granularities).
+        # clocks read around the same code; 1 % for their granularities). Per step, 50 us more: the two clocks
+        # come from different sources, and on a 2-core VM a thread-CPU span exceeded the monotonic span around
+        # it by up to 22 us in 5 of 20,000 samples (2026-12-04), which failed a 1 us slack once in a suite run.
         assert 0 < stats["admission_cpu_us_per_request"] <= stats["admission_us_per_request"] * 1.01
-        assert all(r.admit_cpu_ms <= r.admit_ms * 1.01 + 1e-3 for r in records)
+        assert all(r.admit_cpu_ms <= r.admit_ms * 1.01 + 0.05 for r in records)
         assert gap_report(llm).admission_cpu_us_per_request == pytest.approx(stats["admission_cpu_us_per_request"])
         llm.close()
     assert tokens[True] == tokens[False]
