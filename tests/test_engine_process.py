@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import queue
 import signal
 import threading
 import time
@@ -126,6 +127,36 @@ def test_a_message_the_frontend_cannot_read_fails_every_waiter(make_llm, monkeyp
         llm.generate([[5]], SamplingParams(max_tokens=2), use_tqdm=False)
     llm.close()
     assert not core_pids()
+
+
+def test_a_message_the_core_cannot_send_reaches_the_frontend_as_core_failed(monkeypatch):
+    """The core's sender thread, likewise: a message it cannot encode is reported (``CoreFailed``, which fails
+    every caller) instead of ending the thread and leaving the frontend without outputs."""
+    from asyncbatch.engine import core_process, step_wire
+    from asyncbatch.engine.messages import CoreFailed, Finish, ended_only
+
+    def broken(message: object) -> bytes:
+        raise TypeError("injected: a field the wire cannot pack")
+
+    class Conn:
+        def __init__(self) -> None:
+            self.sent: list[object] = []
+
+        def send(self, message: object) -> None:
+            self.sent.append(message)
+
+        def send_bytes(self, data: bytes) -> None:
+            self.sent.append(data)
+
+    monkeypatch.setattr(step_wire, "encode", broken)
+    outbox, conn = queue.SimpleQueue(), Conn()
+    for message in ("before", ended_only([3], Finish.ABORT), "after"):
+        outbox.put(message)
+    core_process._send_loop(outbox, conn)  # returns at the failure
+    assert conn.sent[0] == "before" and len(conn.sent) == 2
+    failed = conn.sent[1]
+    assert isinstance(failed, CoreFailed) and "could not send StepOutputs" in failed.message
+    assert "injected" in failed.message and "TypeError" in failed.traceback
 
 
 def test_close_with_requests_in_flight_leaves_no_process(make_llm):

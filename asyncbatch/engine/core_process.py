@@ -73,6 +73,8 @@ _STOP = object()
 
 
 def _send_loop(outbox: queue.SimpleQueue, conn: Connection) -> None:
+    """Send the planner's messages in order. A message that cannot be encoded ends the engine for the frontend
+    (``CoreFailed`` with the traceback), never this thread alone: the frontend would wait for outputs forever."""
     while (message := outbox.get()) is not _STOP:
         try:
             if type(message) is StepOutputs:  # one per step: a flat buffer, not a pickle (``step_wire``)
@@ -80,4 +82,11 @@ def _send_loop(outbox: queue.SimpleQueue, conn: Connection) -> None:
             else:
                 conn.send(message)
         except (OSError, EOFError, BrokenPipeError):  # the frontend is gone; the main thread stops the core
+            return
+        except BaseException as exc:  # noqa: BLE001 - reported to the frontend, which fails every caller
+            try:
+                conn.send(CoreFailed(f"the engine core could not send {type(message).__name__}: {exc!r}",
+                                     traceback.format_exc()))
+            except (OSError, EOFError, BrokenPipeError):
+                pass
             return
