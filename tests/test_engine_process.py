@@ -60,23 +60,28 @@ def test_same_tokens_in_every_process_and_overlap_mode(make_llm, tiny_dir, devic
 
 
 @pytest.mark.exclusive
-def test_killing_the_core_fails_every_waiter_within_a_second(make_llm):
-    llm = make_llm(device="sim", sim=SLOW_SIM)
-    streams = [llm.stream([300 + i] * 6, SamplingParams(max_tokens=5_000)) for i in range(3)]
-    for stream in streams:
-        next(stream)
-    errors: list[BaseException] = []
-    waiter_done = threading.Event()
+def start_waiter(llm) -> tuple[threading.Event, list[BaseException]]:
+    """A caller generating a long request on a thread of its own: set when it returns, with the
+    ``EngineDeadError`` it got (if any)."""
+    done, errors = threading.Event(), []
 
     def waiter() -> None:
         try:
             llm.generate([[400] * 5], SamplingParams(max_tokens=5_000), use_tqdm=False)
         except EngineDeadError as exc:
             errors.append(exc)
-        waiter_done.set()
+        done.set()
 
-    thread = threading.Thread(target=waiter)
-    thread.start()
+    threading.Thread(target=waiter, daemon=True).start()
+    return done, errors
+
+
+def test_killing_the_core_fails_every_waiter_within_a_second(make_llm):
+    llm = make_llm(device="sim", sim=SLOW_SIM)
+    streams = [llm.stream([300 + i] * 6, SamplingParams(max_tokens=5_000)) for i in range(3)]
+    for stream in streams:
+        next(stream)
+    waiter_done, errors = start_waiter(llm)
     time.sleep(0.1)
     (pid,) = core_pids()
     killed = time.perf_counter()
@@ -109,17 +114,7 @@ def test_a_message_the_frontend_cannot_read_fails_every_waiter(make_llm, monkeyp
         return real(data)
 
     monkeypatch.setattr(step_wire, "loads", garbled)
-    done = threading.Event()
-    errors: list[BaseException] = []
-
-    def waiter() -> None:
-        try:
-            llm.generate([[400] * 5], SamplingParams(max_tokens=5_000), use_tqdm=False)
-        except EngineDeadError as exc:
-            errors.append(exc)
-        done.set()
-
-    threading.Thread(target=waiter, daemon=True).start()
+    done, errors = start_waiter(llm)
     assert done.wait(30.0), "a waiter hung after the frontend failed to read a message"
     assert len(errors) == 1 and "could not be read" in str(errors[0])
     assert "injected" in repr(errors[0].__cause__)
