@@ -59,7 +59,6 @@ def test_same_tokens_in_every_process_and_overlap_mode(make_llm, tiny_dir, devic
     assert {r[2] for r in reference} >= {"length"}
 
 
-@pytest.mark.exclusive
 def start_waiter(llm) -> tuple[threading.Event, list[BaseException]]:
     """A caller generating a long request on a thread of its own: set when it returns, with the
     ``EngineDeadError`` it got (if any)."""
@@ -76,6 +75,7 @@ def start_waiter(llm) -> tuple[threading.Event, list[BaseException]]:
     return done, errors
 
 
+@pytest.mark.exclusive
 def test_killing_the_core_fails_every_waiter_within_a_second(make_llm):
     llm = make_llm(device="sim", sim=SLOW_SIM)
     streams = [llm.stream([300 + i] * 6, SamplingParams(max_tokens=5_000)) for i in range(3)]
