@@ -321,3 +321,23 @@ def test_an_abandoned_choice_whose_abort_never_comes_is_logged_not_left_raising(
         errors = asyncio.run(abandon())
     assert choice.aborted and errors == [None]
     assert "cmpl-x: choice 0 was abandoned and its abort not confirmed" in caplog.text
+
+
+def test_a_constraint_without_a_grammar_library_is_a_400_naming_the_field(monkeypatch) -> None:
+    """A server installed without the structured extra: a constrained request gets a 400 naming its field and
+    what to install (not a 500 with a traceback), and plain requests go on."""
+    from asyncbatch.sampling import grammar
+
+    class Missing:
+        def __init__(self, *args, **kwargs) -> None:
+            raise ImportError("structured outputs need a grammar library; install it with: pip install .[structured]")
+
+    monkeypatch.setattr(grammar, "GrammarCompiler", Missing)
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    with serving(ServeSettings(("m",)), **SIM) as (server, _engine), client(server) as http:
+        for fields, param in (({"response_format": {"type": "json_object"}}, "response_format"),
+                              ({"guided_regex": "[a-z]+"}, "guided_regex")):
+            error = assert_error(http.post("/v1/chat/completions", json={**chat, **fields}), 400, param)
+            assert "pip install .[structured]" in error["message"], error
+        response = http.post("/v1/chat/completions", json=chat)
+        assert response.status_code == 200, response.text

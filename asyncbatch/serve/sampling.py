@@ -138,13 +138,17 @@ def _response_format(response_format: dict[str, Any]) -> dict[str, Any] | None:
 @contextlib.contextmanager
 def naming_constraint_errors(source: str | None) -> Iterator[None]:
     """Submission refuses a schema/regex/grammar that does not compile (``structured_outputs.<kind> ...``):
-    name the request's field it came from instead."""
+    name the request's field it came from instead. A server without a grammar library cannot constrain any
+    output: a 400 naming the field and what to install, not an internal error."""
     try:
         yield
     except (ValueError, TypeError) as exc:
         if source is not None and str(exc).startswith("structured_outputs"):
             raise OpenAIError(400, f"{source}: {exc}", param=source) from exc
         raise
+    except ImportError as exc:
+        field = source or "structured_outputs"
+        raise OpenAIError(400, f"{field}: this server cannot constrain outputs: {exc}", param=field) from exc
 
 
 async def compile_constraint(engine: AsyncEngineClient, params: SamplingParams,
