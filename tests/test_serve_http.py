@@ -341,3 +341,19 @@ def test_a_constraint_without_a_grammar_library_is_a_400_naming_the_field(monkey
             assert "pip install .[structured]" in error["message"], error
         response = http.post("/v1/chat/completions", json=chat)
         assert response.status_code == 200, response.text
+
+
+def test_an_internal_error_is_a_500_and_the_connection_serves_on(served, monkeypatch) -> None:
+    """The 500 goes out whole and the keep-alive connection stays usable: uvicorn used to close it after the
+    app re-raised the answered error, so the client's next request met a reset connection."""
+    server, engine = served
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected internal error")
+
+    monkeypatch.setattr(engine.tokenizer, "encode", broken)
+    with client(server) as http:
+        for _ in range(3):
+            error = assert_error(http.post("/tokenize", json={"prompt": "Hello"}), 500)
+            assert "injected internal error" in error["message"]
+            assert_good(http)  # the same connection

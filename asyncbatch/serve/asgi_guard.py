@@ -7,6 +7,12 @@ streaming responses. The key is checked like vLLM's ``--api-key``: routes under
 ``/version`` stay open for probes and scrapers. A body larger than the limit is
 refused with 413 from its ``Content-Length`` before it is read, or as soon as
 the bytes read pass the limit (chunked uploads).
+
+It is also the last thing a request leaves: an internal error that the app has
+already answered with a whole 500 (``openai_errors``, which logs it) is not
+raised on to uvicorn. Starlette re-raises it after answering, and uvicorn then
+closes the connection, so a keep-alive client's next request met a reset
+connection instead of an answer.
 """
 
 from __future__ import annotations
@@ -66,7 +72,7 @@ class ASGIGuard:
             await _reply(send, 413, f"request body of {int(length)} bytes exceeds the limit of {self._limit} bytes")
             return
         seen = 0
-        started = False
+        started = completed = False
 
         async def limited_receive() -> dict:
             nonlocal seen
@@ -78,9 +84,11 @@ class ASGIGuard:
             return message
 
         async def tracking_send(message: dict) -> None:
-            nonlocal started
+            nonlocal started, completed
             if message["type"] == "http.response.start":
                 started = True
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                completed = True
             await send(message)
 
         try:
@@ -90,3 +98,6 @@ class ASGIGuard:
                 raise
             self._on_reject(413)
             await _reply(send, 413, str(exc.detail))
+        except Exception:
+            if not completed:  # a response cut short: uvicorn logs it and closes the connection
+                raise
