@@ -10,6 +10,9 @@ the wrong token under async scheduling (vllm #29379), masks for the wrong step.
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 from harness.structured_cases import CASES
 from tiny_models import save_tiny_model
@@ -167,3 +170,33 @@ def test_the_benchmark_can_stagger_the_grammar_rows_arrivals(make_llm):
     assert min(second_wave) - max(first_wave) >= 0.019  # time.sleep(20 ms) between the two submissions
     together = submit_staggered(llm, ["a", "b"], params[:2], staggered=2, stagger_steps=0, step_ms=20.0)
     assert [len(o.token_ids) for o in together] == [3, 4]  # 0: all at once, through generate
+
+
+@pytest.mark.parametrize("speculative", [None, {"method": "ngram"}, "draft_self"])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_a_complete_grammar_stops_under_min_tokens_and_an_open_one_goes_on(make_llm, tiny_model, speculative,
+                                                                          overlap):
+    """``min_tokens`` bans EOS; a grammar that is complete allows only EOS. Then the grammar wins: the request
+    stops with its whole constraint (``finish_reason="stop"``), as vLLM lets a terminal grammar stop, instead of
+    sampling from an empty distribution (an error before). While the grammar can go on, ``min_tokens`` holds:
+    no EOS before it."""
+    if speculative == "draft_self":
+        speculative = {"method": "draft_model", "model": str(tiny_model), "num_speculative_tokens": 3}
+    llm = make_llm(str(tiny_model), device="cpu", dtype="float32", engine_process=False, overlap=overlap,
+                   speculative_config=speculative)
+    params = [SamplingParams(max_tokens=24, temperature=temperature, seed=3, min_tokens=min_tokens,
+                             structured_outputs=StructuredOutputsParams(**constraint))
+              for temperature in (0.0, 1.0)
+              for constraint, min_tokens in (({"choice": ["ab"]}, 6), ({"regex": "(ab)+"}, 7),
+                                             ({"json_object": True}, 18))]
+    outs = llm.generate([[5, 6, 7]] * len(params), params, use_tqdm=False)
+    for out, p in zip(outs, params):
+        constraint = p.structured_outputs
+        assert out.finish_reason in ("stop", "length"), (constraint, out.finish_reason, out.error)
+        if constraint.choice is not None:  # complete after two tokens, before min_tokens
+            assert out.finish_reason == "stop" and out.text == "ab" and out.token_ids[-1] == 2
+        elif constraint.regex is not None:  # can always go on: min_tokens holds
+            assert len(out.token_ids) >= p.min_tokens and re.fullmatch("(ab)+", out.text)
+            assert out.finish_reason == "length" or out.token_ids.index(2) >= p.min_tokens
+        if out.finish_reason == "stop" and constraint.json_object:
+            assert isinstance(json.loads(out.text), dict)

@@ -421,12 +421,20 @@ class TorchStep:
                        copied: bool, wait_for_mask: bool) -> torch.Tensor:
         """``logit_bias`` / ``min_tokens`` and the grammar mask on their rows of ``logits`` (a copy unless
         ``copied``: the forward's output may be a reused buffer; ``steps``: each logits row's output index);
-        waits for the mask if ``wait_for_mask``."""
+        waits for the mask if ``wait_for_mask``.
+
+        A grammar that allows only what ``min_tokens`` bans (it is complete: only EOS is left) wins: such a
+        position gets its logits before the bias under the mask alone, so the request stops there with
+        ``finish_reason="stop"`` instead of sampling from nothing (vLLM's "terminal grammars stop under
+        min_tokens")."""
         x, xin = meta.extras, extras.inputs
         if x is None or (x.bias is None and x.grammar is None):
             return logits
         if not copied:
             logits = logits.clone()
+        unbiased = None  # [E, V] the grammar positions' logits before the bias, when both apply
+        if x.bias is not None and x.grammar is not None:
+            unbiased = logits.index_select(0, extras.mask_rows()[0])
         if x.bias is not None:
             index, token_ids, values, until = xin.bias
             at, entry = extras.spans(index)  # [E] every position of each entry's row
@@ -436,7 +444,7 @@ class TorchStep:
         if x.grammar is not None:
             if wait_for_mask:
                 extras.mask_wait_start, extras.mask_wait_ms = self._wait_for_mask(meta)
-            self._apply_mask(logits, x.grammar, *extras.mask_rows())
+            self._apply_mask(logits, x.grammar, *extras.mask_rows(), unbiased)
         return logits
 
     def sample_verified(self, meta: StepMeta, step: DeviceStep, logits: torch.Tensor, t_sample: float) -> StepOutcome:
@@ -548,8 +556,10 @@ class TorchStep:
         return t0, (time.perf_counter() - t0) * 1e3
 
     def _apply_mask(self, logits: torch.Tensor, grammar: GrammarMask, index: torch.Tensor,
-                    mask_rows: torch.Tensor | None) -> None:
-        """``grammar``'s bitmask rows ``mask_rows`` (None: all, in order) on logits rows ``index``."""
+                    mask_rows: torch.Tensor | None, unbiased: torch.Tensor | None = None) -> None:
+        """``grammar``'s bitmask rows ``mask_rows`` (None: all, in order) on logits rows ``index``; a row the
+        mask and the bias together leave empty takes ``unbiased`` ``[E, V]`` (its logits before the bias)
+        under the mask alone (``_bias_and_mask``). No host synchronisation: a select, not a branch."""
         bitmask = torch.from_numpy(grammar.bitmask)  # [M, words] int32; filled and final once ready
         if self.device.type != "cpu":
             bitmask = bitmask.to(self.device, non_blocking=True)  # pinned by CudaExecutor.masks_ready
@@ -557,6 +567,10 @@ class TorchStep:
             bitmask = bitmask.index_select(0, mask_rows)
         rows = logits.index_select(0, index)  # [E, V]
         apply_bitmask_(rows, bitmask)
+        if unbiased is not None:
+            apply_bitmask_(unbiased, bitmask)
+            empty = torch.isneginf(rows).all(dim=1, keepdim=True)  # [E, 1]
+            rows = torch.where(empty, unbiased, rows)
         logits.index_copy_(0, index, rows)
 
     def _update_penalty_context(self, meta: StepMeta, batch: ForwardBatch, penalty: PenaltyInputs,
