@@ -200,3 +200,27 @@ def test_a_complete_grammar_stops_under_min_tokens_and_an_open_one_goes_on(make_
             assert out.finish_reason == "length" or out.token_ids.index(2) >= p.min_tokens
         if out.finish_reason == "stop" and constraint.json_object:
             assert isinstance(json.loads(out.text), dict)
+
+
+@pytest.mark.parametrize("speculative", [None, {"method": "ngram"}, "draft_self"])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_a_complete_grammar_ends_an_ignore_eos_request(make_llm, tiny_model, speculative, overlap):
+    """``ignore_eos`` keeps a request going past EOS, but a complete grammar allows nothing after its EOS: the
+    request ends there with ``finish_reason="stop"`` (before, its next token was refused and it ended as an
+    engine error). A row without a grammar still runs to ``max_tokens``."""
+    if speculative == "draft_self":
+        speculative = {"method": "draft_model", "model": str(tiny_model), "num_speculative_tokens": 3}
+    llm = make_llm(str(tiny_model), device="cpu", dtype="float32", engine_process=False, overlap=overlap,
+                   speculative_config=speculative)
+    constraints = ({"choice": ["ab"]}, {"regex": "(ab){1,3}"}, {"json_object": True})
+    params = [SamplingParams(max_tokens=12, temperature=temperature, seed=1, ignore_eos=True,
+                             structured_outputs=StructuredOutputsParams(**constraint))
+              for temperature in (0.0, 1.0) for constraint in constraints]
+    params.append(SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+    outs = llm.generate([[5, 6, 7]] * len(params), params, use_tqdm=False)
+    for out, p in zip(outs[:-1], params):
+        assert out.finish_reason == "stop" and out.token_ids[-1] == 2, (p.structured_outputs, out.finish_reason)
+        assert 2 not in out.token_ids[:-1]
+    assert outs[0].text == "ab" and re.fullmatch("(ab){1,3}", outs[1].text)
+    assert isinstance(json.loads(outs[2].text), dict)
+    assert outs[-1].finish_reason == "length" and len(outs[-1].token_ids) == 12
