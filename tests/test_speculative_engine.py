@@ -310,6 +310,34 @@ def test_grammar_rows_verify_drafts_under_a_mask_per_position(make_llm, tiny_mod
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_self"])
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_a_prompt_longer_than_the_token_budget_prefills_in_steps_that_sample_nothing(make_llm, tiny_model, method,
+                                                                                     overlap):
+    """A prompt past ``max_num_batched_tokens`` prefills in chunks over several steps, the first of which sample
+    nothing and, with nothing else running, decode nothing either: a speculative engine applies such a step (it
+    failed the whole engine before: ``apply_verified`` could not shape an empty step's tokens). Tokens and
+    prompt logprobs equal plain decoding's; the rows verify drafts once they decode."""
+    prompts = [[5, 6, 7, 8] * 12, [9, 10, 11] * 15]  # 48 and 45 tokens against a budget of 16
+    params = [SamplingParams(max_tokens=24, temperature=0.0, prompt_logprobs=1),
+              SamplingParams(max_tokens=24, temperature=1.0, seed=5)]
+    common = {"device": "cpu", "dtype": "float32", "engine_process": False, "overlap": overlap,
+              "max_num_batched_tokens": 16, "max_num_seqs": 4, "debug_check_integrity": True}
+    for one_at_a_time in (True, False):  # alone (steps with no row at all), then beside each other
+        batches = [[0], [1]] if one_at_a_time else [[0, 1]]
+        plain, spec = make_llm(tiny_model, **common), make_llm(tiny_model, speculative_config=proposer(
+            method, tiny_model, None), **common)
+        for batch in batches:
+            expected = plain.generate([prompts[i] for i in batch], [params[i] for i in batch], use_tqdm=False)
+            got = spec.generate([prompts[i] for i in batch], [params[i] for i in batch], use_tqdm=False)
+            assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+            for g, e in zip(got, expected):
+                if e.prompt_logprobs is not None:
+                    assert g.prompt_logprobs.logprobs == pytest.approx(e.prompt_logprobs.logprobs, abs=1e-5)
+        assert_idle_and_clean(spec)
+        assert spec.stats()["spec_decode_num_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_self"])
 def test_large_batches_verify_no_drafts(make_llm, tiny_model, method):
     """``disable_by_batch_size``: a step with more decode rows than that plans no drafts (a draft model's too);
     smaller steps do verify drafts."""

@@ -154,7 +154,8 @@ class StepApplier:
         array path is tested against, ``tests/test_verified_apply.py``); its result is one token a row,
         position-major. Both leave the same state, finish requests in the same order (position, then plan
         order) and give each request the same tokens."""
-        tokens = np.asarray(token_ids, dtype=np.int64).reshape(len(plan.sample_rows), -1)  # [R, W]
+        r = len(plan.sample_rows)  # 0: a step of prefill chunks that sample nothing (a prompt past the budget)
+        tokens = np.asarray(token_ids, dtype=np.int64).reshape(r, -1 if r else plan.spec_depth + 1)  # [R, W]
         if plan.spec_depth == 0:
             self.reconcile_s = 0.0
             return self.apply(plan, tokens[:, 0], finite, num_releases)
