@@ -133,6 +133,60 @@ def test_speculative_tokens_equal_plain_tokens_on_a_tiny_model(make_llm, tiny_mo
     assert {r for _, r, _ in reference} == {"stop", "length"}
 
 
+def _mixed_workload(seed: int, max_model_len: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Random requests that mix what a step must handle at once: prompts from one token to past the token
+    budget and up to the context's end, stop strings and ids, ``ignore_eos``, logprobs, ``min_tokens``,
+    penalties and grammars (choices, regexes, JSON), greedy and seeded; ``max_tokens`` fitted to the context."""
+    rng = random.Random(seed)
+    grammars = [{"choice": ["ab", "abc", "b"]}, {"regex": "(ab|c)+d?"}, {"json_object": True}, {"regex": "[a-z]{2,9}"}]
+    prompts, params = [], []
+    for i in range(24):
+        phrase = [rng.randrange(3, 250) for _ in range(rng.randrange(1, 5))]
+        prompt = (phrase * 80)[:rng.choice([1, 2, 5, 17, 33, 60, max_model_len - 2])]
+        kw: dict = {"max_tokens": min(rng.choice([1, 2, 7, 30, 60]), max_model_len - len(prompt)),
+                    "temperature": rng.choice([0.0, 0.0, 1.0]), "seed": i}
+        if rng.random() < 0.3:
+            kw["stop"] = [rng.choice(["a", "ab", "e"])]
+        if rng.random() < 0.3:
+            kw["stop_token_ids"] = [rng.randrange(3, 250)]
+        kw["ignore_eos"] = rng.random() < 0.2
+        kw["logprobs"] = 1 if rng.random() < 0.2 else None
+        kw["min_tokens"] = min(kw["max_tokens"], 3) if rng.random() < 0.2 else 0
+        kw["presence_penalty"] = 0.5 if rng.random() < 0.2 else 0.0
+        if rng.random() < 0.3:
+            kw["structured_outputs"] = StructuredOutputsParams(**rng.choice(grammars))
+            kw.pop("stop", None)
+        prompts.append(prompt)
+        params.append(SamplingParams(**kw))
+    return prompts, params
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_mixed_random_workloads_give_the_plain_tokens(make_llm, tiny_model, seed):
+    """Random mixes of every feature a step must handle at once (``_mixed_workload``) in a tight engine: a budget
+    smaller than the longest prompts (steps that sample nothing), prompts up to the context's end, a KV cache
+    that preempts. N-gram and a draft model, overlap and sync: every request's tokens, finish and text equal
+    plain decoding's, and the block accounting holds after every step."""
+    pytest.importorskip("xgrammar", reason="structured outputs need the structured extra")
+    engine = {"device": "cpu", "dtype": "float32", "engine_process": False, "debug_check_integrity": True,
+              "max_model_len": 80, "max_num_batched_tokens": 32, "max_num_seqs": 8, "num_kv_blocks": 16}
+    prompts, params = _mixed_workload(seed, engine["max_model_len"])
+
+    def outcome(llm) -> list[tuple]:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert_idle_and_clean(llm)
+        return [(o.token_ids, o.finish_reason, o.stop_reason, o.text) for o in outs]
+
+    reference = outcome(make_llm(tiny_model, **engine))
+    for method in ("ngram", "draft_self"):
+        for overlap in (True, False):
+            llm = make_llm(tiny_model, overlap=overlap, speculative_config=proposer(method, tiny_model, None),
+                           **engine)
+            assert outcome(llm) == reference, (method, overlap)
+            assert llm.stats()["spec_decode_num_accepted_tokens"] > 0
+            assert llm.stats()["preemptions"] > 0
+
+
 def test_rows_that_reach_max_model_len_in_a_verify_step(make_llm, tiny_model):
     """Requests that run to ``max_model_len`` while other rows draft: a verify step spans every row to the widest
     one's drafts, so a row at the end of the model's length computes positions past it (dropped, and clamped to

@@ -229,6 +229,8 @@ class EngineCore:
         staging.fence.arm()
         with stage(record, None, "plan_end", "prepare_metadata"):
             meta = self.writer.write(plan, staging)
+        if self.config.debug_check_integrity:
+            self.writer.check_decode_tables(meta)
         mask = meta.extras.grammar if meta.extras is not None else None
         if mask is not None:
             if in_flight or mask.device_drafts:  # filled while it runs (its drafts: ``GrammarMask.device_drafts``)

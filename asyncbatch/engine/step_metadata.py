@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from asyncbatch.engine.block_manager import BlockManager
+from asyncbatch.engine.block_manager import BlockManager, IntegrityError
 from asyncbatch.engine.prefill_metadata import NO_PREFILL, write_prefill
 from asyncbatch.engine.row_state import RowState
 from asyncbatch.engine.step_contract import CachedContext, PrefillRowMeta, StagingBuffer, StepMeta
@@ -125,6 +125,23 @@ class StepMetadataWriter:
                 plan, np.concatenate([plan.decode_rows, ss]) if len(ss) else plan.decode_rows, staging.sample_step[:r]),
         )
 
+    def check_decode_tables(self, meta: StepMeta) -> None:
+        """``IntegrityError`` unless the staged block table of every decode row equals the row's table in every
+        column the device reads (``decode_max_blocks``): the staging buffer is patched, not rewritten, between
+        plans of one decode set (``debug_check_integrity`` runs this after every write)."""
+        nd, width = meta.num_decode, meta.decode_max_blocks
+        if not nd:
+            return
+        rows = meta.staging.decode_token_rows[:nd]
+        staged = meta.staging.decode_block_tables[:nd, :width]
+        held = self.blocks.block_table[rows, :width]
+        needed = np.arange(width)[None, :] < self.blocks.num_row_blocks[rows][:, None]  # [D, W] columns held
+        wrong = np.argwhere(needed & (staged != held))
+        if len(wrong):
+            i, column = (int(x) for x in wrong[0])
+            raise IntegrityError(f"step {meta.step_id}: decode row {int(rows[i])}'s staged block table has block "
+                                 f"{int(staged[i, column])} in column {column}; the row holds {int(held[i, column])}")
+
     def _write_decode(self, plan: StepPlan, staging: StagingBuffer) -> int:
         """Decode rows ``[:nd]`` of every per-token and per-sample array; returns the widest block count."""
         nd = plan.num_decode
@@ -142,7 +159,11 @@ class StepMetadataWriter:
             staging.decode_token_rows[:nd] = rows
             staging.sample_token_rows[:nd] = rows
             staging.logits_indices[:nd] = self._arange[:nd]
-            staging.decode_block_tables[:nd, :max_blocks] = self.blocks.block_table[rows, :max_blocks]
+            # Every block the rows hold, not only those this plan's positions reach: a speculative row keeps the
+            # blocks it reserved for drafts that were rejected, and a later plan of the same decode set reaches
+            # into them without growing, so nothing would patch them here (``grown`` lists new blocks only).
+            held = int(self.blocks.num_row_blocks[rows].max())
+            staging.decode_block_tables[:nd, :held] = self.blocks.block_table[rows, :held]
             self._write_sampling_constants(staging, 0, nd, rows)
         else:  # the buffer holds these rows' tables but for the blocks added since
             for index, column in grown:
