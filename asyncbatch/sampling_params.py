@@ -184,5 +184,11 @@ class SamplingParams:
         return list(self.stop_token_ids or ()) + list(self.logit_bias or ())
 
     @property
+    def eos_ends(self) -> bool:
+        """Whether an EOS token ends the request: unless ``ignore_eos``, and always under ``structured_outputs``,
+        whose grammar allows EOS only once it is complete, and nothing after it."""
+        return not self.ignore_eos or self.structured_outputs is not None
+
+    @property
     def uses_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

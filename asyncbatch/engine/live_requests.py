@@ -112,7 +112,6 @@ class LiveRequests:
         # masks allowed each after the ones before it). Tokens keep their order (logprob columns index them).
         applied = applied.per_token()
         rejected = self.grammar.advance(applied.seqs, applied.token_ids)
-        applied = self._end_complete(applied, rejected)
         if not rejected:
             return applied, ended, ended_codes
         ending = dict.fromkeys(applied.seqs[rejected].tolist())  # the requests that end, in order
@@ -128,28 +127,3 @@ class LiveRequests:
                             kept[keep], positions=positions[keep]),
                 np.concatenate([ended, bad]),
                 np.concatenate([ended_codes, np.full(len(bad), Finish.GRAMMAR, dtype=np.int8)]))
-
-    def _end_complete(self, applied: AppliedStep, rejected: list[int]) -> AppliedStep:
-        """An EOS that did not end its request (``ignore_eos``) but completed its grammar ends it now
-        (``Finish.EOS``: ``finish_reason="stop"``): a complete grammar allows nothing after it, so the request
-        could only fail on its next token. Rare, so the check costs one comparison a step."""
-        eos = self.scheduler.eos_token_id
-        if eos is None:
-            return applied
-        at = np.flatnonzero((applied.token_ids == eos) & (applied.finish == Finish.NONE)).tolist()
-        if not at:
-            return applied
-        get, bad = self.grammar.matchers.get, set(rejected)
-        complete = []
-        for i in at:
-            matcher = get(int(applied.seqs[i]))  # None: an ``ignore_eos`` row without a grammar
-            if i not in bad and matcher is not None and matcher.is_terminated():
-                complete.append(i)
-        if not complete:
-            return applied
-        finish = applied.finish.copy()
-        finish[complete] = Finish.EOS
-        for i in complete:
-            self.scheduler.finish(self.requests[int(applied.seqs[i])], Finish.EOS.reason)
-        return AppliedStep(applied.seqs, applied.token_ids, finish, applied.errored, applied.kept,
-                           positions=applied.positions)

@@ -24,8 +24,9 @@ from asyncbatch.speculative.config import MAX_SPECULATIVE_TOKENS
 NO_SEQ = -1  # ``RowState.seq`` of a row no request holds
 # A request's parameters as ``RowState.admit_many`` writes them (``RowState.constants_of``, made on arrival): the
 # int64 constants (max_tokens, seed, top_k, logprobs, min_tokens), the float32 ones (temperature, top_p, min_p,
-# presence, frequency, repetition) and the flags (ignore_eos, has stop ids, uses penalties, has bias (or
-# min_tokens), has grammar, needs extras), each group in ``RowState``'s column order.
+# presence, frequency, repetition) and the flags (ignore_eos: an EOS does not end it, ``SamplingParams.eos_ends``;
+# has stop ids, uses penalties, has bias (or min_tokens), has grammar, needs extras), each group in ``RowState``'s
+# column order.
 ROW_CONSTANTS = np.dtype([("ints", np.int64, 5), ("floats", np.float32, 6), ("flags", np.bool_, 6)], align=True)
 # ``RowState``'s counters, the rows of its ``counters`` table in this order: what admission sets per row
 # (``admit_many`` takes them as one ``[A, 8]`` block) and planning and ``apply`` update.
@@ -121,7 +122,7 @@ class RowState:
         bias, grammar = bool(p.logit_bias) or p.min_tokens > 0, p.structured_outputs is not None
         ints = (p.max_tokens, request.seed, max(p.top_k, 0), logprobs, p.min_tokens)
         floats = (p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
-        flags = (p.ignore_eos, bool(p.stop_token_ids), p.uses_penalties, bias, grammar, bias or grammar or logprobs >= 0)
+        flags = (not p.eos_ends, bool(p.stop_token_ids), p.uses_penalties, bias, grammar, bias or grammar or logprobs >= 0)
         return np.array([(ints, floats, flags)], dtype=ROW_CONSTANTS).tobytes()
 
     def admit_many(self, rows: np.ndarray, requests: list[Request], counters: np.ndarray,

@@ -43,7 +43,7 @@ _NONE, _EOS, _STOP_TOKEN, _LENGTH = int(Finish.NONE), int(Finish.EOS), int(Finis
 
 def finish_code(token: int, params: SamplingParams, num_outputs: int, eos_token_id: int | None) -> Finish:
     """The per-request rule that the masks in ``apply_step`` compute for many rows at once."""
-    if token == eos_token_id and not params.ignore_eos:
+    if token == eos_token_id and params.eos_ends:
         return Finish.EOS
     if params.stop_token_ids and token in params.stop_token_ids:
         return Finish.STOP_TOKEN
