@@ -335,9 +335,7 @@ class TorchStep:
                                    batch.decode_context_lens, self.token_buffer, dummy_slot)
             grammar = meta.extras.grammar if meta.extras is not None else None
             if grammar is not None and grammar.device_drafts:  # the host walks its matchers along them now
-                rows = step.sample_rows.index_select(0, step.extras.grammar_index)
-                grammar.offer_drafts(self.spec.drafts.index_select(0, rows).cpu().numpy(),
-                                     self.spec.num_drafts.index_select(0, rows).cpu().numpy())
+                grammar.offer_drafts(*(t.cpu().numpy() for t in self._grammar_rows_drafts(step)))
         if nd:
             v = self.spec.decode_inputs(step.decode_rows, meta.spec_depth, batch.decode_block_tables,
                                         batch.decode_context_lens, self.token_buffer, self.block_size, dummy_slot)
@@ -432,9 +430,10 @@ class TorchStep:
             return logits
         if not copied:
             logits = logits.clone()
+        mask_rows = extras.mask_rows() if x.grammar is not None else None
         unbiased = None  # [E, V] the grammar positions' logits before the bias, when both apply
-        if x.bias is not None and x.grammar is not None:
-            unbiased = logits.index_select(0, extras.mask_rows()[0])
+        if x.bias is not None and mask_rows is not None:
+            unbiased = logits.index_select(0, mask_rows[0])
         if x.bias is not None:
             index, token_ids, values, until = xin.bias
             at, entry = extras.spans(index)  # [E] every position of each entry's row
@@ -444,7 +443,7 @@ class TorchStep:
         if x.grammar is not None:
             if wait_for_mask:
                 extras.mask_wait_start, extras.mask_wait_ms = self._wait_for_mask(meta)
-            self._apply_mask(logits, x.grammar, *extras.mask_rows(), unbiased)
+            self._apply_mask(logits, x.grammar, *mask_rows, unbiased)
         return logits
 
     def sample_verified(self, meta: StepMeta, step: DeviceStep, logits: torch.Tensor, t_sample: float) -> StepOutcome:
@@ -537,6 +536,10 @@ class TorchStep:
         are made in the step that checks them, and offered to the host there: ``GrammarMask.device_drafts``)."""
         if self.draft is not None or meta.extras is None or meta.extras.grammar is None:
             return None, None
+        return self._grammar_rows_drafts(step)
+
+    def _grammar_rows_drafts(self, step: DeviceStep) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafts the device holds for the step's grammar rows: ``[G, k]`` and their counts ``[G]``."""
         rows = step.sample_rows.index_select(0, step.extras.grammar_index)
         return self.spec.drafts.index_select(0, rows), self.spec.num_drafts.index_select(0, rows)
 
