@@ -129,11 +129,12 @@ class ServeProcess:
         return self.log.read()
 
     def dump_stacks(self, wait_s: float = 1.0) -> None:
-        """Ask the server and every process under it (its engine core) for every thread's stack, into the log
-        (``asyncbatch.profiling.stack_dump``): for a test that saw the server stop making progress."""
-        for pid in [self.proc.pid, *descendant_pids(self.proc.pid)]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGUSR1)
+        """Ask the server for every thread's stack, its engine core's included (the server passes the signal
+        on), into the log (``asyncbatch.profiling.stack_dump``): for a test that saw the server stop making
+        progress. Only the server is signalled: multiprocessing's forkserver and resource tracker, which are
+        its children too, would die of SIGUSR1."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGUSR1)
         time.sleep(wait_s)
 
     def kill(self) -> str:

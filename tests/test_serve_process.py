@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("uvicorn", reason="the serve extra is not installed (pip install -e '.[serve]')")
 
 from asyncbatch.serve.server import bind_socket
-from tests.serve_harness import ROOT, ServeProcess, refuses_new_requests, stream_ids
+from tests.serve_harness import ROOT, ServeProcess, descendant_pids, refuses_new_requests, stream_ids
 
 
 def run_streams(server: ServeProcess, n: int, max_tokens: int) -> tuple[list, list[threading.Thread]]:
@@ -94,18 +94,23 @@ def test_busy_port_is_a_one_line_error() -> None:
 
 
 def test_sigusr1_dumps_every_threads_stack_of_the_server_and_its_core_and_both_go_on() -> None:
-    """``kill -USR1`` (``profiling.stack_dump``): the server's and the engine core's threads' stacks reach the
-    log, and the server still answers; what a test that sees streams stop asks for before it kills the server."""
+    """``kill -USR1 <server pid>`` (``profiling.stack_dump``): the server's and, passed on, the engine core's
+    threads' stacks reach the log, and every process under the server lives on and the server still answers;
+    what a test that sees streams stop asks for before it kills the server."""
     server = ServeProcess("--sim-step-ms", "2")
     try:
+        processes = [server.proc.pid, *descendant_pids(server.proc.pid)]  # core, forkserver, resource tracker
         server.dump_stacks()
         health = httpx.get(server.url + "/health", timeout=10).status_code
         out: list = []
         stream_ids(server.url, {"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True, "stream": True,
                                 "return_token_ids": True}, out)
+        alive = [pid for pid in processes if pid in (server.proc.pid, *descendant_pids(server.proc.pid))]
     finally:
         log = server.kill()
     (ids, finishes, done), = out
     assert health == 200 and len(ids) == 4 and finishes == ["length"] and done
-    assert "in run_server" in log  # the server's main thread
-    assert "in core_main" in log and "in _send_loop" in log  # the engine core's main and sender threads
+    assert alive == processes and len(processes) >= 2
+    server_dump, core_dump = log.split("--- asyncbatch: stacks of")[1:]
+    assert "in run_server" in server_dump  # the server's main thread
+    assert "in core_main" in core_dump and '"asyncbatch-core-sender" daemon' in core_dump  # main and sender

@@ -38,6 +38,7 @@ from asyncbatch.engine.core import EngineCore
 from asyncbatch.engine.core_process import core_main
 from asyncbatch.engine.messages import CoreFailed, CoreReady, Shutdown
 from asyncbatch.errors import EngineDeadError
+from asyncbatch.profiling import stack_dump
 
 R = TypeVar("R")
 _live: weakref.WeakSet[CoreClient] = weakref.WeakSet()
@@ -108,6 +109,8 @@ class CoreClient:
             child.close()  # only the child holds that end now: its death reads as EOF here
             self._send_raw = self._conn.send
             ready = self._recv_process()
+            if isinstance(ready, CoreReady):  # its handler is in place: until then SIGUSR1 would end it
+                stack_dump.add_child(self.process.pid)  # kill -USR1 on this process dumps the core's too
         else:
             self._outbox: queue.SimpleQueue = queue.SimpleQueue()
             self.core = build_core(config, spec, self._outbox.put)
@@ -234,6 +237,7 @@ class CoreClient:
             if self.process.is_alive():
                 self.process.kill()
                 self.process.join(2.0)
+            stack_dump.remove_child(self.process.pid)  # reaped: its pid may name another process next
             self._conn.close()
         elif self.core is not None:
             self.core.join(timeout)

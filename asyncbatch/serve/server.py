@@ -6,7 +6,8 @@
                                     finish_reason "abort" and [DONE]), then exit 0
 
 A second SIGINT forces uvicorn to quit at once (its Ctrl-C convention). SIGUSR1 writes every thread's stack
-to stderr and changes nothing else (``profiling.stack_dump``; the engine core process does the same).
+to stderr, passes the signal on to the engine core process (which does the same) and changes nothing else
+(``profiling.stack_dump``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,71 @@
+"""``kill -USR1``'s stack dump (``profiling.stack_dump``) on a process whose other threads are busy in Python."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from tests.serve_harness import ROOT
+
+pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="SIGUSR1 is POSIX only")
+
+# Two threads that import and build classes without pause: their frames come and go all the time. faulthandler's
+# register() read them from the C signal handler while they ran and died of SIGSEGV within 2-7 signals here.
+_CHURN = """
+import importlib, sys, threading, time
+from asyncbatch.profiling.stack_dump import dump_stacks_on_signal
+
+def churn():
+    while True:
+        for name in [m for m in sys.modules if m.startswith("json")]:
+            sys.modules.pop(name, None)  # the other thread may have taken it
+        importlib.import_module("json")
+        type("C", (), {"f": lambda self: 1})().f()
+
+assert dump_stacks_on_signal()
+for i in range(2):
+    threading.Thread(target=churn, name=f"churn-{i}", daemon=True).start()
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def test_dumps_survive_threads_busy_in_python_and_name_every_thread() -> None:
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen([sys.executable, "-c", _CHURN], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        try:
+            _wait_for(log, lambda text: "ready" in text, proc)
+            for n in range(1, 31):  # one at a time: signals that arrive together are handled once
+                proc.send_signal(signal.SIGUSR1)
+                _wait_for(log, lambda text, n=n: text.count("--- asyncbatch: stacks of") == n, proc)
+            alive = proc.poll() is None
+        finally:
+            proc.kill()
+            proc.wait(10)
+        log.seek(0)
+        dumps = log.read().split("--- asyncbatch: stacks of")[1:]
+    assert alive and len(dumps) == 30
+    for dump in dumps:
+        assert '"churn-0" daemon' in dump and '"churn-1" daemon' in dump and '"MainThread"' in dump, dump
+        assert dump.count(", in churn\n") == 2, dump  # both busy threads' own frames, read whole
+
+
+def _wait_for(log, done, proc: subprocess.Popen, within_s: float = 20.0) -> None:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        log.seek(0)
+        if done(log.read()):
+            return
+        if proc.poll() is not None:
+            log.seek(0)
+            raise AssertionError(f"the process ended (status {proc.returncode}):\n{log.read()[-3000:]}")
+        time.sleep(0.02)
+    log.seek(0)
+    raise AssertionError(f"not within {within_s} s:\n{log.read()[-3000:]}")
