@@ -19,6 +19,7 @@ import httpx
 import uvicorn
 from typing_extensions import Self
 
+from asyncbatch.profiling.stack_dump import DUMP_HEADER
 from asyncbatch.serve.app import build_app
 from asyncbatch.serve.async_llm import AsyncLLM
 from asyncbatch.serve.server import DrainingServer, bind_socket, uvicorn_config
@@ -125,17 +126,20 @@ class ServeProcess:
             time.sleep(0.1)
 
     def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read()
+        return read_shared_log(self.log)
 
-    def dump_stacks(self, wait_s: float = 1.0) -> None:
+    def dump_stacks(self, expect: int = 2, within_s: float = 10.0) -> None:
         """Ask the server for every thread's stack, its engine core's included (the server passes the signal
         on), into the log (``asyncbatch.profiling.stack_dump``): for a test that saw the server stop making
-        progress. Only the server is signalled: multiprocessing's forkserver and resource tracker, which are
-        its children too, would die of SIGUSR1."""
+        progress. Returns once ``expect`` more dumps are in the log, or after ``within_s`` (a process whose
+        GIL is never given back dumps nothing). Only the server is signalled: multiprocessing's forkserver and
+        resource tracker, which are its children too, would die of SIGUSR1."""
+        before = self.output().count(DUMP_HEADER)
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.proc.pid, signal.SIGUSR1)
-        time.sleep(wait_s)
+        deadline = time.monotonic() + within_s
+        while self.output().count(DUMP_HEADER) < before + expect and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def kill(self) -> str:
         """Stop the server (if it still runs; with ``new_session``, everything in its session) and return
@@ -148,6 +152,19 @@ class ServeProcess:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, 9)
         return self.output()
+
+
+def read_shared_log(log) -> str:
+    """Everything written so far to a file that a child process writes as its stdout.
+
+    The child's descriptor shares this one's file offset (it is a duplicate), so ``seek(0)`` and ``read()``
+    here would move where the child writes next: a line written between the two overwrote the log's start.
+    ``os.pread`` reads at an offset without moving it."""
+    fd, chunks, at = log.fileno(), [], 0
+    while chunk := os.pread(fd, 1 << 20, at):
+        chunks.append(chunk)
+        at += len(chunk)
+    return b"".join(chunks).decode("utf-8", "replace")
 
 
 def _stat_fields(entry: str) -> list[str] | None:

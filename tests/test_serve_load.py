@@ -19,6 +19,7 @@ import pytest
 pytest.importorskip("uvicorn", reason="the serve extra is not installed (pip install -e '.[serve]')")
 
 from asyncbatch import LLM, SamplingParams
+from asyncbatch.profiling.stack_dump import DUMP_HEADER
 from tests.serve_harness import ServeProcess
 
 NUM_REQUESTS = 1000
@@ -94,7 +95,7 @@ def test_thousand_streams_no_error_no_lost_or_duplicated_token() -> None:
           f"{sum(len(v) for v in ids.values())} tokens; {len(errors)} errors; {len(resent)} sent again {resent[:3]}")
     problems = [line for line in log.splitlines() if "ERROR" in line or "Traceback" in line or "Error" in line]
     if errors:  # in full, in the report's captured output (an assertion message is shortened there)
-        print("server log from the first thread stack on:\n" + log[log.find("--- asyncbatch: stacks of"):], flush=True)
+        print("server log from the first thread stack on:\n" + log[log.find(DUMP_HEADER):], flush=True)
     assert not errors, (errors[:5], problems[:20])
     assert len(ids) == NUM_REQUESTS
     assert len(resent) <= NUM_REQUESTS // 100, resent[:5]  # a rare connection race, not a pattern

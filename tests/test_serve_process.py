@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("uvicorn", reason="the serve extra is not installed (pip install -e '.[serve]')")
 
+from asyncbatch.profiling.stack_dump import DUMP_HEADER
 from asyncbatch.serve.server import bind_socket
 from tests.serve_harness import ROOT, ServeProcess, descendant_pids, refuses_new_requests, stream_ids
 
@@ -111,6 +112,6 @@ def test_sigusr1_dumps_every_threads_stack_of_the_server_and_its_core_and_both_g
     (ids, finishes, done), = out
     assert health == 200 and len(ids) == 4 and finishes == ["length"] and done
     assert alive == processes and len(processes) >= 2
-    server_dump, core_dump = log.split("--- asyncbatch: stacks of")[1:]
+    server_dump, core_dump = log.split(DUMP_HEADER)[1:]
     assert "in run_server" in server_dump  # the server's main thread
     assert "in core_main" in core_dump and '"asyncbatch-core-sender" daemon' in core_dump  # main and sender

@@ -32,6 +32,7 @@ import time
 import traceback
 
 DUMP_SIGNAL = getattr(signal, "SIGUSR1", None)  # POSIX only
+DUMP_HEADER = "--- asyncbatch: stacks of"  # each dump's first line starts so (for tools that look for dumps)
 
 _children: set[int] = set()  # pids that get the signal after this process has dumped
 
@@ -61,7 +62,7 @@ def format_stacks() -> str:
     names = {t.ident: t for t in threading.enumerate()}
     frames = sys._current_frames()  # the documented way to read other threads' frames
     where = f"pid {os.getpid()} ({os.path.basename(sys.argv[0] or 'python')}) at {time.strftime('%H:%M:%S')}"
-    lines = [f"--- asyncbatch: stacks of {len(frames)} threads of {where} ---\n"]
+    lines = [f"{DUMP_HEADER} {len(frames)} threads of {where} ---\n"]
     for ident, frame in frames.items():
         thread = names.get(ident)
         if thread is None:
