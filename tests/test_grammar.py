@@ -32,6 +32,7 @@ from asyncbatch.sampling.grammar import (
     apply_bitmask_,
     bitmask_words,
 )
+from asyncbatch.sampling.token_bitmask import bits_set
 from asyncbatch.structured_outputs import StructuredOutputsParams
 
 TOKENIZER_IDS = 259  # ids the byte-level tokenizer has; the rest of TINY_VOCAB is padding
@@ -178,14 +179,16 @@ def _walk_drafts(compiler, cases, prefixes, drafts, width: int) -> tuple[list, l
     return matchers, first, bitmask
 
 
-def test_draft_masks_follow_the_drafts_and_the_matchers_come_back(compiler, byte_tokenizer):
+def test_draft_masks_follow_the_drafts_and_the_matchers_come_back(compiler, byte_tokenizer, capfd):
     """``fill_draft_masks`` (a verify step's masks past the first position): row ``j`` of a matcher's rows is its
-    mask after its first ``j`` drafts, as a matcher fed the same tokens has it; from a refused draft, an EOS or
-    the end of the drafts on, its rows allow nothing; and every matcher is back where it was (same mask, same
-    tokens accepted next). Several matchers at once, in one batch, as the engine calls it."""
+    mask after its first ``j`` drafts, as a matcher fed the same tokens has it; from a refused draft (a special or
+    padding id included: a draft model proposes those), an EOS or the end of the drafts on, its rows allow
+    nothing; and every matcher is back where it was (same mask, same tokens accepted next). Several matchers at
+    once, in one batch, as the engine calls it. The library is never offered a draft the mask forbids (xgrammar
+    prints a warning for each special one)."""
     rng, width = random.Random(5), 5
     names = ("json_person", "regex_email", "choice_prefixes", "grammar_arithmetic", "json_person", "json_person",
-             "choice_yes_no")
+             "choice_yes_no", "regex_email")
     cases = [CASES_BY_NAME[n] for n in names]
     prefixes = [_random_tokens(compiler, case, rng, rng.randrange(0, 6)) for case in cases]
     drafts = [_random_tokens(compiler, case, rng, width - 1, tuple(prefix)) for case, prefix in zip(cases, prefixes)]
@@ -193,8 +196,10 @@ def test_draft_masks_follow_the_drafts_and_the_matchers_come_back(compiler, byte
     drafts[4][2] = 0  # <unk>: never allowed, so the walk stops before it
     drafts[5][1] = EOS_ID  # the walk stops at an EOS draft (the request ends with it)
     drafts[6] = []  # no drafts: only the first row is the matcher's
-    walks = [len(d) for d in drafts[:4]] + [2, 1, 0]
+    drafts[7][1] = TINY_VOCAB - 20  # a padding id (the model's, not the tokenizer's)
+    walks = [len(d) for d in drafts[:4]] + [2, 1, 0, 1]
     matchers, first, bitmask = _walk_drafts(compiler, cases, prefixes, drafts, width)
+    assert "cannot accept" not in capfd.readouterr().err
     expected = allocate_bitmask(1, TINY_VOCAB)
     for i, (case, prefix, walked) in enumerate(zip(cases, prefixes, walks)):
         reference = compiler.matcher(case.params)
@@ -401,6 +406,20 @@ def test_apply_bitmask_matches_a_reference(vocab, extra_words):
     apply_bitmask_(logits, bitmask)
     assert torch.equal(logits, expected)
     assert torch.isneginf(logits[2]).all() and not torch.isinf(logits[1]).any()
+
+
+def test_bits_set_reads_the_mask_as_apply_does():
+    """The host's test of one token per row (``bits_set``, the draft walk's) agrees with the mask the sampler
+    applies, bit 31 included; ids past the mask's words or negative are never allowed."""
+    gen = torch.Generator().manual_seed(3)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (4, 3), generator=gen, dtype=torch.int64).to(torch.int32)
+    bitmask[1] = -1
+    bitmask[2] = 0
+    allowed_ = torch.isfinite(_reference_apply(torch.zeros(4, 96), bitmask))
+    rows = np.repeat(np.arange(4), 100)
+    tokens = np.tile(np.arange(-2, 98), 4)
+    expected = [0 <= t < 96 and bool(allowed_[r, t]) for r, t in zip(rows.tolist(), tokens.tolist())]
+    assert bits_set(bitmask.numpy(), rows, tokens).tolist() == expected
 
 
 def test_apply_bitmask_checks_shapes_and_masks_half_precision():

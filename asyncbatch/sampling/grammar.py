@@ -33,7 +33,7 @@ import numpy as np
 
 from asyncbatch.config import GRAMMAR_BACKENDS
 from asyncbatch.sampling.grammar_libs import check_bitmask
-from asyncbatch.sampling.token_bitmask import apply_bitmask_, bitmask_words
+from asyncbatch.sampling.token_bitmask import apply_bitmask_, bitmask_words, bits_set
 from asyncbatch.structured_outputs import StructuredOutputsParams
 
 __all__ = ["BACKENDS", "DEFAULT_BACKEND", "GrammarCompiler", "GrammarMatcher", "allocate_bitmask", "apply_bitmask_",
@@ -183,6 +183,12 @@ class GrammarCompiler:
         live = list(range(n))
         for j in range(1, width):
             live = [i for i in live if len(drafts[i]) >= j and drafts[i][j - 1] != self.eos_token_id]
+            if live:
+                # A draft the mask before it forbids is refused without asking the library: it is cheaper, and
+                # xgrammar prints a warning for every special token it is offered (a draft model proposes them).
+                tokens = np.array([drafts[i][j - 1] for i in live], dtype=np.int64)
+                rows = np.array([first_rows[i] + j - 1 for i in live], dtype=np.int64)
+                live = [i for i, ok in zip(live, bits_set(bitmask, rows, tokens).tolist()) if ok]
             if not live:
                 break
             accepted = self.accept_tokens([matchers[i] for i in live], [drafts[i][j - 1] for i in live])

@@ -8,12 +8,22 @@ allowed comes out non-finite (and ends with an error, never a wrong token).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
 def bitmask_words(vocab_size: int) -> int:
     """Words per row for a vocabulary of ``vocab_size`` tokens."""
     return -(-vocab_size // 32)
+
+
+def bits_set(bitmask: np.ndarray, rows: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """Whether row ``rows[i]`` of a host ``bitmask`` (int32 ``[R, W]``) allows ``tokens[i]``, as a bool array;
+    a token outside the mask's ``W * 32`` ids (or negative) is not allowed."""
+    words = tokens >> 5
+    inside = (tokens >= 0) & (words < bitmask.shape[1])
+    bits = (bitmask[rows, np.where(inside, words, 0)] >> (tokens & 31)) & 1
+    return inside & (bits != 0)
 
 
 def apply_bitmask_(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
