@@ -169,7 +169,8 @@ def latency_vs_load(doc: dict, path: Path) -> Path:
         ax.xaxis.set_minor_locator(NullLocator())
         ax.set_xlabel(xlabel)
         ax.set_ylabel(label)
-        if key != "output_throughput" and ax.has_data():
+        # A log axis needs a positive value (a run of one-token outputs has TPOT 0 everywhere).
+        if key != "output_throughput" and any(v > 0 for line in ax.get_lines() for v in line.get_ydata()):
             ax.set_yscale("log")  # light load to overload spans decades
             plain = FuncFormatter(lambda v, _pos: f"{v:g}")
             low, high = ax.get_ylim()
