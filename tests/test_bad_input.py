@@ -100,6 +100,17 @@ def test_requests_that_can_never_fit_are_refused(engine):
     assert neighbour_alone(engine) == expected
 
 
+@pytest.mark.parametrize("top_k", [TINY_VOCAB, 2**40, 2**63, 2**100])
+def test_a_top_k_past_the_vocabulary_keeps_every_token(engine, top_k):
+    """Any top_k at or past the vocabulary is valid (vLLM's rule) and samples as no top_k does; one past int64
+    once failed the whole engine where the core stores the request's parameters."""
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+    expected = engine.generate([NEIGHBOUR], params, use_tqdm=False)[0].token_ids
+    wide = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True, top_k=top_k)
+    assert engine.generate([NEIGHBOUR], wide, use_tqdm=False)[0].token_ids == expected
+    assert engine.alive
+
+
 def test_a_bad_prompt_in_a_batch_queues_nothing(engine):
     with pytest.raises(ValueError):
         engine.generate([NEIGHBOUR, [], NEIGHBOUR], NEIGHBOUR_PARAMS, use_tqdm=False)

@@ -120,7 +120,9 @@ class RowState:
         p = request.params
         logprobs = -1 if p.logprobs is None else p.logprobs
         bias, grammar = bool(p.logit_bias) or p.min_tokens > 0, p.structured_outputs is not None
-        ints = (p.max_tokens, request.seed, max(p.top_k, 0), logprobs, p.min_tokens)
+        # A top_k past the vocabulary keeps every token, as 0 does: 2**63 and up would not fit the int64 column.
+        top_k = p.top_k if 0 < p.top_k < 2**63 else 0
+        ints = (p.max_tokens, request.seed, top_k, logprobs, p.min_tokens)
         floats = (p.temperature, p.top_p, p.min_p, p.presence_penalty, p.frequency_penalty, p.repetition_penalty)
         flags = (not p.eos_ends, bool(p.stop_token_ids), p.uses_penalties, bias, grammar, bias or grammar or logprobs >= 0)
         return np.array([(ints, floats, flags)], dtype=ROW_CONSTANTS).tobytes()
