@@ -235,16 +235,21 @@ class LLM:
         self.timeline.add_caller_decode(len(undecoded), time.perf_counter() - start)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (or a list of them) and generate."""
+             use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False
+             ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or a list of them) and generate.
+        ``continue_final_message=True`` (with ``add_generation_prompt=False``) continues the last message, an
+        assistant message that starts the answer, instead of starting a new one."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        token_prompts = [self.chat_prompt_ids(conv, add_generation_prompt) for conv in conversations]
+        token_prompts = [self.chat_prompt_ids(conv, add_generation_prompt, continue_final_message)
+                         for conv in conversations]
         return self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs: object
-                        ) -> list[int]:
+    def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True,
+                        continue_final_message: bool = False, **template_kwargs: object) -> list[int]:
         """The token ids of one conversation under the model's chat template (or ``chat_template=``)."""
-        return self.processor.chat_prompt_ids(messages, add_generation_prompt, **template_kwargs)
+        return self.processor.chat_prompt_ids(messages, add_generation_prompt, continue_final_message,
+                                              **template_kwargs)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                request_id: str | None = None) -> Iterator[StreamDelta]:

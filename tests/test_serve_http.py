@@ -174,6 +174,29 @@ def test_routes_tokenize_models_health_version(served) -> None:
         assert_error(http.get("/v1/nothing"), 404)
 
 
+def test_continue_final_message_continues_the_assistants_start(served) -> None:
+    """vLLM's ``continue_final_message``: the last message (the start of the assistant's answer) is left open, so
+    the prompt ends with its text and the model continues it; with ``add_generation_prompt`` too it is a 400
+    naming the field (a ``ValueError`` in the Python API)."""
+    server, engine = served
+    messages = [{"role": "user", "content": "Greet me"}, {"role": "assistant", "content": "Hello, my name is"}]
+    closed = engine.llm.chat_prompt_ids(messages, add_generation_prompt=False)
+    opened = engine.llm.chat_prompt_ids(messages, add_generation_prompt=False, continue_final_message=True)
+    assert engine.tokenizer.decode(opened).endswith("Hello, my name is")
+    assert len(opened) < len(closed) and closed[:len(opened)] == opened  # the end of turn is what is left off
+    with pytest.raises(ValueError, match="continue_final_message"):
+        engine.llm.chat_prompt_ids(messages, add_generation_prompt=True, continue_final_message=True)
+    with client(server) as http:
+        body = {"messages": messages, "add_generation_prompt": False, "continue_final_message": True}
+        assert http.post("/tokenize", json=body).json()["tokens"] == opened
+        reply = http.post("/v1/chat/completions", json={**body, "model": "test-model", "max_tokens": 3})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["prompt_tokens"] == len(opened)
+        assert_error(http.post("/v1/chat/completions", json={**body, "model": "test-model", "max_tokens": 3,
+                                                              "add_generation_prompt": True}),
+                     400, "continue_final_message")
+
+
 def test_metrics_after_requests(served) -> None:
     server, _engine = served
     with client(server) as http:

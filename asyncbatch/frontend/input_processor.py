@@ -114,15 +114,22 @@ class InputProcessor:
         return prompt_token_ids(prompt, self.tokenizer, self.vocab_size)
 
     def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True,
-                        **template_kwargs: object) -> list[int]:
+                        continue_final_message: bool = False, **template_kwargs: object) -> list[int]:
         """The token ids of one conversation under the model's chat template (or ``chat_template=``); not yet
-        checked: pass them through ``prompt_ids``."""
+        checked: pass them through ``prompt_ids``. ``continue_final_message`` leaves the last message open (no
+        end-of-turn after it), so the model continues it: an assistant message given as the answer's start
+        (vLLM's field; it excludes ``add_generation_prompt``)."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer, but the engine has none (skip_tokenizer_init=True)")
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("the tokenizer has no chat template; pass chat_template= (--chat-template)")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true: the first "
+                             "continues the last message, the second starts a new one")
+        if continue_final_message:  # passed only when set, so a template_kwargs entry of the same name stays usable
+            template_kwargs["continue_final_message"] = True
         text = self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt, **template_kwargs)
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -53,8 +53,12 @@ def chat_prompt_ids(state: ServerState, body: ChatCompletionRequest, plan: ToolP
     template = getattr(processor.tokenizer, "chat_template", None)
     messages, tool_kwargs = template_inputs(template_messages(body.messages), plan,
                                             template_supports_tools(template))
+    if body.continue_final_message and body.add_generation_prompt:
+        raise OpenAIError(400, "continue_final_message and add_generation_prompt cannot both be true (set "
+                          "add_generation_prompt to false to continue the last message)",
+                          param="continue_final_message")
     try:
-        return processor.chat_prompt_ids(messages, body.add_generation_prompt,
+        return processor.chat_prompt_ids(messages, body.add_generation_prompt, body.continue_final_message,
                                          **{**tool_kwargs, **(body.chat_template_kwargs or {})})
     except ValueError:
         raise

@@ -101,6 +101,7 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the last (assistant) message is continued, not closed
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -112,6 +113,7 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(_Body):
