@@ -195,6 +195,10 @@ def test_continue_final_message_continues_the_assistants_start(served) -> None:
         assert_error(http.post("/v1/chat/completions", json={**body, "model": "test-model", "max_tokens": 3,
                                                               "add_generation_prompt": True}),
                      400, "continue_final_message")
+        # The same switches through chat_template_kwargs (they win over the fields, as in vLLM).
+        through_kwargs = {"messages": messages, "chat_template_kwargs": {"add_generation_prompt": False,
+                                                                         "continue_final_message": True}}
+        assert http.post("/tokenize", json=through_kwargs).json()["tokens"] == opened
 
 
 def test_metrics_after_requests(served) -> None:

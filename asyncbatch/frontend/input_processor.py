@@ -128,10 +128,8 @@ class InputProcessor:
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true: the first "
                              "continues the last message, the second starts a new one")
-        if continue_final_message:  # passed only when set, so a template_kwargs entry of the same name stays usable
-            template_kwargs["continue_final_message"] = True
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt, **template_kwargs)
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                  continue_final_message=continue_final_message, **template_kwargs)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def request(self, prompt_ids: list[int], params: SamplingParams | None,

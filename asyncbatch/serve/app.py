@@ -113,7 +113,8 @@ def build_app(engine: AsyncEngineClient, settings: ServeSettings, *,
             raise OpenAIError(422, "give exactly one of 'prompt' and 'messages'", param="prompt")
         if body.messages is not None:
             chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt,
-                                         continue_final_message=body.continue_final_message)
+                                         continue_final_message=body.continue_final_message,
+                                         chat_template_kwargs=body.chat_template_kwargs)
             ids = chat_prompt_ids(state, chat)
         else:
             ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)

@@ -53,13 +53,16 @@ def chat_prompt_ids(state: ServerState, body: ChatCompletionRequest, plan: ToolP
     template = getattr(processor.tokenizer, "chat_template", None)
     messages, tool_kwargs = template_inputs(template_messages(body.messages), plan,
                                             template_supports_tools(template))
-    if body.continue_final_message and body.add_generation_prompt:
+    # chat_template_kwargs may set the two switches too, and win over the fields (as in vLLM).
+    kwargs = {**tool_kwargs, **(body.chat_template_kwargs or {})}
+    generation = bool(kwargs.pop("add_generation_prompt", body.add_generation_prompt))
+    continued = bool(kwargs.pop("continue_final_message", body.continue_final_message))
+    if continued and generation:
         raise OpenAIError(400, "continue_final_message and add_generation_prompt cannot both be true (set "
                           "add_generation_prompt to false to continue the last message)",
                           param="continue_final_message")
     try:
-        return processor.chat_prompt_ids(messages, body.add_generation_prompt, body.continue_final_message,
-                                         **{**tool_kwargs, **(body.chat_template_kwargs or {})})
+        return processor.chat_prompt_ids(messages, generation, continued, **kwargs)
     except ValueError:
         raise
     except Exception as exc:
