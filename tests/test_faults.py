@@ -126,6 +126,36 @@ def test_planner_bug_reaches_callers(make_llm, tiny_dir, monkeypatch):
     assert len(errors) == 2 and "injected planner fault" in repr(errors[0].__cause__)
 
 
+def test_a_request_that_fails_to_queue_in_the_core_ends_alone(make_llm, tiny_dir, monkeypatch, caplog):
+    """A fault while the core queues one request (a bug the scheduler did not foresee, as a top_k of 2**63 once
+    was) ends that request with an error and a log line; its neighbours and later requests are served. With
+    ``debug_check_integrity`` the fault fails the engine instead, so that tests see the bug."""
+    from asyncbatch.engine.row_state import RowState
+
+    real = RowState.constants_of
+
+    def constants_of(request):
+        if request.prompt_token_ids[0] == 40:
+            raise OverflowError("injected queuing fault")
+        return real(request)
+
+    monkeypatch.setattr(RowState, "constants_of", staticmethod(constants_of))
+    llm = make_llm(str(tiny_dir), device="cpu", dtype="float32", engine_process=False)
+    prompts = [[5, 6, 7], [40, 41], [9, 9, 9]]
+    expected = [o.token_ids for o in llm.generate([prompts[0], prompts[2]], PARAMS, use_tqdm=False)]
+    with caplog.at_level("ERROR"):
+        outs = llm.generate(prompts, PARAMS, use_tqdm=False)
+    assert outs[1].finish_reason == "error" and "queuing it failed" in outs[1].error
+    assert [outs[0].token_ids, outs[2].token_ids] == expected
+    assert "injected queuing fault" in caplog.text
+    assert llm.alive and llm.generate([prompts[0]], PARAMS, use_tqdm=False)[0].token_ids == expected[0]
+    llm.check_integrity()
+    assert llm.num_free_blocks == llm.num_usable_blocks
+    strict = make_llm(str(tiny_dir), device="cpu", dtype="float32", engine_process=False, debug_check_integrity=True)
+    with pytest.raises(EngineDeadError):
+        strict.generate([prompts[1]], PARAMS, use_tqdm=False)
+
+
 def test_detokenizer_fault_fails_only_that_request(make_llm, tiny_dir):
     llm = make_llm(str(tiny_dir), device="cpu", dtype="float32")
     good = llm.generate([[9, 9, 9]], PARAMS, use_tqdm=False)[0].token_ids

@@ -116,7 +116,8 @@ class EngineCore:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._send_now = send
         self._held: StepOutputs | None = None  # a finished step's outputs, sent once the next step is launched
-        self._live = LiveRequests(scheduler, self.grammar, self._send, self.inbox)
+        self._live = LiveRequests(scheduler, self.grammar, self._send, self.inbox,
+                                   strict=self.config.debug_check_integrity)
         self._acked = 0  # synchronous mode: the newest step the frontend has processed
         self.last_launched_step = 0  # the newest launched step's id (``LastLaunchedStep``)
         self._idle = False  # the planner blocked for lack of work since the last launched step

@@ -38,7 +38,7 @@ class Finish(enum.IntEnum):
     ABORT = 4
     ERROR = 5  # non-finite logits, or the frontend failed to process the request
     STOP_STRING = 6  # found by the frontend; the core only frees the request
-    REFUSED = 7  # the scheduler could never place it (a request built past the input processor)
+    REFUSED = 7  # the scheduler could never place it (built past the input processor), or queuing it failed
     GRAMMAR = 8  # its grammar failed to compile in the core, or rejected a sampled token (no token kept)
 
     @property
@@ -55,8 +55,8 @@ NON_FINITE_MESSAGE = "the model produced NaN or infinite logits for this request
 GRAMMAR_MESSAGE = ("structured output failed in the engine core: the grammar did not compile there, or rejected "
                    "a sampled token (a bug: the token mask should have prevented it)")
 REFUSED_MESSAGE = ("the engine core refused this request: its prompt + max_tokens exceed what one request can "
-                   "hold (max_model_len, or the whole KV cache); the input processor refuses such requests "
-                   "at submission")
+                   "hold (max_model_len, or the whole KV cache; the input processor refuses such requests "
+                   "at submission), or queuing it failed (an engine bug, in the core's log)")
 
 
 # -- frontend -> core --------------------------------------------------------
