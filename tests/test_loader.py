@@ -109,13 +109,29 @@ def test_cache_root_precedence(tmp_path: Path, monkeypatch) -> None:
     assert gguf_cache.cache_root(tmp_path / "arg") == tmp_path / "arg"
 
 
-def test_cache_entry_follows_file_identity(tmp_path: Path) -> None:
+def test_cache_entry_follows_file_content(tmp_path: Path, monkeypatch) -> None:
+    """Copies of one file (another path, another mtime: a new virtualenv's install) share an entry; an edited
+    file gets its own; with a cache root, a file seen before is not read again (its path, size and mtime)."""
+    root = tmp_path / "cache"
     path = tmp_path / "m.gguf"
-    path.write_bytes(b"a")
-    name = gguf_cache.cache_entry_name(path)
-    assert gguf_cache.cache_entry_name(path) == name
-    os.utime(path, ns=(1, path.stat().st_mtime_ns + 1_000_000))
-    assert gguf_cache.cache_entry_name(path) != name
+    path.write_bytes(b"a" * 3_000_000)
+    name = gguf_cache.cache_entry_name(path, root)
+    copy = tmp_path / "venv2" / "m.gguf"
+    copy.parent.mkdir()
+    copy.write_bytes(path.read_bytes())
+    os.utime(copy, ns=(1, path.stat().st_mtime_ns + 1_000_000))
+    assert gguf_cache.cache_entry_name(copy, root) == name == gguf_cache.cache_entry_name(path)
+
+    def no_read(_path):
+        raise AssertionError("a file seen before was read again")
+
+    monkeypatch.setattr(gguf_cache, "_file_digest", no_read)
+    assert gguf_cache.cache_entry_name(path, root) == name
+    monkeypatch.undo()
+    edited = path.read_bytes()[:-1] + b"b"
+    path.write_bytes(edited)
+    os.utime(path, ns=(1, path.stat().st_mtime_ns + 2_000_000))
+    assert gguf_cache.cache_entry_name(path, root) != name
 
 
 def test_failed_conversion_leaves_no_entry(tmp_path: Path, fake_gguf) -> None:
@@ -124,7 +140,7 @@ def test_failed_conversion_leaves_no_entry(tmp_path: Path, fake_gguf) -> None:
     cache = tmp_path / "cache"
     with pytest.raises(RuntimeError, match="conversion crashed"):
         gguf_cache.convert_gguf(gguf, cache)
-    assert [p for p in cache.iterdir() if p.suffix != ".lock"] == []
+    assert [p for p in cache.iterdir() if p.suffix != ".lock" and p.name != "index"] == []
     converter.fail = False
     assert gguf_cache.is_complete_entry(gguf_cache.convert_gguf(gguf, cache))
 
@@ -139,7 +155,7 @@ def test_stale_temporaries_and_damaged_entries_are_replaced(tmp_path: Path, fake
         (directory / "model.safetensors").write_bytes(b"partial")
     entry = gguf_cache.convert_gguf(gguf, cache)
     assert converter.calls == 1 and gguf_cache.is_complete_entry(entry)
-    assert sorted(p.name for p in cache.iterdir()) == sorted([entry.name, f"{entry.name}.lock"])
+    assert sorted(p.name for p in cache.iterdir()) == sorted([entry.name, f"{entry.name}.lock", "index"])
 
 
 def test_concurrent_conversions_convert_once(tmp_path: Path, fake_gguf) -> None:
