@@ -15,6 +15,7 @@ from asyncbatch.config import EngineConfig
 @pytest.mark.parametrize(("argv", "option"), [
     (["generate", "--prompt", "hi", "--temperature", "-1", "--device", "sim"], "--temperature"),
     (["generate", "--prompt", "hi", "--max-tokens", "0", "--device", "sim"], "--max-tokens"),
+    (["generate", "--prompt", "hi", "--max-tokens", "100000", "--device", "sim"], "--max-tokens"),  # past the context
     (["generate", "--prompt", "", "--device", "sim"], "--prompt"),
     (["generate", "--chat", "", "--device", "sim"], "--chat"),
     (["generate", "--prompt", "hi", "--model", "/nonexistent/model", "--device", "sim"], "--model"),

@@ -96,7 +96,8 @@ def option_for(message: str, parser: argparse.ArgumentParser, args: argparse.Nam
             if flag.startswith("--"):
                 options[action.dest] = flag
     aliases = {"sample_seed": "seed", "stop": "stop_strings", "prompt": "chat" if args.__dict__.get("chat") else "prompt"}
-    for word in re.findall(r"[a-z][a-z_]+", message):
+    # The field a "<field> must ..." clause names first (a message about a sum names its parts before it).
+    for word in re.findall(r"([a-z][a-z_]+) must\b", message) + re.findall(r"[a-z][a-z_]+", message):
         for dest, flag in options.items():
             if word in (dest, aliases.get(dest)):
                 return flag
