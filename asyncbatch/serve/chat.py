@@ -57,11 +57,7 @@ def chat_prompt_ids(state: ServerState, body: ChatCompletionRequest, plan: ToolP
     kwargs = {**tool_kwargs, **(body.chat_template_kwargs or {})}
     generation = bool(kwargs.pop("add_generation_prompt", body.add_generation_prompt))
     continued = bool(kwargs.pop("continue_final_message", body.continue_final_message))
-    if continued and generation:
-        raise OpenAIError(400, "continue_final_message and add_generation_prompt cannot both be true (set "
-                          "add_generation_prompt to false to continue the last message)",
-                          param="continue_final_message")
-    try:
+    try:  # the processor's ValueErrors (both switches set, no messages) are 400s naming their field
         return processor.chat_prompt_ids(messages, generation, continued, **kwargs)
     except ValueError:
         raise

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse
 
 from asyncbatch.errors import EngineDeadError
+from asyncbatch.serve.protocol import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("asyncbatch.serve")
 
@@ -100,9 +101,13 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error")
 
 
+_FIELDS = frozenset(ChatCompletionRequest.model_fields) | frozenset(CompletionRequest.model_fields)
+
+
 def _param_of(message: str) -> str | None:
-    """``SamplingParams.top_p must be ...`` -> ``top_p`` (the field our ValueErrors name first)."""
+    """The field our ValueErrors name first: ``SamplingParams.top_p must be ...`` -> ``top_p``, and a request
+    field at the head (``continue_final_message and add_generation_prompt cannot ...``, ``messages must ...``)."""
     head = message.split(" ", 1)[0]
     if head.startswith("SamplingParams."):
         return head.removeprefix("SamplingParams.")
-    return None
+    return head if head in _FIELDS else None
