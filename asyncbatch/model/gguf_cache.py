@@ -86,8 +86,7 @@ def convert_gguf(gguf_path: str | os.PathLike[str], cache_dir: str | os.PathLike
     """Return the Hugging Face directory for ``gguf_path``, converting it on first use."""
     gguf_path = Path(gguf_path)
     root = cache_root(cache_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    name = cache_entry_name(gguf_path, root)
+    name = cache_entry_name(gguf_path, root)  # makes root/index for a file it has not seen
     entry = root / name
     if is_complete_entry(entry):
         return entry
