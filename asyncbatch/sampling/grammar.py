@@ -183,15 +183,17 @@ class GrammarCompiler:
         live = list(range(n))
         for j in range(1, width):
             live = [i for i in live if len(drafts[i]) >= j and drafts[i][j - 1] != self.eos_token_id]
+            tokens = [drafts[i][j - 1] for i in live]
             if live:
                 # A draft the mask before it forbids is refused without asking the library: it is cheaper, and
                 # xgrammar prints a warning for every special token it is offered (a draft model proposes them).
-                tokens = np.array([drafts[i][j - 1] for i in live], dtype=np.int64)
                 rows = np.array([first_rows[i] + j - 1 for i in live], dtype=np.int64)
-                live = [i for i, ok in zip(live, bits_set(bitmask, rows, tokens).tolist()) if ok]
+                allowed = bits_set(bitmask, rows, np.array(tokens, dtype=np.int64)).tolist()
+                live = [i for i, ok in zip(live, allowed) if ok]
+                tokens = [t for t, ok in zip(tokens, allowed) if ok]
             if not live:
                 break
-            accepted = self.accept_tokens([matchers[i] for i in live], [drafts[i][j - 1] for i in live])
+            accepted = self.accept_tokens([matchers[i] for i in live], tokens)
             live = [i for i, ok in zip(live, accepted) if ok]
             for i in live:
                 walked[i] = j
