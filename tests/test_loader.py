@@ -175,6 +175,35 @@ def test_concurrent_conversions_convert_once(tmp_path: Path, fake_gguf) -> None:
     assert converter.calls == 1 and len(set(results)) == 1 and len(results) == 3
 
 
+def test_concurrent_first_sightings_of_a_file_each_write_their_own_index_temp(tmp_path: Path, fake_gguf,
+                                                                              monkeypatch) -> None:
+    """Two threads digest a file the index has not seen and rename their temporary index files together: each
+    wrote its own (one shared name per process made the second rename fail with FileNotFoundError)."""
+    gguf, _ = fake_gguf
+    barrier, real_replace = threading.Barrier(2), os.replace
+
+    def replace_together(src, dst) -> None:
+        barrier.wait(timeout=30)  # both temporary files are written before either is renamed
+        real_replace(src, dst)
+
+    monkeypatch.setattr(gguf_cache.os, "replace", replace_together)
+    names, errors = [], []
+
+    def sight() -> None:
+        try:
+            names.append(gguf_cache.cache_entry_name(gguf, tmp_path))
+        except Exception as exc:  # noqa: BLE001 - the assertion below shows it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=sight) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and len(names) == 2 and len(set(names)) == 1
+    assert [p.name for p in (tmp_path / "index").iterdir() if ".tmp-" in p.name] == []
+
+
 def test_missing_default_package_names_the_install_command(monkeypatch) -> None:
     real_find_spec = importlib.util.find_spec
 

@@ -63,9 +63,12 @@ def cache_entry_name(gguf_path: Path, root: Path | None = None) -> str:
         digest = _file_digest(path)
         if index is not None:
             index.parent.mkdir(parents=True, exist_ok=True)
-            temp = index.with_name(f"{index.name}{_TEMP_MARK}{os.getpid()}")
-            temp.write_text(digest)
-            os.replace(temp, index)  # atomic: a concurrent reader sees the whole digest or no file
+            # A temporary file of this writer's own (threads of one process too), renamed into place: atomic, so
+            # a concurrent reader sees the whole digest or no file, and concurrent writers write the same digest.
+            fd, temp = tempfile.mkstemp(prefix=f"{index.name}{_TEMP_MARK}", dir=index.parent)
+            with os.fdopen(fd, "w") as f:
+                f.write(digest)
+            os.replace(temp, index)
     key = f"{CACHE_FORMAT_VERSION}\0{digest}"
     return f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
