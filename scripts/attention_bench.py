@@ -5,10 +5,13 @@ For one model shape (default: SmolLM2-135M, 9 query heads over 3 KV heads,
 head_dim 64, KV block size 16) on random data with every row's blocks
 scattered through the cache:
 
-* decode: ``--rows`` rows of ``--context`` cached tokens each; the launch the
-  engine picks (``decode_launch``), variants of ``BLOCK_N`` x warps, and the
-  torch reference (gather + SDPA) the engine falls back to without Triton;
-  with the KV bytes each variant reads per microsecond (GB/s);
+* decode: ``--rows`` rows of ``--context`` cached tokens each (or each of
+  ``--decode-shapes``); the engine's grouped kernel (``decode_launch``) and
+  its key tiles x warps; the split kernel (``split_decode``) as it chooses
+  for the shape and its neighbours (split counts, key tiles, warps; all of
+  them, and pipeline stages, with ``--sweep``); and the torch reference
+  (gather + SDPA) the engine falls back to without Triton; with the KV bytes
+  each reads per microsecond;
 * prefill: ``--prefill-rows`` chunks of ``--prefill-len`` new tokens after
   as many cached ones; ``prefill_launch``'s choice and its warps flipped.
 
@@ -44,6 +47,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from asyncbatch.model import paged_attention as reference
+from asyncbatch.model import split_decode
 from asyncbatch.model import triton_attention as kernels
 
 
@@ -55,6 +59,7 @@ class Timing:
     gb_per_s: float | None  # KV bytes read per second (decode only)
     max_abs_diff: float  # against the engine's own launch
     timing: str  # how ``ms`` was measured (see median_ms)
+    shape: str = ""  # decode: rows x cached tokens
 
 
 def median_ms(fn: Callable[[], object], device: torch.device, calls: int, repeats: int) -> tuple[float, str]:
@@ -105,48 +110,82 @@ def scattered_tables(rows: int, blocks_per_row: int, num_blocks: int, device: to
     return perm.view(rows, blocks_per_row).to(device)
 
 
-def decode_variants(group: int, head_dim: int, block_size: int) -> dict[str, kernels.KernelLaunch]:
-    chosen = kernels.decode_launch(group, head_dim, block_size)
-    variants = {f"engine (N{chosen.constexprs['BLOCK_N']}, {chosen.num_warps} warps)": chosen}
+DecodeFn = Callable[..., torch.Tensor]
+
+
+def grouped_variants(q: torch.Tensor, k_cache: torch.Tensor) -> dict[str, tuple[DecodeFn, kernels.KernelLaunch]]:
+    """The grouped kernel (the engine's default): ``decode_launch``'s choice, then key tiles x warps."""
+    heads, head_dim = q.shape[1], q.shape[2]
+    chosen = kernels.decode_launch(heads // k_cache.shape[2], head_dim, k_cache.shape[1])
+    variants = {f"grouped N{chosen.constexprs['BLOCK_N']}, {chosen.num_warps} warps (engine)":
+                (kernels.decode_attention, chosen)}
     for block_n in (16, 32, 64):
         for warps in (4, 8):
             launch = kernels.KernelLaunch({**chosen.constexprs, "BLOCK_N": block_n}, warps)
             if launch != chosen:
-                variants[f"N{block_n}, {warps} warps"] = launch
+                variants[f"grouped N{block_n}, {warps} warps"] = (kernels.decode_attention, launch)
     return variants
 
 
-def bench_decode(args, device: torch.device, dtype: torch.dtype) -> list[Timing]:
+def split_variants(q: torch.Tensor, k_cache: torch.Tensor, table_width: int,
+                   sweep: bool) -> dict[str, tuple[DecodeFn, kernels.KernelLaunch]]:
+    """The split kernel: ``split_decode.engine_launch``'s choice for the shape, then its neighbours (half
+    and double the splits, the other key tiles, 8 warps; ``sweep``: every split count 1-16 x key tiles
+    16-64, and warps x pipeline stages)."""
+    chosen = split_decode.engine_launch(q, k_cache, table_width)
+    c = chosen.constexprs
+
+    def name(launch: kernels.KernelLaunch) -> str:
+        k = launch.constexprs
+        stages = "" if launch.num_stages is None else f", {launch.num_stages} stages"
+        return f"split S{k['SPLITS']} N{k['BLOCK_N']}, {launch.num_warps} warps{stages}"
+
+    variants = {f"{name(chosen)} (its choice)": (split_decode.split_decode_attention, chosen)}
+    if sweep:
+        grid = [(s, n, 4, None) for s in (1, 2, 4, 8, 16) for n in (16, 32, 64)]
+        grid += [(c["SPLITS"], c["BLOCK_N"], w, st) for w in (2, 4, 8) for st in (1, 2, 3)]
+    else:
+        grid = [(max(1, c["SPLITS"] // 2), c["BLOCK_N"], 4, None), (c["SPLITS"] * 2, c["BLOCK_N"], 4, None),
+                (c["SPLITS"], 16, 4, None), (c["SPLITS"], 64, 4, None), (c["SPLITS"], c["BLOCK_N"], 8, None)]
+    for splits, block_n, warps, stages in grid:
+        launch = kernels.KernelLaunch({**c, "SPLITS": splits, "BLOCK_N": block_n}, warps, stages)
+        if launch != chosen:
+            variants.setdefault(name(launch), (split_decode.split_decode_attention, launch))
+    return variants
+
+
+def bench_decode(args, rows: int, context: int, device: torch.device, dtype: torch.dtype) -> list[Timing]:
     heads, kv_heads, d, bs = args.heads, args.kv_heads, args.head_dim, args.block_size
-    blocks_per_row = -(-args.context // bs)
-    num_blocks = args.rows * blocks_per_row + 1
+    blocks_per_row = -(-context // bs)
+    num_blocks = rows * blocks_per_row + 1
     g = torch.Generator().manual_seed(0)
     k_cache = torch.randn(num_blocks, bs, kv_heads, d, generator=g).to(device, dtype)
     v_cache = torch.randn(num_blocks, bs, kv_heads, d, generator=g).to(device, dtype)
-    q = torch.randn(args.rows, heads, d, generator=g).to(device, dtype)
-    tables = scattered_tables(args.rows, blocks_per_row, num_blocks, device)
-    lens = torch.full((args.rows,), args.context, dtype=torch.int64, device=device)
+    q = torch.randn(rows, heads, d, generator=g).to(device, dtype)
+    tables = scattered_tables(rows, blocks_per_row, num_blocks, device)
+    lens = torch.full((rows,), context, dtype=torch.int64, device=device)
     scale = d ** -0.5
-    kv_bytes = 2 * args.rows * args.context * kv_heads * d * k_cache.element_size()
-    variants = decode_variants(heads // kv_heads, d, bs)
-    want = kernels.decode_attention(q, k_cache, v_cache, tables, lens, scale, launch=next(iter(variants.values())))
+    kv_bytes = 2 * rows * context * kv_heads * d * k_cache.element_size()
+    shape = f"{rows}x{context}"
+    variants = grouped_variants(q, k_cache) | split_variants(q, k_cache, tables.shape[1], args.sweep)
+    want = kernels.decode_attention(q, k_cache, v_cache, tables, lens, scale)  # the engine's default kernel
     results = []
-    for name, launch in variants.items():
+    for name, (fn, launch) in variants.items():
         out = torch.empty_like(q)
 
-        def run(launch=launch, out=out):
-            return kernels.decode_attention(q, k_cache, v_cache, tables, lens, scale, out=out, launch=launch)
+        def run(fn=fn, launch=launch, out=out):
+            return fn(q, k_cache, v_cache, tables, lens, scale, out=out, launch=launch)
 
         ms, how = median_ms(run, device, args.calls, args.repeats)
         diff = (run().float() - want.float()).abs().max().item()
-        results.append(Timing("decode", name, ms, kv_bytes / ms / 1e6, diff, how))
+        results.append(Timing("decode", name, ms, kv_bytes / ms / 1e6, diff, how, shape))
 
     def ref():
         return reference.decode_attention(q, k_cache, v_cache, tables, lens, scale)
 
     ms, how = median_ms(ref, device, args.calls, args.repeats)
     results.append(Timing("decode", "torch reference (gather + SDPA)", ms, kv_bytes / ms / 1e6,
-                          (ref().float() - want.float()).abs().max().item(), how))
+                          (ref().float() - want.float()).abs().max().item(), how, shape))
     return results
 
 
@@ -180,7 +219,8 @@ def bench_prefill(args, device: torch.device, dtype: torch.dtype) -> list[Timing
         ms, how = median_ms(run, device, args.calls, args.repeats)
         got = run().float()
         want = got if want is None else want
-        results.append(Timing("prefill", name, ms, None, (got - want).abs().max().item(), how))
+        results.append(Timing("prefill", name, ms, None, (got - want).abs().max().item(), how,
+                              f"{args.prefill_rows}x{q_len}"))
     return results
 
 
@@ -189,12 +229,12 @@ def render(report: dict) -> str:
     lines = [(f"attention kernels on {report['device']}, torch {report['torch']}, triton {report['triton']}, "
               f"{a['dtype']}, {a['heads']} heads / {a['kv_heads']} KV heads x {a['head_dim']}, "
               f"block {a['block_size']}"),
-             (f"decode: {a['rows']} rows x {a['context']} cached tokens; prefill: {a['prefill_rows']} chunks x "
-              f"{a['prefill_len']} tokens after {a['prefill_len']} cached"),
-             f"{'kernel':<8} {'variant':<34} {'us':>9} {'GB/s':>8} {'max|diff|':>10}  timing"]
+             (f"decode: rows x cached tokens {', '.join(report['decode_shapes'])}; prefill: {a['prefill_rows']} "
+              f"chunks x {a['prefill_len']} tokens after {a['prefill_len']} cached"),
+             f"{'kernel':<8} {'shape':<10} {'variant':<34} {'us':>9} {'GB/s':>8} {'max|diff|':>10}  timing"]
     for t in report["timings"]:
         gbs = f"{t['gb_per_s']:.0f}" if t["gb_per_s"] is not None else "-"
-        lines.append(f"{t['kernel']:<8} {t['variant']:<34} {t['ms'] * 1e3:>9.1f} {gbs:>8} "
+        lines.append(f"{t['kernel']:<8} {t['shape']:<10} {t['variant']:<34} {t['ms'] * 1e3:>9.1f} {gbs:>8} "
                      f"{t['max_abs_diff']:>10.2e}  {t['timing']}")
     return "\n".join(lines)
 
@@ -210,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--decode-shapes", default=None,
+                        help="ROWSxCONTEXT,... decode shapes instead of --rows x --context (e.g. 256x512,8x4096)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="every decode split count and key tile, and warps x pipeline stages")
     parser.add_argument("--prefill-rows", type=int, default=4)
     parser.add_argument("--prefill-len", type=int, default=512)
     parser.add_argument("--calls", type=int, default=20)
@@ -219,12 +263,18 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA device (use --device cpu to smoke-test)")
     dtype = getattr(torch, args.dtype)
+    shapes = args.decode_shapes.split(",") if args.decode_shapes else [f"{args.rows}x{args.context}"]
+    timings = []
     with torch.inference_mode():
-        timings = bench_decode(args, device, dtype) + bench_prefill(args, device, dtype)
+        for shape in shapes:
+            rows, context = (int(x) for x in shape.lower().split("x"))
+            timings += bench_decode(args, rows, context, device, dtype)
+        timings += bench_prefill(args, device, dtype)
     import triton
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU interpreter ({platform.machine()})"
     report = {"device": name, "torch": torch.__version__, "triton": triton.__version__, "args": vars(args),
+              "decode_shapes": shapes,
               "timings": [asdict(t) for t in timings]}
     text = render(report)
     if args.out:

@@ -2,8 +2,10 @@
 """GPU benchmark for ``gpu_check.sh``: overlap vs synchronous, CUDA graphs on vs off, on one GPU.
 
 Runs the same greedy workload (``--num-requests`` requests submitted at once,
-``ignore_eos``) through four engines, bfloat16 on ``cuda``: {overlap, sync} ×
-{graphs on, graphs off}; each engine warms up, then runs ``--repeats`` times.
+``ignore_eos``) through five engines, bfloat16 on ``cuda``: {overlap, sync} ×
+{graphs on, graphs off} with the grouped decode kernel, and overlap + graphs
+with the split one (``split_decode``); each engine warms up, then runs
+``--repeats`` times.
 Writes ``report.json`` and ``report.md`` into ``--out`` and prints a short
 table last. Figures per engine: output tokens/s (wall clock), device busy
 fraction and idle gap per step (whole run, and the steady decode window:
@@ -114,6 +116,15 @@ def steady_window(records) -> list:
     return steady_decode_window(records, max((r.num_decode for r in tail), default=1))
 
 
+def use_decode_kernel(name: str) -> None:
+    """The decode kernel the next engine launches (``triton_attention.DECODE_KERNELS``), in this process and in
+    an engine-core process it starts (which inherits the variable)."""
+    os.environ["ASYNCBATCH_DECODE_KERNEL"] = name
+    module = sys.modules.get("asyncbatch.model.triton_attention")  # imported by a CUDA engine before
+    if module is not None:
+        module.set_decode_kernel(name)
+
+
 def run_engine(model: Path, graphs: bool, overlap: bool, prompts, params, args) -> dict:
     cuda = args.device == "cuda"
     if cuda:
@@ -163,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-range", default="32,128")
     parser.add_argument("--output-range", default="192,320")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--configs", default="overlap+graphs,sync+graphs,overlap+eager,sync+eager")
+    parser.add_argument("--configs", default="overlap+graphs,sync+graphs,overlap+eager,sync+eager,overlap+graphs+split",
+                        help="MODE+KIND[+DECODE_KERNEL],...: overlap|sync, graphs|eager, grouped (default)|split")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -184,9 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     device = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or args.device
     for name in args.configs.split(","):
-        mode, kind = name.split("+")
+        mode, kind, *decode = name.split("+")
         print(f"running {name} ...", flush=True)
         try:
+            use_decode_kernel(decode[0] if decode else "grouped")
             results[name] = run_engine(model, kind == "graphs", mode == "overlap", prompts, params, args)
         except Exception as exc:  # noqa: BLE001 - one broken configuration must not hide the others
             traceback.print_exc()
@@ -217,7 +230,8 @@ def ratios(results: dict) -> dict:
     for label, a, b in (("overlap/sync (graphs)", "overlap+graphs", "sync+graphs"),
                         ("overlap/sync (eager)", "overlap+eager", "sync+eager"),
                         ("graphs/eager (overlap)", "overlap+graphs", "overlap+eager"),
-                        ("graphs/eager (sync)", "sync+graphs", "sync+eager")):
+                        ("graphs/eager (sync)", "sync+graphs", "sync+eager"),
+                        ("split/grouped decode kernel (overlap+graphs)", "overlap+graphs+split", "overlap+graphs")):
         if tps(a) and tps(b):
             out[label] = {"throughput_ratio": tps(a) / tps(b), "identical_requests": same(a, b)}
     return out
@@ -226,16 +240,16 @@ def ratios(results: dict) -> dict:
 def render(report: dict) -> str:
     lines = [report["model_note"], (f"device: {report['device']}, torch {report['torch']}, "
              f"{report['workload']['requests']} requests, {report['workload']['dtype']}, greedy"),
-             (f"{'config':<15} {'tok/s':>9} {'busy%':>6} {'steady%':>8} {'gap ms':>7} {'st.gap':>7} "
+             (f"{'config':<20} {'tok/s':>9} {'busy%':>6} {'steady%':>8} {'gap ms':>7} {'st.gap':>7} "
              f"{'dev ms':>7} {'plan ms':>7} {'capture s':>9} {'pool MiB':>8} {'graphs':>6}")]
     for name, r in report["results"].items():
         if "error" in r:
-            lines.append(f"{name:<15} FAILED: {r['error'][:200]}")
+            lines.append(f"{name:<20} FAILED: {r['error'][:200]}")
             continue
         best, stats = r["best"], r["executor"].get("cuda_graph_stats", {})
         whole, steady = best["whole"], best["steady"]
         lines.append(
-            f"{name:<15} {best['tok_per_s']:>9.0f} {100 * whole.get('device_busy_fraction', 0):>6.2f} "
+            f"{name:<20} {best['tok_per_s']:>9.0f} {100 * whole.get('device_busy_fraction', 0):>6.2f} "
             f"{100 * steady.get('device_busy_fraction', 0):>8.2f} {whole.get('idle_gap_ms_mean', 0):>7.3f} "
             f"{steady.get('idle_gap_ms_mean', 0):>7.3f} {whole.get('device_ms_per_step', 0):>7.2f} "
             f"{whole.get('planner_ms_per_step', 0):>7.2f} {stats.get('capture_s', 0):>9.1f} "

@@ -6,14 +6,17 @@
 #   2. CUDA tests    (Triton kernels, graphs vs eager, overlap vs sync,
 #                     no host sync on the launch path, grammar
 #                     masks enqueued by masks_ready)               <= 165 s    -> $OUT/tests.log
-#   3. attention     (Triton decode/prefill vs torch, tile and
-#                     warp variants, SmolLM2 shape, bf16)         <=  45 s    -> $OUT/attention.log, attention_bench.json
+#   3. attention     (Triton decode/prefill vs torch: both decode
+#                     kernels with their tile, split and warp
+#                     variants, 256 rows x 512 and 8 rows x 4096
+#                     cached, SmolLM2 shape, bf16)                 <=  70 s    -> $OUT/attention.log, attention_bench.json
 #   4. benchmark     (SmolLM2-135M bf16, 256 requests: overlap/sync x
-#                     graphs on/off)                               <= 230 s    -> $OUT/bench.log, report.json
+#                     graphs on/off, and overlap+graphs with the
+#                     split decode kernel)                         <= 230 s    -> $OUT/bench.log, report.json
 #   5. summary       (test counts, the tables; printed last)                   -> $OUT/summary.txt
 #
 # Seven files in $OUT: the device tool brings back at most 8 (the Markdown tables are in summary.txt).
-# Finishes in under 8 minutes: every stage runs under `timeout` (30 + 165 + 45 + 230 s at most).
+# Finishes in 8 minutes at most: every stage runs under `timeout` (30 + 150 + 70 + 230 s at most).
 # The model is looked for under $ASYNCBATCH_CACHE, ./.cache/asyncbatch/SmolLM2*, ~/.cache/asyncbatch and the Hugging Face cache;
 # without one the benchmark uses random weights of SmolLM2-135M's shape and its report says so first.
 # Outside the device tool, $OUT defaults to results/gpu_check. PYTHON picks the interpreter (python3).
@@ -37,7 +40,7 @@ export PYTHONUNBUFFERED=1
 export TRITON_INTERPRET=0  # compiled kernels, also where tests/conftest.py would choose the interpreter
 TESTS=(tests/test_triton_attention.py tests/test_cuda_path.py tests/test_cuda_graphs.py
        tests/test_decode_graph.py tests/test_grammar_plumbing.py)
-ATTENTION_ARGS=()
+ATTENTION_ARGS=(--decode-shapes 256x512,8x4096)
 BENCH_ARGS=()
 # Stage limits, in seconds: they split a GPU session's minutes. The CPU smoke run gets four times as long,
 # since a loaded 2-core CI machine is slower at its toy sizes than an H200 at the real ones.
@@ -45,8 +48,8 @@ SLOW=1
 if [[ -n "${GPU_CHECK_SMOKE:-}" ]]; then
   SLOW=4
   TESTS=(tests/test_cuda_path.py)  # skips without CUDA: exercises the stage, not the tests
-  ATTENTION_ARGS=(--device cpu --dtype float32 --heads 4 --kv-heads 2 --head-dim 16 --block-size 4 --rows 2
-                  --context 12 --prefill-rows 1 --prefill-len 20 --calls 1 --repeats 1)
+  ATTENTION_ARGS=(--device cpu --dtype float32 --heads 4 --kv-heads 2 --head-dim 16 --block-size 4
+                  --decode-shapes 2x12 --prefill-rows 1 --prefill-len 20 --calls 1 --repeats 1)
   BENCH_ARGS=(--device cpu --dtype float32 --model "$GPU_CHECK_SMOKE" --num-requests 4 --max-num-seqs 4
               --max-model-len 64 --prompt-range 4,8 --output-range 4,8 --repeats 1)
 fi
@@ -72,15 +75,15 @@ EOF
 cat "$OUT/env.txt"
 
 echo "== CUDA tests"
-timeout $((165 * SLOW)) "$PY" -m pytest -q -p no:cacheprovider -rs "${TESTS[@]}" > "$OUT/tests.log" 2>&1
+timeout $((150 * SLOW)) "$PY" -m pytest -q -p no:cacheprovider -rs "${TESTS[@]}" > "$OUT/tests.log" 2>&1
 tests_rc=$?
 tail -n 25 "$OUT/tests.log"
 
 echo "== attention kernels"
-timeout $((45 * SLOW)) "$PY" scripts/attention_bench.py --out "$WORK" "${ATTENTION_ARGS[@]}" > "$OUT/attention.log" 2>&1
+timeout $((70 * SLOW)) "$PY" scripts/attention_bench.py --out "$WORK" "${ATTENTION_ARGS[@]}" > "$OUT/attention.log" 2>&1
 attention_rc=$?
 cp "$WORK/attention_bench.json" "$OUT/" 2>/dev/null
-tail -n 14 "$OUT/attention.log"
+tail -n 30 "$OUT/attention.log"
 
 echo "== benchmark"
 timeout $((230 * SLOW)) "$PY" scripts/gpu_bench.py --out "$WORK" "${BENCH_ARGS[@]}" "$@" > "$OUT/bench.log" 2>&1

@@ -4,7 +4,8 @@
 No GPU is needed: Triton's NVIDIA backend lowers each kernel to PTX and
 assembles a cubin for ``--arch`` (default 90, Hopper: H100/H200) with the
 ptxas it ships. For every model shape below and every dtype, the script
-compiles exactly the launches ``decode_launch`` / ``prefill_launch`` choose
+compiles exactly the launches ``decode_launch``, ``split_decode`` (one split
+and eight, then the merge) and ``prefill_launch`` choose
 (the same constexprs and warps the engine would launch with), reads the
 cubin's registers and stack frame (where spilled registers go) with the
 ``cuobjdump`` Triton ships, and takes the shared memory from Triton's metadata.
@@ -41,6 +42,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from asyncbatch.model import split_decode
 from asyncbatch.model import triton_attention as ta
 
 # (query heads, KV heads, head_dim) of models people serve; the first is the default model.
@@ -55,6 +57,7 @@ MODEL_SHAPES = {
 }
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 INDEX_POINTERS = ("tables_ptr", "lens_ptr", "rows_ptr")
+FLOAT32_POINTERS = ("part_acc_ptr", "part_ml_ptr")  # the split decode's partial softmaxes
 
 
 @dataclass(slots=True)
@@ -77,7 +80,8 @@ def signature(fn: triton.JITFunction, dtype: str, constexprs: dict) -> dict[str,
         if name in constexprs:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
-            sig[name] = "*i64" if name in INDEX_POINTERS else f"*{dtype}"
+            sig[name] = ("*i64" if name in INDEX_POINTERS else "*fp32" if name in FLOAT32_POINTERS
+                         else f"*{dtype}")
         else:
             sig[name] = "fp32" if name == "scale" else "i32"
     return sig
@@ -97,14 +101,22 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
 
 
 def compile_launch(kernel: str, model: str, dtype: str, launch: ta.KernelLaunch, arch: int) -> CompiledLaunch:
-    fn = ta._decode_kernel if kernel == "decode" else ta._prefill_kernel
+    fn = {"decode": ta._decode_kernel, "split": split_decode._split_decode_kernel,
+          "merge": split_decode._decode_merge_kernel, "prefill": ta._prefill_kernel}[kernel]
     c = launch.constexprs
-    tile = (f"G{c['GROUP_PAD']}xN{c['BLOCK_N']}xD{c['DIM_PAD']}" if kernel == "decode"
-            else f"M{c['BLOCK_M']}xN{c['BLOCK_N']}xD{c['DIM_PAD']}{' fp32-dot' if c['FP32_DOT'] else ''}")
+    fp32 = " fp32-dot" if c.get("FP32_DOT") else ""  # the merge kernel has no products
+    if kernel == "decode":
+        tile = f"G{c['GROUP_PAD']}xN{c['BLOCK_N']}xD{c['DIM_PAD']}"
+    elif kernel == "split":
+        tile = f"G{c['GROUP_PAD']}xN{c['BLOCK_N']}xD{c['DIM_PAD']} S{c['SPLITS']}{fp32}"
+    elif kernel == "merge":
+        tile = f"S{c['SPLITS']}xD{c['DIM_PAD']}"
+    else:
+        tile = f"M{c['BLOCK_M']}xN{c['BLOCK_N']}xD{c['DIM_PAD']}{fp32}"
     row = CompiledLaunch(kernel, model, dtype, tile, launch.num_warps, ok=False)
     try:
         compiled = triton.compile(ASTSource(fn, signature(fn, dtype, c), c), target=GPUTarget("cuda", arch, 32),
-                                  options={"num_warps": launch.num_warps})
+                                  options=launch.options())
     except Exception as exc:  # noqa: BLE001 - report every failing launch, not just the first
         row.error = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
         traceback.print_exc()
@@ -122,6 +134,11 @@ def all_launches(block_size: int) -> list[tuple[str, str, str, ta.KernelLaunch]]
         group = heads // kv_heads
         for dtype, torch_dtype in DTYPES.items():
             launches.append(("decode", model, dtype, ta.decode_launch(group, head_dim, block_size)))
+            for splits in (1, 8):  # the output written directly, and partials for the merge kernel
+                split = split_decode.split_decode_launch(group, head_dim, block_size, splits,
+                                                         fp32_dot=torch_dtype == torch.float32)
+                launches.append(("split", model, dtype, split))
+            launches.append(("merge", model, dtype, split_decode.merge_launch(split)))
             for max_q_len in (16, 512):  # short chunks (16-row tiles) and long ones (64-row tiles)
                 launches.append(("prefill", model, dtype, ta.prefill_launch(
                     group, head_dim, block_size, max_q_len, fp32_dot=torch_dtype == torch.float32)))

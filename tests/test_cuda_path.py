@@ -178,3 +178,20 @@ def test_engine_steady_state_has_no_host_sync(make_llm, tiny_path):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert got == want
+
+
+def test_engine_split_decode_kernel_agrees(make_llm, tiny_path, monkeypatch):
+    """The split decode kernel (``split_decode``: a few rows, so several runs per row and the merge kernel)
+    in captured graphs and eager steps, overlap and sync: the grouped kernel's tokens."""
+    from asyncbatch.model import triton_attention
+
+    want, _ = run_engine(make_llm, tiny_path)
+    monkeypatch.setenv("ASYNCBATCH_DECODE_KERNEL", "split")  # an engine-core process reads it at import
+    triton_attention.set_decode_kernel("split")
+    try:
+        for graphs in (True, False):
+            for overlap in (True, False):
+                got, _ = run_engine(make_llm, tiny_path, enable_cuda_graphs=graphs, overlap=overlap)
+                assert got == want, (graphs, overlap)
+    finally:
+        triton_attention.set_decode_kernel("grouped")

@@ -47,9 +47,9 @@ def test_kernels_compile_for_hopper(shape, tmp_path):
                           env=env, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     launches = json.loads((tmp_path / "kernel_resources.json").read_text())["launches"]
-    # decode + short and long prefill, for bf16, fp16 and fp32
-    assert len(launches) == 9 and all(x["ok"] and x["model"] == shape for x in launches)
-    assert {x["kernel"] for x in launches} == {"decode", "prefill"}
+    # grouped decode, split decode (one split, eight) and its merge, short and long prefill; bf16, fp16, fp32
+    assert len(launches) == 18 and all(x["ok"] and x["model"] == shape for x in launches)
+    assert {x["kernel"] for x in launches} == {"decode", "split", "merge", "prefill"}
     if launches[0]["registers"] is not None:  # cuobjdump found: the cubins are real
         assert all(0 < x["registers"] <= 255 for x in launches)
 
@@ -75,13 +75,17 @@ def test_gpu_check_script_runs_every_stage(tiny_path, tmp_path):
     assert "TRITON_INTERPRET=0" in (ROOT / "scripts" / "gpu_check.sh").read_text()
 
     report = json.loads((out / "report.json").read_text())
-    assert set(report["results"]) == {"overlap+graphs", "sync+graphs", "overlap+eager", "sync+eager"}
+    assert set(report["results"]) == {"overlap+graphs", "sync+graphs", "overlap+eager", "sync+eager",
+                                      "overlap+graphs+split"}
     assert all("error" not in r for r in report["results"].values())
     assert all(ratio["identical_requests"] == 1.0 for ratio in report["ratios"].values())
 
     attention = json.loads((out / "attention_bench.json").read_text())
     kernels = [t["kernel"] for t in attention["timings"]]
-    assert kernels.count("decode") == 7 and kernels.count("prefill") == 2  # 6 launches + the torch reference
+    # The grouped kernel's 6 tiles x warps; the split kernel's choice (one split in the interpreter) and its 4
+    # distinct neighbours (half of one split is one split: S2, N16, N64, 8 warps); the torch reference. The
+    # engine's prefill launch and its warps flipped.
+    assert kernels.count("decode") == 12 and kernels.count("prefill") == 2
     assert all(t["ms"] > 0 and t["max_abs_diff"] < 1e-5 for t in attention["timings"])
 
 

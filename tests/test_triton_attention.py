@@ -32,6 +32,7 @@ kernel_test = pytest.mark.skipif(_IN_FRESH_PROCESS, reason="Triton was imported 
                                  "test_kernels_in_a_fresh_interpreter_process runs this test")
 
 from asyncbatch.model import paged_attention as reference
+from asyncbatch.model import split_decode
 from asyncbatch.model import triton_attention as kernels
 from asyncbatch.model.forward_batch import ForwardBatch, PrefillRow
 
@@ -73,8 +74,12 @@ def clean(table: torch.Tensor, num_blocks: int) -> torch.Tensor:
     (4, 4, 16, 4),  # no GQA
     (9, 3, 64, 16),  # SmolLM2-135M's shape
     (8, 2, 32, 8),  # group of 4
+    (6, 2, 24, 4),  # head_dim padded to 32
 ])
-def test_decode_kernel_matches_reference(dtype, heads, kv_heads, head_dim, block_size):
+@pytest.mark.parametrize("splits", [None, 1, 2, 16], ids=["grouped", "split-1", "split-2", "split-16"])
+def test_decode_kernel_matches_reference(dtype, heads, kv_heads, head_dim, block_size, splits):
+    """``splits``: None runs the grouped kernel, a number the split kernel with that many runs per row
+    (16: more runs than tiles, most of them empty)."""
     lens = [1, 7, block_size, 3 * block_size + 5, 70, 0]  # 0: a row with nothing to attend writes zeros
     needed = [-(-n // block_size) for n in lens]
     width = max(needed) + 3  # wider than any row needs, as in a captured graph
@@ -83,14 +88,42 @@ def test_decode_kernel_matches_reference(dtype, heads, kv_heads, head_dim, block
     tables = random_tables(len(lens), width, needed, num_blocks, seed=1)
     q = torch.randn(len(lens), heads, head_dim, generator=torch.Generator().manual_seed(2)).to(dtype)
     context_lens = torch.tensor(lens, dtype=torch.int64)
-    out = kernels.decode_attention(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE),
-                                   context_lens.to(DEVICE), head_dim**-0.5)
+    args = (q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), tables.to(DEVICE), context_lens.to(DEVICE),
+            head_dim**-0.5)
+    if splits is None:
+        out = kernels.decode_attention(*args)
+    else:
+        launch = split_decode.split_decode_launch(heads // kv_heads, head_dim, block_size, splits,
+                                                  fp32_dot=dtype == torch.float32 or not _CUDA)
+        out = split_decode.split_decode_attention(*args, launch=launch)
     assert out.dtype == dtype and out.shape == q.shape
     assert torch.all(out[-1] == 0)
     real = slice(0, len(lens) - 1)
     ref = reference.decode_attention(q[real].double(), k_cache.double(), v_cache.double(),
                                      clean(tables[real], num_blocks), context_lens[real], head_dim**-0.5)
     assert relative_error(out[real], ref) < TOLERANCE[dtype]
+
+
+def test_decode_splits_fill_the_device_from_the_shape_alone():
+    """Powers of two within [1, 16] and the context's tiles; fewer rows get more; the interpreter gets one."""
+    h200 = 132
+    assert split_decode.decode_splits(256, 3, max_tiles=32, multiprocessors=h200) <= 2
+    assert split_decode.decode_splits(1, 3, max_tiles=32, multiprocessors=h200) == 16
+    assert split_decode.decode_splits(1, 3, max_tiles=5, multiprocessors=h200) == 4
+    assert split_decode.decode_splits(1, 3, max_tiles=1, multiprocessors=h200) == 1
+    chosen = [split_decode.decode_splits(rows, 3, 64, h200) for rows in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)]
+    assert chosen == sorted(chosen, reverse=True) and all(s & (s - 1) == 0 for s in chosen)
+    q, k_cache = torch.zeros(1, 9, 64), torch.zeros(4, 16, 3, 64)
+    assert split_decode.engine_launch(q, k_cache, table_width=64).constexprs["SPLITS"] == 1
+
+
+def test_the_decode_kernel_is_chosen_by_name():
+    with pytest.raises(ValueError, match=r"decode kernel must be one of \('grouped', 'split'\), got 'fast'"):
+        kernels.set_decode_kernel("fast")
+    env = {**os.environ, "ASYNCBATCH_DECODE_KERNEL": "fast", "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", "import asyncbatch.model.triton_attention"], env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode != 0 and "ASYNCBATCH_DECODE_KERNEL must be one of" in done.stderr
 
 
 def prefill_case(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int):
@@ -161,8 +194,9 @@ def test_prefill_kernel_reads_shared_cached_blocks(dtype):
 
 
 @kernel_test
+@pytest.mark.parametrize("decode_kernel", kernels.DECODE_KERNELS)
 @pytest.mark.parametrize("paged", [True, False], ids=["uploaded-rows", "rows-built-here"])
-def test_mixed_batch_dispatch_matches_reference(paged):
+def test_mixed_batch_dispatch_matches_reference(paged, decode_kernel):
     heads, kv_heads, head_dim, block_size = 4, 2, 16, 4
     rows, tables, needed, k_cache, v_cache, q_pre = prefill_case(torch.float32, heads, kv_heads, head_dim, block_size)
     decode_lens = torch.tensor([5, 12], dtype=torch.int64)
@@ -180,7 +214,11 @@ def test_mixed_batch_dispatch_matches_reference(paged):
                                           max_prefill_len=max(r.q_len for r in prefill_rows))
     else:
         batch = ForwardBatch(**fields)
-    out = kernels.paged_attention(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), batch, 0.25)
+    kernels.set_decode_kernel(decode_kernel)
+    try:
+        out = kernels.paged_attention(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), batch, 0.25)
+    finally:
+        kernels.set_decode_kernel("grouped")
     ref = torch.empty(q.shape, dtype=torch.float64)
     ref[:2] = reference.decode_attention(q[:2].double(), k_cache.double(), v_cache.double(),
                                          clean(decode_tables, k_cache.shape[0]), decode_lens, 0.25)

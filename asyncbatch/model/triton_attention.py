@@ -10,6 +10,9 @@ softmax in float32 (the cache layout is ``paged_attention``'s:
   row only*, so a block table may be as wide as ``max_blocks_per_seq`` (the
   static shape a CUDA graph captures) without costing anything: entries past
   a row's context are never read. A row with context length 0 writes zeros.
+  (``split_decode`` holds a second decode kernel, tensor-core products over a
+  context split among programs; ``set_decode_kernel`` or
+  ``ASYNCBATCH_DECODE_KERNEL`` chooses which one the engine launches.)
 * ``prefill_attention``: many chunks of consecutive query tokens in one
   launch (varlen). Row ``r`` is described by ``rows[r] = (token_start, q_len,
   ctx_len)``: its queries are tokens ``token_start .. token_start + q_len`` of
@@ -31,32 +34,40 @@ float32 because the interpreter computes bfloat16 arithmetic wrongly.
 """
 
 import functools
-from collections.abc import Mapping
-from dataclasses import dataclass
+import os
 from types import MappingProxyType
 
 import torch
 import triton
 import triton.language as tl
 
+from asyncbatch.model import split_decode
 from asyncbatch.model.forward_batch import ForwardBatch, PagedForwardBatch
+from asyncbatch.model.triton_tiles import (
+    KernelLaunch,
+    check_layout,
+    load_tile,
+    online_softmax_step,
+    tile_scores,
+    tile_slots,
+)
 
 # Registers per program stay bounded: a decode tile holds GROUP_PAD * BLOCK_N * DIM_PAD floats.
 _DECODE_TILE_ELEMENTS = 8192
 
-
-@triton.jit
-def _tile_slots(table_row_ptr, pos, valid, BLOCK_SIZE: tl.constexpr):
-    """(block, offset within it) of each context position ``pos`` of a row, through its block table."""
-    block = tl.load(table_row_ptr + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-    return block, pos % BLOCK_SIZE
+# The engine's decode kernel: "grouped" (``decode_attention``, below) or "split" (``split_decode``, not yet
+# timed on a GPU; scripts/gpu_check.sh measures both).
+DECODE_KERNELS = ("grouped", "split")
 
 
-@triton.jit
-def _load_tile(cache_ptr, block, within, kvh, stride_b, stride_s, stride_h, d, mask):
-    """``[BLOCK_N, DIM_PAD]`` of one KV head's cache entries at (block, within); 0 where masked."""
-    return tl.load(cache_ptr + (block * stride_b + within * stride_s + kvh * stride_h)[:, None] + d[None, :],
-                   mask=mask, other=0.0)
+def _checked_decode_kernel(name: str, source: str) -> str:
+    if name not in DECODE_KERNELS:
+        raise ValueError(f"{source} must be one of {DECODE_KERNELS}, got {name!r}")
+    return name
+
+
+_decode_kernel_choice = _checked_decode_kernel(os.environ.get("ASYNCBATCH_DECODE_KERNEL", "grouped"),
+                                               "ASYNCBATCH_DECODE_KERNEL")
 
 
 @triton.jit
@@ -81,9 +92,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale,
     for start in range(0, ctx, BLOCK_N):
         pos = start + n
         valid = pos < ctx
-        block, within = _tile_slots(tables_ptr + row * stride_bt, pos, valid, BLOCK_SIZE)
+        block, within = tile_slots(tables_ptr + row * stride_bt, pos, valid, BLOCK_SIZE)
         kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
-        k = _load_tile(k_ptr, block, within, kvh, stride_kb, stride_ks, stride_kh, d, kv_mask).to(tl.float32)
+        k = load_tile(k_ptr, block, within, kvh, stride_kb, stride_ks, stride_kh, d, kv_mask).to(tl.float32)
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [GROUP_PAD, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         # The first tile always holds position 0, so m_new is finite from the first iteration on.
@@ -91,7 +102,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale,
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = _load_tile(v_ptr, block, within, kvh, stride_vb, stride_vs, stride_vh, d, kv_mask).to(tl.float32)
+        v = load_tile(v_ptr, block, within, kvh, stride_vb, stride_vs, stride_vh, d, kv_mask).to(tl.float32)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m_i = m_new
     out = acc / tl.maximum(l_i, 1e-30)[:, None]  # context 0: acc is 0, so the row is 0
@@ -130,38 +141,17 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, rows_ptr, out_ptr, scale,
         for start in range(0, kv_end, BLOCK_N):
             pos = start + n
             valid = pos < kv_end
-            block, within = _tile_slots(tables_ptr + r * stride_bt, pos, valid, BLOCK_SIZE)
+            block, within = tile_slots(tables_ptr + r * stride_bt, pos, valid, BLOCK_SIZE)
             kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
-            k = _load_tile(k_ptr, block, within, kvh, stride_kb, stride_ks, stride_kh, d, kv_mask)
-            v = _load_tile(v_ptr, block, within, kvh, stride_vb, stride_vs, stride_vh, d, kv_mask)
-            if FP32_DOT:
-                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
+            k = load_tile(k_ptr, block, within, kvh, stride_kb, stride_ks, stride_kh, d, kv_mask)
+            v = load_tile(v_ptr, block, within, kvh, stride_vb, stride_vs, stride_vh, d, kv_mask)
             keep = valid[None, :] & (pos[None, :] <= q_pos[:, None])
-            s = tl.where(keep, s * scale, float("-inf"))  # [BLOCK_M, BLOCK_N]
-            # Key 0 is visible to every query and lies in the first tile: m_new is finite from then on.
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            if FP32_DOT:
-                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
+            s = tl.where(keep, tile_scores(q, k, FP32_DOT) * scale, float("-inf"))  # [BLOCK_M, BLOCK_N]
+            # Key 0 is visible to every query and lies in the first tile: each row's maximum is finite from then on.
+            m_i, l_i, acc = online_softmax_step(s, v, m_i, l_i, acc, FP32_DOT)
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
         tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=q_mask)
-
-
-@dataclass(frozen=True, slots=True)
-class KernelLaunch:
-    """What one kernel launch compiles: its constexpr arguments and warps per program (read-only: cached)."""
-
-    constexprs: Mapping[str, int | bool]
-    num_warps: int
 
 
 @functools.cache  # called by every layer of every eager step: choose once per shape
@@ -209,13 +199,6 @@ def _prefill_launch(group: int, head_dim: int, block_size: int, short: bool, fp3
     return KernelLaunch(MappingProxyType(constexprs), num_warps=num_warps)
 
 
-def _check_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("q and the KV caches must be contiguous in head_dim")
-    if q.shape[1] % k_cache.shape[2]:
-        raise ValueError(f"{q.shape[1]} query heads do not divide into {k_cache.shape[2]} KV heads")
-
-
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None,
                      launch: KernelLaunch | None = None) -> torch.Tensor:
@@ -225,7 +208,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     Launch only (no host sync), so it can be captured into a CUDA graph.
     ``launch`` overrides ``decode_launch``'s choice (for tuning: ``scripts/attention_bench.py``).
     """
-    _check_layout(q, k_cache, v_cache)
+    check_layout(q, k_cache, v_cache)
     b, h, d = q.shape
     kvh = k_cache.shape[2]
     group = h // kvh
@@ -237,7 +220,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, block_tables, context_lens, out, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
-        num_warps=launch.num_warps, **launch.constexprs,
+        **launch.options(), **launch.constexprs,
     )
     return out
 
@@ -252,7 +235,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     Tokens of ``out`` outside the rows are left as they are. ``launch`` overrides
     ``prefill_launch``'s choice.
     """
-    _check_layout(q, k_cache, v_cache)
+    check_layout(q, k_cache, v_cache)
     num_rows = rows.shape[0]
     if num_rows == 0 or max_q_len == 0:
         return out
@@ -265,7 +248,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         q, k_cache, v_cache, block_tables, rows, out, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
-        num_warps=launch.num_warps, **launch.constexprs,
+        **launch.options(), **launch.constexprs,
     )
     return out
 
@@ -280,14 +263,29 @@ def _prefill_inputs(batch: ForwardBatch, device: torch.device) -> tuple[torch.Te
     return rows, tables, max(r.q_len for r in batch.prefill_rows)
 
 
+def set_decode_kernel(name: str) -> None:
+    """The decode kernel ``paged_attention`` launches from now on: one of ``DECODE_KERNELS``
+    (``ASYNCBATCH_DECODE_KERNEL`` sets it at import; an engine-core process inherits the variable)."""
+    global _decode_kernel_choice
+    _decode_kernel_choice = _checked_decode_kernel(name, "decode kernel")
+
+
+def engine_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  context_lens: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
+    """Decode attention with the kernel ``set_decode_kernel`` chose."""
+    if _decode_kernel_choice == "split":
+        return split_decode.split_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out=out)
+    return decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out=out)
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
                     scale: float) -> torch.Tensor:
     """Decode rows then prefill rows of ``batch``; this step's keys/values are already in the cache."""
     nd = batch.num_decode
     out = torch.empty_like(q)  # [T, heads, head_dim]
     if nd:
-        decode_attention(q[:nd], k_cache, v_cache, batch.decode_block_tables, batch.decode_context_lens, scale,
-                         out=out[:nd])
+        engine_decode(q[:nd], k_cache, v_cache, batch.decode_block_tables, batch.decode_context_lens, scale,
+                      out=out[:nd])
     if batch.prefill_rows:
         rows, tables, max_q_len = _prefill_inputs(batch, q.device)
         prefill_attention(q, k_cache, v_cache, tables, rows, max_q_len, scale, out)
