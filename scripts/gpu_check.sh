@@ -10,13 +10,17 @@
 #                     kernels with their tile, split and warp
 #                     variants, 256 rows x 512 and 8 rows x 4096
 #                     cached, SmolLM2 shape, bf16)                 <=  70 s    -> $OUT/attention.log, attention_bench.json
-#   4. benchmark     (SmolLM2-135M bf16, 256 requests: overlap/sync x
+#   4. step profile  (one decode step of SmolLM2-135M bf16, 256 rows
+#                     x 128 / 512 cached, each decode kernel:
+#                     device time by kernel kind and name, graph
+#                     replay beside it)                            <=  50 s    -> $OUT/step_profile.md
+#   5. benchmark     (SmolLM2-135M bf16, 256 requests: overlap/sync x
 #                     graphs on/off, and overlap+graphs with the
-#                     split decode kernel)                         <= 230 s    -> $OUT/bench.log, report.json
-#   5. summary       (test counts, the tables; printed last)                   -> $OUT/summary.txt
+#                     split decode kernel)                         <= 220 s    -> $OUT/bench.log, report.json
+#   6. summary       (test counts, the tables; printed last)                   -> $OUT/summary.txt
 #
-# Seven files in $OUT: the device tool brings back at most 8 (the Markdown tables are in summary.txt).
-# Finishes in 8 minutes at most: every stage runs under `timeout` (30 + 150 + 70 + 230 s at most).
+# Eight files in $OUT, as many as the device tool brings back (the Markdown tables are in summary.txt).
+# Finishes in 8.5 minutes at most: every stage runs under `timeout` (30 + 140 + 60 + 50 + 220 s at most).
 # The model is looked for under $ASYNCBATCH_CACHE, ./.cache/asyncbatch/SmolLM2*, ~/.cache/asyncbatch and the Hugging Face cache;
 # without one the benchmark uses random weights of SmolLM2-135M's shape and its report says so first.
 # Outside the device tool, $OUT defaults to results/gpu_check. PYTHON picks the interpreter (python3).
@@ -41,6 +45,7 @@ export TRITON_INTERPRET=0  # compiled kernels, also where tests/conftest.py woul
 TESTS=(tests/test_triton_attention.py tests/test_cuda_path.py tests/test_cuda_graphs.py
        tests/test_decode_graph.py tests/test_grammar_plumbing.py)
 ATTENTION_ARGS=(--decode-shapes 256x512,8x4096)
+STEP_ARGS=()
 BENCH_ARGS=()
 # Stage limits, in seconds: they split a GPU session's minutes. The CPU smoke run gets four times as long,
 # since a loaded 2-core CI machine is slower at its toy sizes than an H200 at the real ones.
@@ -50,6 +55,8 @@ if [[ -n "${GPU_CHECK_SMOKE:-}" ]]; then
   TESTS=(tests/test_cuda_path.py)  # skips without CUDA: exercises the stage, not the tests
   ATTENTION_ARGS=(--device cpu --dtype float32 --heads 4 --kv-heads 2 --head-dim 16 --block-size 4
                   --decode-shapes 2x12 --prefill-rows 1 --prefill-len 20 --calls 1 --repeats 1)
+  STEP_ARGS=(--device cpu --dtype float32 --model "$GPU_CHECK_SMOKE" --rows 4 --contexts 8 --steps 2
+             --decode-kernels grouped)
   BENCH_ARGS=(--device cpu --dtype float32 --model "$GPU_CHECK_SMOKE" --num-requests 4 --max-num-seqs 4
               --max-model-len 64 --prompt-range 4,8 --output-range 4,8 --repeats 1)
 fi
@@ -75,28 +82,36 @@ EOF
 cat "$OUT/env.txt"
 
 echo "== CUDA tests"
-timeout $((150 * SLOW)) "$PY" -m pytest -q -p no:cacheprovider -rs "${TESTS[@]}" > "$OUT/tests.log" 2>&1
+timeout $((140 * SLOW)) "$PY" -m pytest -q -p no:cacheprovider -rs "${TESTS[@]}" > "$OUT/tests.log" 2>&1
 tests_rc=$?
 tail -n 25 "$OUT/tests.log"
 
 echo "== attention kernels"
-timeout $((70 * SLOW)) "$PY" scripts/attention_bench.py --out "$WORK" "${ATTENTION_ARGS[@]}" > "$OUT/attention.log" 2>&1
+timeout $((60 * SLOW)) "$PY" scripts/attention_bench.py --out "$WORK" "${ATTENTION_ARGS[@]}" > "$OUT/attention.log" 2>&1
 attention_rc=$?
 cp "$WORK/attention_bench.json" "$OUT/" 2>/dev/null
 tail -n 30 "$OUT/attention.log"
 
+echo "== step profile"
+timeout $((50 * SLOW)) "$PY" scripts/gpu_step_profile.py --out "$WORK" "${STEP_ARGS[@]}" > "$WORK/step_profile.log" 2>&1
+step_rc=$?
+cp "$WORK/step_profile.md" "$OUT/" 2>/dev/null || tail -n 30 "$WORK/step_profile.log" > "$OUT/step_profile.md"
+head -n 20 "$OUT/step_profile.md"
+
 echo "== benchmark"
-timeout $((230 * SLOW)) "$PY" scripts/gpu_bench.py --out "$WORK" "${BENCH_ARGS[@]}" "$@" > "$OUT/bench.log" 2>&1
+timeout $((220 * SLOW)) "$PY" scripts/gpu_bench.py --out "$WORK" "${BENCH_ARGS[@]}" "$@" > "$OUT/bench.log" 2>&1
 bench_rc=$?
 cp "$WORK/report.json" "$OUT/" 2>/dev/null
 tail -n 5 "$OUT/bench.log"
 
 {
-  echo "== summary (tests rc=$tests_rc, attention rc=$attention_rc, benchmark rc=$bench_rc; 124 = timed out)"
+  echo "== summary (tests rc=$tests_rc, attention rc=$attention_rc, step profile rc=$step_rc, benchmark rc=$bench_rc;" \
+       "124 = timed out)"
   grep -E "^(device|python)" "$OUT/env.txt"
   echo "tests: $(tail -n 1 "$OUT/tests.log")"
   if [[ -f "$WORK/attention_bench.md" ]]; then cat "$WORK/attention_bench.md"; else echo "no attention table"; fi
+  cat "$OUT/step_profile.md"
   if [[ -f "$WORK/report.md" ]]; then cat "$WORK/report.md"; else echo "no benchmark report (see bench.log)"; fi
 } > "$OUT/summary.txt"
 cat "$OUT/summary.txt"
-[[ $tests_rc -eq 0 && $attention_rc -eq 0 && $bench_rc -eq 0 ]]
+[[ $tests_rc -eq 0 && $attention_rc -eq 0 && $step_rc -eq 0 && $bench_rc -eq 0 ]]

@@ -67,11 +67,11 @@ def test_gpu_check_script_runs_every_stage(tiny_path, tmp_path):
                           env=env, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     summary = (out / "summary.txt").read_text()
-    assert "tests rc=0, attention rc=0, benchmark rc=0" in summary
+    assert "tests rc=0, attention rc=0, step profile rc=0, benchmark rc=0" in summary
     assert done.stdout.rstrip().endswith(summary.rstrip().splitlines()[-1])  # the table is printed last
     files = sorted(f.name for f in out.rglob("*") if f.is_file())
     assert files == sorted(["env.txt", "tests.log", "attention.log", "bench.log", "report.json",
-                            "attention_bench.json", "summary.txt"])  # the device tool returns at most 8
+                            "attention_bench.json", "step_profile.md", "summary.txt"])  # the device tool returns 8
     assert "TRITON_INTERPRET=0" in (ROOT / "scripts" / "gpu_check.sh").read_text()
 
     report = json.loads((out / "report.json").read_text())
@@ -79,6 +79,9 @@ def test_gpu_check_script_runs_every_stage(tiny_path, tmp_path):
                                       "overlap+graphs+split"}
     assert all("error" not in r for r in report["results"].values())
     assert all(ratio["identical_requests"] == 1.0 for ratio in report["ratios"].values())
+
+    step_profile = (out / "step_profile.md").read_text()
+    assert "grouped decode kernel, 4 rows x 8 cached" in step_profile and "matrix products" in step_profile
 
     attention = json.loads((out / "attention_bench.json").read_text())
     kernels = [t["kernel"] for t in attention["timings"]]
