@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -102,7 +103,10 @@ class ServeProcess:
 
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # The server's temporary files (multiprocessing's pymp-* folders, which a killed process leaves behind)
+        # go to a folder of its own that kill() removes. Short, under /tmp: Ray puts sockets below it.
+        self.tmpdir = tempfile.mkdtemp(prefix="ab-serve-", dir="/tmp")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": self.tmpdir}
         # A file, not a pipe: a pipe nobody reads fills up with request log lines and blocks the server.
         self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed by kill(), after the process
         self.new_session = new_session
@@ -142,8 +146,8 @@ class ServeProcess:
             time.sleep(0.05)
 
     def kill(self) -> str:
-        """Stop the server (if it still runs; with ``new_session``, everything in its session) and return
-        everything it printed."""
+        """Stop the server (if it still runs; with ``new_session``, everything in its session), remove its
+        temporary folder, and return everything it printed."""
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(timeout=10)
@@ -151,6 +155,7 @@ class ServeProcess:
             for pid in session_pids(self.proc.pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, 9)
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
         return self.output()
 
 
