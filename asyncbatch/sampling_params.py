@@ -56,6 +56,9 @@ class SamplingParams:
     stays empty and no detokenizer runs for the request (vLLM's field; stop
     strings need the text). ``structured_outputs`` constrains the output to a
     JSON schema, any JSON object, a regex, a choice or a grammar.
+    ``truncate_prompt_tokens`` keeps only the prompt's last k tokens (left
+    truncation; -1: the last ``max_model_len``), vLLM's field: the request's
+    ``prompt_token_ids`` are the kept ones, and its ``prompt`` their text.
     """
 
     max_tokens: int = 16
@@ -78,6 +81,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
     structured_outputs: StructuredOutputsParams | None = None
+    truncate_prompt_tokens: int | None = None
     _stop: tuple[str, ...] = field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -132,6 +136,11 @@ class SamplingParams:
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"SamplingParams.min_tokens must be in [0, max_tokens={self.max_tokens}], "
                              f"got {self.min_tokens}")
+        if self.truncate_prompt_tokens is not None:
+            self.truncate_prompt_tokens = _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens)
+            if self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1:
+                raise ValueError("SamplingParams.truncate_prompt_tokens must be -1 (max_model_len) or >= 1, got "
+                                 f"{self.truncate_prompt_tokens}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise TypeError("SamplingParams.structured_outputs must be StructuredOutputsParams, got "
                             f"{type(self.structured_outputs).__name__}")

@@ -54,6 +54,9 @@ BAD_PARAMS = [
     ({"ignore_eos": "yes"}, TypeError, "ignore_eos"),
     ({"presence_penalty": 3.0}, ValueError, "presence_penalty"),
     ({"repetition_penalty": 0.0}, ValueError, "repetition_penalty"),
+    ({"truncate_prompt_tokens": 0}, ValueError, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": -2}, ValueError, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": True}, TypeError, "truncate_prompt_tokens"),
 ]
 
 
@@ -109,6 +112,27 @@ def test_a_top_k_past_the_vocabulary_keeps_every_token(engine, top_k):
     wide = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True, top_k=top_k)
     assert engine.generate([NEIGHBOUR], wide, use_tqdm=False)[0].token_ids == expected
     assert engine.alive
+
+
+def test_truncate_prompt_tokens_computes_the_prompts_end_alone(engine):
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens, as if they had been sent alone (greedy tokens,
+    the returned prompt ids); -1 keeps up to ``max_model_len``; more than ``max_model_len`` is refused. It is also
+    what lets a prompt longer than the context run at all."""
+    prompt = [3 + (i * 7) % 200 for i in range(40)]
+    greedy = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    alone = engine.generate([prompt[-6:]], SamplingParams(**greedy), use_tqdm=False)[0]
+    cut = engine.generate([prompt], SamplingParams(**greedy, truncate_prompt_tokens=6), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == prompt[-6:] and cut.token_ids == alone.token_ids
+    whole = engine.generate([prompt], SamplingParams(**greedy, truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert whole.prompt_token_ids == prompt
+    long = [5] * 200  # past max_model_len 96: refused whole, runs cut to its last 80
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.generate([long], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert len(engine.generate([long], SamplingParams(max_tokens=4, truncate_prompt_tokens=80),
+                               use_tqdm=False)[0].prompt_token_ids) == 80
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens must be -1 or in \[1, max_model_len=96\]"):
+        engine.generate([prompt], SamplingParams(max_tokens=4, truncate_prompt_tokens=97), use_tqdm=False)
+    engine.check_integrity()
 
 
 def test_a_bad_prompt_in_a_batch_queues_nothing(engine):

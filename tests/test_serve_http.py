@@ -15,6 +15,7 @@ import pytest
 
 pytest.importorskip("fastapi", reason="the serve extra is not installed (pip install -e '.[serve]')")
 
+from asyncbatch import SamplingParams
 from asyncbatch.config import SimConfig
 from asyncbatch.serve.request_stream import RequestStream
 from asyncbatch.serve.settings import ServeSettings
@@ -70,6 +71,9 @@ BAD_REQUESTS = [
     ("logit_bias unknown token", {"json": {**GOOD, "logit_bias": {"100000": 1}}}, 400, "logit_bias"),
     ("bad regex", {"json": {**GOOD, "guided_regex": "(unclosed"}}, 400, "guided_regex"),
     ("n out of range", {"json": {**GOOD, "n": 0}}, 400, "n"),
+    ("truncate_prompt_tokens zero", {"json": {**GOOD, "truncate_prompt_tokens": 0}}, 400, "truncate_prompt_tokens"),
+    ("truncate_prompt_tokens past the context", {"json": {**GOOD, "truncate_prompt_tokens": 257}}, 400,
+     "truncate_prompt_tokens"),
     ("body too large", {"json": {**GOOD, "prompt": [1] * 3000}}, 413, None),
 ]
 
@@ -199,6 +203,32 @@ def test_continue_final_message_continues_the_assistants_start(served) -> None:
         through_kwargs = {"messages": messages, "chat_template_kwargs": {"add_generation_prompt": False,
                                                                          "continue_final_message": True}}
         assert http.post("/tokenize", json=through_kwargs).json()["tokens"] == opened
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(served) -> None:
+    """vLLM's ``truncate_prompt_tokens`` over HTTP: usage, the returned prompt ids and the echo count the prompt's
+    last k tokens only; -1 keeps up to ``max_model_len``; a chat prompt is cut after its template. (That the tokens
+    are those of the k tokens sent alone: ``test_bad_input``, on a real model; the sim's tokens say nothing.)"""
+    server, engine = served
+    prompt = [7 + (i * 13) % 200 for i in range(30)]
+    kept = prompt[-5:]
+    body = {"model": "test-model", "max_tokens": 6, "temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+    with client(server) as http:
+        cut = http.post("/v1/completions", json={**body, "prompt": prompt, "truncate_prompt_tokens": 5, "echo": True})
+        whole = http.post("/v1/completions", json={**body, "prompt": prompt, "truncate_prompt_tokens": -1})
+        for response in (cut, whole):
+            assert response.status_code == 200, response.text
+        assert cut.json()["usage"]["prompt_tokens"] == 5 and whole.json()["usage"]["prompt_tokens"] == 30
+        choice = cut.json()["choices"][0]
+        assert choice["prompt_token_ids"] == kept and len(choice["token_ids"]) == 6
+        assert choice["text"].startswith(engine.tokenizer.decode(kept))
+        assert whole.json()["choices"][0]["prompt_token_ids"] == prompt
+        chat = {"model": "test-model", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 2}
+        assert http.post("/v1/chat/completions", json={**chat, "truncate_prompt_tokens": 4}).json()[
+            "usage"]["prompt_tokens"] == 4
+    by_text = engine.llm.generate([engine.tokenizer.decode(prompt)], SamplingParams(max_tokens=2,
+                                  truncate_prompt_tokens=3), use_tqdm=False)[0]
+    assert len(by_text.prompt_token_ids) == 3 and by_text.prompt == engine.tokenizer.decode(by_text.prompt_token_ids)
 
 
 def test_metrics_after_requests(served) -> None:

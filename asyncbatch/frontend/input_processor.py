@@ -132,12 +132,30 @@ class InputProcessor:
                                                   continue_final_message=continue_final_message, **template_kwargs)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def truncated(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
+        """The prompt's last ``params.truncate_prompt_tokens`` ids (-1: the last ``max_model_len``); all of
+        them without it, or when the prompt is no longer."""
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return prompt_ids
+        if keep == -1:
+            keep = self.max_model_len
+        if keep > self.max_model_len:
+            raise ValueError(f"SamplingParams.truncate_prompt_tokens must be -1 or in [1, max_model_len="
+                             f"{self.max_model_len}], got {keep}")
+        return prompt_ids[-keep:] if len(prompt_ids) > keep else prompt_ids
+
     def request(self, prompt_ids: list[int], params: SamplingParams | None,
                 prompt: str | None = None) -> ProcessedRequest:
-        """One request of ``prompt_ids`` (from ``prompt_ids``) under ``params`` (None: the defaults)."""
+        """One request of ``prompt_ids`` (from ``prompt_ids``) under ``params`` (None: the defaults); a
+        ``truncate_prompt_tokens`` that cuts the prompt makes ``prompt`` the kept tokens' text."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        kept = self.truncated(prompt_ids, params)
+        if len(kept) < len(prompt_ids):
+            prompt_ids = kept
+            prompt = self.tokenizer.decode(kept) if self.tokenizer is not None and prompt is not None else None
         if self.tokenizer is None:
             check_needs_no_tokenizer(params)
         check_token_ids(params, self.vocab_size)

@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from asyncbatch.outputs import RequestOutput, StreamDelta
+from asyncbatch.sampling_params import SamplingParams
 from asyncbatch.serve.generation import Generation, SSEResponse
 from asyncbatch.serve.logprobs_format import chat_logprobs as format_logprobs
 from asyncbatch.serve.logprobs_format import token_texts, vllm_prompt_logprobs
@@ -77,6 +78,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
     structured, source = structured_outputs(body, plan.schema() if plan is not None else None)
     ids = await engine.prompt_ids(chat_prompt_ids(state, body, plan))  # checked against the model's vocabulary
+    if body.truncate_prompt_tokens is not None:  # the last k tokens (SamplingParams checks k: a 400 naming it)
+        ids = engine.processor.truncated(ids, SamplingParams(truncate_prompt_tokens=body.truncate_prompt_tokens))
     max_tokens = chat_max_tokens(body)
     if max_tokens is None:  # OpenAI: as many as the context allows
         room = engine.processor.usable_context - len(ids)

@@ -49,10 +49,13 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
     structured, source = structured_outputs(body)
     params = sampling_params(body, 16 if body.max_tokens is None else body.max_tokens, logprobs=body.logprobs,
                              prompt_logprobs=completion_prompt_logprobs(body), structured=structured)
-    echo = [_prompt_text(p, engine.tokenizer) if body.echo else "" for p in prompts for _ in range(body.n)]
     await compile_constraint(engine, params[0], source)
     state.admit(len(prompts) * body.n)
-    prompt_ids = [await engine.prompt_ids(p) for p in prompts]
+    whole = [await engine.prompt_ids(p) for p in prompts]
+    prompt_ids = [engine.processor.truncated(ids, params[0]) for ids in whole]  # truncate_prompt_tokens
+    # The echo is the prompt the model saw: the kept tokens' text where truncate_prompt_tokens cut it.
+    echo = [(_prompt_text(p if len(ids) == len(w) else ids, engine.tokenizer) if body.echo else "")
+            for p, ids, w in zip(prompts, prompt_ids, whole) for _ in range(body.n)]
     response_id = f"cmpl-{uuid.uuid4().hex}"
     flat_ids = [ids for ids in prompt_ids for _ in range(body.n)]
     with naming_constraint_errors(source):

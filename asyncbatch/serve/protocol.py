@@ -53,6 +53,7 @@ class SamplingFields(_Body):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     min_tokens: int = 0
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len)
     # vLLM's: the choice also carries its token ids (and the prompt's); on by default without a tokenizer.
     return_token_ids: bool | None = None
     prompt_logprobs: int | None = None

@@ -192,6 +192,7 @@ def sampling_params(body: SamplingFields, max_tokens: int, *, logprobs: int | No
                 logit_bias=body.logit_bias,
                 min_tokens=body.min_tokens,
                 structured_outputs=structured,
+                truncate_prompt_tokens=body.truncate_prompt_tokens,
             ))
         except (ValueError, TypeError) as exc:
             field = _FIELD.match(str(exc))
