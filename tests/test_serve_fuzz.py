@@ -43,6 +43,7 @@ def _fields(rng: random.Random, chat: bool) -> dict:
     fields = {
         "max_tokens": i, "temperature": f, "top_p": f, "top_k": i, "min_p": f, "n": i, "seed": i,
         "presence_penalty": f, "frequency_penalty": f, "repetition_penalty": f, "min_tokens": i,
+        "truncate_prompt_tokens": i,
         "stop": lambda: rng.choice(["a", ["\n", "x"], ["a"] * 10, "\u0000"]),
         "stop_token_ids": lambda: [rng.choice([0, 2, 49151, 49152, 2**63, -1]) for _ in range(rng.randint(0, 3))],
         "logit_bias": lambda: {str(rng.choice(INTS)): rng.choice(FLOATS) for _ in range(rng.randint(1, 3))},
