@@ -54,7 +54,8 @@ class CapturableStep(Protocol):
     def input_specs(self) -> Sequence[BufferSpec]: ...
 
     def output_specs(self) -> Sequence[OutputSpec]:
-        """What ``run`` returns, by name: one ``[rows, *tail]`` tensor per spec."""
+        """What ``run`` may return, by name: one ``[rows, *tail]`` tensor per spec (a variant may return some of
+        them only; the others keep what an earlier replay of the set wrote)."""
         ...
 
     def run(self, inputs: Mapping[str, torch.Tensor], variant: Hashable) -> dict[str, torch.Tensor]:

@@ -2,9 +2,11 @@
 """GPU benchmark for ``gpu_check.sh``: overlap vs synchronous, CUDA graphs on vs off, on one GPU.
 
 Runs the same greedy workload (``--num-requests`` requests submitted at once,
-``ignore_eos``) through five engines, bfloat16 on ``cuda``: {overlap, sync} ×
-{graphs on, graphs off} with the grouped decode kernel, and overlap + graphs
-with the split one (``split_decode``); each engine warms up, then runs
+``ignore_eos``) through six engines, bfloat16 on ``cuda``: {overlap, sync} ×
+{graphs on, graphs off} with the grouped decode kernel, overlap + graphs
+with the split one (``split_decode``), and overlap + graphs with one request
+in 16 asking for logprobs or a repetition penalty (such steps replay their
+forward alone and sample eagerly); each engine warms up, then runs
 ``--repeats`` times.
 Writes ``report.json`` and ``report.md`` into ``--out`` and prints a short
 table last. Figures per engine: output tokens/s (wall clock), device busy
@@ -116,6 +118,16 @@ def steady_window(records) -> list:
     return steady_decode_window(records, max((r.num_decode for r in tail), default=1))
 
 
+def with_extras(params: list[SamplingParams]) -> list[SamplingParams]:
+    """The workload with a sampler extra in one request of every 16 (logprobs, then a repetition penalty,
+    alternating): nearly every step then holds one, and replays its forward alone, sampling eagerly."""
+    out = list(params)
+    for i in range(0, len(out), 16):
+        extra = {"logprobs": 1} if (i // 16) % 2 == 0 else {"repetition_penalty": 1.1}
+        out[i] = SamplingParams(max_tokens=out[i].max_tokens, temperature=0.0, ignore_eos=True, **extra)
+    return out
+
+
 def use_decode_kernel(name: str) -> None:
     """The decode kernel the next engine launches (``triton_attention.DECODE_KERNELS``), in this process and in
     an engine-core process it starts (which inherits the variable)."""
@@ -174,8 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-range", default="32,128")
     parser.add_argument("--output-range", default="192,320")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--configs", default="overlap+graphs,sync+graphs,overlap+eager,sync+eager,overlap+graphs+split",
-                        help="MODE+KIND[+DECODE_KERNEL],...: overlap|sync, graphs|eager, grouped (default)|split")
+    parser.add_argument("--configs", default="overlap+graphs,sync+graphs,overlap+eager,sync+eager,overlap+graphs+split,"
+                                             "overlap+graphs+extras",
+                        help="MODE+KIND[+TAG...],...: overlap|sync, graphs|eager; tags: split (the split decode "
+                             "kernel), extras (one request in 16 with logprobs or a repetition penalty)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -196,11 +210,12 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     device = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or args.device
     for name in args.configs.split(","):
-        mode, kind, *decode = name.split("+")
+        mode, kind, *tags = name.split("+")
         print(f"running {name} ...", flush=True)
         try:
-            use_decode_kernel(decode[0] if decode else "grouped")
-            results[name] = run_engine(model, kind == "graphs", mode == "overlap", prompts, params, args)
+            use_decode_kernel("split" if "split" in tags else "grouped")
+            run_params = with_extras(params) if "extras" in tags else params
+            results[name] = run_engine(model, kind == "graphs", mode == "overlap", prompts, run_params, args)
         except Exception as exc:  # noqa: BLE001 - one broken configuration must not hide the others
             traceback.print_exc()
             results[name] = {"error": f"{type(exc).__name__}: {exc}"}
@@ -231,7 +246,8 @@ def ratios(results: dict) -> dict:
                         ("overlap/sync (eager)", "overlap+eager", "sync+eager"),
                         ("graphs/eager (overlap)", "overlap+graphs", "overlap+eager"),
                         ("graphs/eager (sync)", "sync+graphs", "sync+eager"),
-                        ("split/grouped decode kernel (overlap+graphs)", "overlap+graphs+split", "overlap+graphs")):
+                        ("split/grouped decode kernel (overlap+graphs)", "overlap+graphs+split", "overlap+graphs"),
+                        ("with extras/without (overlap+graphs)", "overlap+graphs+extras", "overlap+graphs")):
         if tps(a) and tps(b):
             out[label] = {"throughput_ratio": tps(a) / tps(b), "identical_requests": same(a, b)}
     return out

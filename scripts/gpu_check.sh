@@ -15,8 +15,9 @@
 #                     device time by kernel kind and name, graph
 #                     replay beside it)                            <=  50 s    -> $OUT/step_profile.md
 #   5. benchmark     (SmolLM2-135M bf16, 256 requests: overlap/sync x
-#                     graphs on/off, and overlap+graphs with the
-#                     split decode kernel)                         <= 220 s    -> $OUT/bench.log, report.json
+#                     graphs on/off; overlap+graphs with the split
+#                     decode kernel, and with logprobs / penalty
+#                     rows among the requests)                     <= 220 s    -> $OUT/bench.log, report.json
 #   6. summary       (test counts, the tables; printed last)                   -> $OUT/summary.txt
 #
 # Eight files in $OUT, as many as the device tool brings back (the Markdown tables are in summary.txt).

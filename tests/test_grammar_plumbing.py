@@ -18,6 +18,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from test_decode_graph import cuda_host_shim  # noqa: F401 - the fixture is used by name
 from tiny_models import EOS_ID, save_tiny_model
 
 from asyncbatch import LLM, SamplingParams, StructuredOutputsParams
@@ -185,3 +186,40 @@ def test_a_warm_up_that_cannot_build_is_logged_and_the_engine_serves_on(tiny_mod
     with pytest.raises(ImportError, match="no grammar library in this test"):
         llm.generate(["p"], _choice("json"), use_tqdm=False)
     assert len(llm.generate(["q"], plain, use_tqdm=False)[0].token_ids) == 6
+
+
+def _extras_requests() -> tuple[list[str], list[SamplingParams]]:
+    """``_requests``' grammar rows (with logprobs) and plain rows, and rows with each other sampler extra."""
+    prompts, params, _ = _requests()
+    extras = [SamplingParams(max_tokens=16, temperature=0.0, logit_bias={5: 5.0, 9: -100.0}, ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=0.8, seed=11, min_tokens=10),
+              SamplingParams(max_tokens=16, temperature=0.7, seed=12, repetition_penalty=1.4, logprobs=3,
+                             ignore_eos=True),
+              SamplingParams(max_tokens=16, temperature=0.0, presence_penalty=1.0, ignore_eos=True)]
+    return prompts + [f"extra {i}" for i in range(len(extras))], params + extras
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_decode_steps_with_sampler_extras_replay_their_forward(tiny_model, scripted, cuda_host_shim, overlap):  # noqa: F811
+    """On the CUDA executor's host logic (run on the CPU by ``cuda_host_shim``), decode steps with grammar rows,
+    logit_bias, min_tokens, penalties or logprobs replay the graph of their forward alone and sample eagerly
+    (they used to run the whole step eagerly): tokens and logprobs equal the CPU executor's."""
+    prompts, params = _extras_requests()
+    runs = {}
+    for name, settings in (("cpu", {}), ("graphs", {"enable_cuda_graphs": True, "cuda_graph_batch_sizes": (2, 4, 8)})):
+        cuda_host_shim.clear()
+        cuda_host_shim.update(settings)
+        with LLM(str(tiny_model), device="cpu", dtype="float32", max_num_seqs=8, engine_process=False,
+                 overlap=overlap, num_kv_blocks=48, debug_check_integrity=True) as llm:
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            info = llm._core.executor.describe()
+        runs[name] = ([o.token_ids for o in outputs], [o.logprobs for o in outputs])
+        if name == "graphs":
+            assert info["cuda_graph_forward_only_steps"] > 10, info
+    assert runs["graphs"][0] == runs["cpu"][0]
+    for got, want in zip(runs["graphs"][1], runs["cpu"][1]):
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert got.token_ids == want.token_ids and got.ranks == want.ranks
+            assert got.top_token_ids == want.top_token_ids
+            assert np.allclose(got.logprobs, want.logprobs, atol=1e-5)

@@ -11,11 +11,15 @@ wait on the launch path is the planner's staging fence, which fires on the
     D2H stream                                          (wait end●)[ids N]●d2h → set A free again
 
 Which path a step takes (``_graph_plan``): a captured graph when graphs are
-on, the step is decode-only (``num_decode == num_tokens``), uses no penalties
-and no sampler extras (bias, logprobs, grammar) and fits the largest bucket;
-otherwise the eager path (prefill, mixed steps, penalties, extras, oversized
-batches), whose inputs are copied into fresh device
-tensors and which runs the same model with the Triton prefill kernel.
+on, the step is decode-only (``num_decode == num_tokens``) and fits the
+largest bucket; otherwise the eager path (prefill, mixed steps, oversized
+batches), whose inputs are copied into fresh device tensors and which runs
+the same model with the Triton prefill kernel. A decode step with penalties
+or sampler extras (bias, logprobs, grammar) replays the graph of its forward
+alone (``SamplingVariant.HIDDEN``: the final hidden states) and computes its
+logits and samples eagerly after the replay, so one such request no longer
+turns every step it is in into an eager one (2.8x slower on an H200:
+profiles/gpu-check-nvidia-h200-2026-12-04).
 
 The step's model, KV cache, token buffer and eager path are a ``TorchStep``
 (shared with the ``cpu`` backend), called from the planner thread: no device
@@ -128,6 +132,7 @@ class CudaExecutor(Executor):
         words = bitmask_words(model.config.vocab_size)
         self._mask_host = [self._pinned(max_num_seqs, words, dtype=torch.int32) for _ in range(2)]
         self._set_free: list[torch.cuda.Event | None] = [None] * STAGING_BUFFERS
+        self.forward_only_steps = 0  # decode steps that replayed the HIDDEN graph and sampled eagerly
         self.graphs: GraphRunner | None = None
         self.graphs_off_reason = "disabled (enable_cuda_graphs=False)"
         if enable_cuda_graphs:
@@ -166,8 +171,13 @@ class CudaExecutor(Executor):
 
     # -- launch ---------------------------------------------------------------------
     def _graph_plan(self, meta: StepMeta) -> GraphPlan | None:
+        """The graph a decode-only step replays: one that samples, or (penalties, sampler extras) the forward
+        alone (``HIDDEN``), whose sampling then runs eagerly; None for the eager path."""
         nd = meta.num_decode
-        if self.graphs is None or nd == 0 or nd != meta.num_tokens or meta.any_penalty or meta.extras is not None:
+        if self.graphs is None or nd == 0 or nd != meta.num_tokens:
+            return None
+        eager_sampling = meta.any_penalty or meta.extras is not None
+        if eager_sampling and self._torch_step.spec is not None:  # verify steps have their own sampler
             return None
         bucket = self.graphs.bucket_for(nd)
         if bucket is None:
@@ -175,7 +185,8 @@ class CudaExecutor(Executor):
         if meta.staging.index >= STAGING_BUFFERS or meta.staging.decode_block_tables.shape[1] != self.max_blocks_per_seq:
             raise ValueError(f"staging buffer {meta.staging.index} with {meta.staging.decode_block_tables.shape[1]} blocks "
                              f"per row does not match the graphs' {STAGING_BUFFERS} sets of {self.max_blocks_per_seq}")
-        return GraphPlan(meta.staging.index, nd, bucket, SamplingVariant.for_step(meta))
+        variant = SamplingVariant.HIDDEN if eager_sampling else SamplingVariant.for_step(meta)
+        return GraphPlan(meta.staging.index, nd, bucket, variant)
 
     def _capture_missing(self, plan: GraphPlan) -> None:
         """Capture a graph on first use, ordered after every earlier use of its input set."""
@@ -200,23 +211,31 @@ class CudaExecutor(Executor):
             if free is not None:
                 self.h2d_stream.wait_event(free)
             ev.h2d_start.record()  # after the wait, so h2d_ms is the copies alone
-            if plan is None:
-                step = self._torch_step.copy_in(meta)
-            else:
+            if plan is None or plan.variant is SamplingVariant.HIDDEN:
+                step = self._torch_step.copy_in(meta)  # HIDDEN: the sampler's inputs (the forward's are unused)
+            if plan is not None:
                 self.graphs.prepare(plan.set_index, self._decode_step.host_arrays(meta.staging), plan.rows, plan.bucket)
             ev.h2d_end.record()
         meta.staging.fence.signal_with_cuda_event(ev.h2d_end)
         with torch.cuda.stream(self.compute_stream), torch.inference_mode():
             self.compute_stream.wait_event(ev.h2d_end)
             ev.start.record()
-            if plan is None and meta.extras is not None and meta.extras.grammar is not None:
-                # Only the forward now; sampling is enqueued by ``masks_ready`` once the host filled the mask.
+            if plan is not None and plan.variant is SamplingVariant.HIDDEN:
+                logits = self._replay_forward(meta, step, plan)
+            elif plan is None and meta.extras is not None and meta.extras.grammar is not None:
                 logits = self._torch_step.forward(meta, step, self.forward_hook)
+            else:
+                logits = None
+            if logits is not None and meta.extras is not None and meta.extras.grammar is not None:
+                # Only the forward now; sampling is enqueued by ``masks_ready`` once the host filled the mask.
                 ev.sample.record()
-                self._deferred[meta.step_id] = (meta, step, logits, ev, time.perf_counter())
+                self._deferred[meta.step_id] = (meta, step, logits, ev, time.perf_counter(), plan)
                 handle._waiter = None
                 return handle
-            if plan is None:
+            if logits is not None:  # a replayed forward whose sampling runs here, eagerly
+                ev.sample.record()
+                out = self._torch_step.sample(meta, step, logits, time.perf_counter())
+            elif plan is None:
                 out = self._torch_step.compute(meta, step, self.forward_hook, ev.sample)
             else:
                 with mark("graph", meta.step_id, f" bucket={plan.bucket} {plan.variant.value}"):
@@ -227,9 +246,19 @@ class CudaExecutor(Executor):
         self._copy_out(meta, handle, ev, out, step, plan)
         return handle
 
+    def _replay_forward(self, meta: StepMeta, step: DeviceStep, plan: GraphPlan) -> torch.Tensor:
+        """Replay the ``HIDDEN`` graph of ``plan`` and compute the real rows' logits ``[rows, vocab]`` from its
+        hidden states; ``step`` (the eager sampler's inputs) gets the decode rows' input tokens, which the
+        penalties count, from the token buffer the graph read them from."""
+        with mark("graph", meta.step_id, f" bucket={plan.bucket} {plan.variant.value}"):
+            hidden = self.graphs.replay(plan.set_index, plan.bucket, plan.variant)["hidden"][:plan.rows]
+        step.batch.input_ids[:plan.rows] = self.token_buffer[step.decode_rows]
+        self.forward_only_steps += 1
+        return self.model.compute_logits(hidden)
+
     def masks_ready(self, handle: StepHandle) -> None:
         """Enqueue a grammar step's mask upload, sampling and D2H copy behind its forward."""
-        meta, step, logits, ev, t_forward = self._deferred.pop(handle.step_id)
+        meta, step, logits, ev, t_forward, plan = self._deferred.pop(handle.step_id)
         grammar = meta.extras.grammar
         pinned = self._mask_host[meta.step_id % 2][:grammar.bitmask.shape[0], :grammar.bitmask.shape[1]]
         pinned.numpy()[:] = grammar.bitmask  # the pinned buffer of step N is reused by step N+2, after wait(N)
@@ -237,7 +266,7 @@ class CudaExecutor(Executor):
             grammar.bitmask = pinned.numpy()  # what TorchStep uploads: pinned, so the copy is asynchronous
             out = self._torch_step.sample(meta, step, logits, t_forward, wait_for_mask=False)
             ev.end.record()
-        self._copy_out(meta, handle, ev, out, step, None)
+        self._copy_out(meta, handle, ev, out, step, plan)
 
     def _copy_out(self, meta: StepMeta, handle: StepHandle, ev: _StepEvents, out: StepOutcome,
                   step: DeviceStep | None, plan: GraphPlan | None) -> None:
@@ -248,9 +277,9 @@ class CudaExecutor(Executor):
             host_out[:r].copy_(out.token_ids, non_blocking=True)
             fin[:r].copy_(out.finite, non_blocking=True)
             ev.d2h.record()
-        if plan is None:
+        if step is not None:  # eager tensors (an eager step's, or a replayed forward's sampler inputs)
             self._in_flight[meta.step_id] = (step, out)
-        else:
+        if plan is not None:
             self._set_free[plan.set_index] = ev.d2h
         handle._waiter = (ev, r)
 
@@ -292,6 +321,7 @@ class CudaExecutor(Executor):
         else:
             info["cuda_graph_batch_sizes"] = list(self.graphs.batch_sizes)
             info["cuda_graph_stats"] = self.graphs.stats.as_dict()
+            info["cuda_graph_forward_only_steps"] = self.forward_only_steps
         return info
 
     def close(self) -> None:

@@ -11,6 +11,9 @@ batch size serves every step of that size:
     tokens    = sample(logits, per-row parameters)       # greedy, sample or filtered variant
     token_buffer[decode_token_rows] = tokens
 
+(The ``HIDDEN`` variant stops before the LM head and returns the final hidden states; the executor samples
+after the replay, eagerly, for steps whose sampling needs more than the per-row parameters above.)
+
 Padding rows (``rows .. bucket``) are made harmless by their pad values, not
 by masks sprinkled through the model: they read and write the dummy token row
 (``dummy_token_row``, one past the last token row), write their key/value
@@ -39,6 +42,9 @@ class SamplingVariant(Enum):
     GREEDY = "greedy"  # every row greedy: argmax only
     SAMPLE = "sample"  # some random rows, no top-k/top-p/min-p: Gumbel-max without the sort
     FILTERED = "filtered"  # some row filters: the full path
+    # No sampler: the forward up to the final norm. A step with penalties or sampler extras (logit_bias,
+    # min_tokens, logprobs, grammar masks) replays it, then computes its logits and samples eagerly.
+    HIDDEN = "hidden"
 
     @classmethod
     def for_step(cls, meta: StepMeta) -> SamplingVariant:
@@ -77,9 +83,11 @@ class DecodeGraphStep:
             BufferSpec("step", (), i64, 0, "sample_step"),
         )
 
-    @staticmethod
-    def output_specs() -> Sequence[OutputSpec]:
-        return (OutputSpec("token_ids", (), torch.int64), OutputSpec("finite", (), torch.bool))
+    def output_specs(self) -> Sequence[OutputSpec]:
+        """Tokens and their finiteness (the sampling variants), the final hidden states (``HIDDEN``)."""
+        hidden = self.model.model.embed_tokens.weight
+        return (OutputSpec("token_ids", (), torch.int64), OutputSpec("finite", (), torch.bool),
+                OutputSpec("hidden", (hidden.shape[1],), hidden.dtype))
 
     def host_arrays(self, staging: StagingBuffer) -> dict[str, object]:
         """The staging buffer's arrays that ``input_specs`` copy from, by their ``BufferSpec.host`` names."""
@@ -92,6 +100,8 @@ class DecodeGraphStep:
             input_ids=self.token_buffer[token_rows], positions=inputs["positions"], slot_mapping=inputs["slot_mapping"],
             num_decode=rows, decode_block_tables=inputs["block_tables"], decode_context_lens=inputs["context_lens"],
             prefill_rows=[], logits_indices=self._row_ids[:rows])
+        if variant is SamplingVariant.HIDDEN:
+            return {"hidden": self.model.hidden_states(batch, self.kv_caches)}  # [rows, hidden]
         logits = self.model(batch, self.kv_caches)  # [rows, vocab] float32
         sampling = SamplingTensors(temperature=inputs["temperature"], top_k=inputs["top_k"], top_p=inputs["top_p"],
                                    min_p=inputs["min_p"], seed=inputs["seed"], step=inputs["step"])

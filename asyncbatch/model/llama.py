@@ -235,6 +235,11 @@ class CausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """Returns logits ``[R, vocab]`` in float32 for ``batch.logits_indices``."""
+        return self.compute_logits(self.hidden_states(batch, kv_caches))
+
+    def hidden_states(self, batch: ForwardBatch, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The final-normed hidden states ``[R, hidden]`` of ``batch.logits_indices``: ``forward`` without the
+        LM head (a CUDA graph of a step whose sampling runs outside it stops here)."""
         x = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
         # What every layer shares is computed once here: the rotary rows and the attention's masks and
         # block lists (``paged_attention.plan_attention``; None on Triton).
@@ -242,7 +247,7 @@ class CausalLM(nn.Module):
                            plan_attention(batch, kv_caches[0][0].shape[1], x.device, x.dtype))
         for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches):
             x = layer(x, step, k_cache, v_cache)
-        return self.compute_logits(self.model.norm(x[batch.logits_indices]))  # [R, hidden] -> [R, vocab]
+        return self.model.norm(x[batch.logits_indices])  # [R, hidden]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head: ``[R, hidden]`` final-normed states → ``[R, vocab]`` float32 logits."""
