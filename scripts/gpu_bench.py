@@ -186,8 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-range", default="32,128")
     parser.add_argument("--output-range", default="192,320")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--configs", default="overlap+graphs,sync+graphs,overlap+eager,sync+eager,overlap+graphs+split,"
-                                             "overlap+graphs+extras",
+    # The newest comparisons first: a run cut by gpu_check.sh's time limit keeps them (the report is written
+    # after every engine).
+    parser.add_argument("--configs", default="overlap+graphs,overlap+graphs+split,overlap+graphs+extras,sync+graphs,"
+                                             "overlap+eager,sync+eager",
                         help="MODE+KIND[+TAG...],...: overlap|sync, graphs|eager; tags: split (the split decode "
                              "kernel), extras (one request in 16 with logprobs or a repetition penalty)")
     args = parser.parse_args(argv)
