@@ -210,6 +210,7 @@ class StreamOrderChecker:
             for s, buffers in enumerate(executor.graphs.sets):
                 for name, tensor in {**buffers.tensors, **buffers.outputs}.items():
                     self.watch(f"set{s}.{name}", tensor, on_host=False)
+                self.watch(f"set{s}.host_block", buffers.host_block, on_host=True)
 
         write, wait = core.writer.write, executor.wait
 
@@ -240,6 +241,10 @@ class StreamOrderChecker:
             def logged_prepare(runner, set_index, host, rows, bucket):
                 for spec in runner.sets[set_index].specs if rows < bucket else ():  # padding: written on the host
                     checker.access(host[spec.host][rows:bucket], True, checker.host_timeline(), "pad host rows")
+                for spec in runner.sets[set_index].specs:  # packing reads the host arrays, on the host
+                    checker.access(host[spec.host][:bucket], False, checker.host_timeline(), "pack host rows")
+                checker.access(runner.sets[set_index].host_block, True, checker.host_timeline(),
+                               f"pack set {set_index}'s host block")
                 return prepare(runner, set_index, host, rows, bucket)
 
             monkeypatch.setattr(runner_type, "replay", logged_replay)

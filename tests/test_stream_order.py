@@ -57,7 +57,9 @@ def test_every_shared_access_is_ordered(tiny_path, cuda_host_shim, monkeypatch, 
     assert {"copy_ destination", "metadata writer, staging N", "wait(N) reads _out_host",
             "upload (.to non_blocking)"} <= kinds  # prefill steps upload in both modes
     if graphs:
-        assert "replay set N bucket N" in kinds and "pad host rows" in kinds, kinds
+        assert {"replay set N bucket N", "pad host rows", "pack set N's host block"} <= kinds, kinds
+        assert any(a.buffer.endswith("host_block") and not a.write and a.timeline.startswith("stream:")
+                   for a in checker.accesses)  # the one copy of the packed inputs reads it on the H2D stream
     timelines = {a.timeline for a in checker.accesses}
     assert sum(t.startswith("stream:") for t in timelines) == (3 if graphs else 2)  # H2D, D2H (+ replays)
     assert len(checker.conflicts()) > 200  # host vs H2D on the staging buffers, D2H vs host on the results, ...
@@ -81,6 +83,18 @@ def test_checker_catches_a_refill_that_does_not_wait(tiny_path, cuda_host_shim, 
 
     races = checked_run(tiny_path, cuda_host_shim, monkeypatch, True, True, sabotage).races()
     assert any(a.buffer.startswith("set") for a, _ in races), describe(races)
+
+
+def test_checker_sees_the_packed_host_block(tiny_path, cuda_host_shim, monkeypatch):  # noqa: F811
+    """A set's host block is packed on the host by the launch that refills the set and read by its one copy on
+    the H2D stream; what orders the packing after the previous copy out of the block is the host's waits on
+    events (the staging fence's, and ``wait`` for the step two back). With no event wait bringing the device's
+    clocks to the host, the checker must report the block among the races."""
+    import stream_order
+
+    monkeypatch.setattr(stream_order._Event, "synchronize", lambda event: None)
+    races = checked_run(tiny_path, cuda_host_shim, monkeypatch, True, True).races()
+    assert any(a.buffer.endswith("host_block") for pair in races for a in pair), describe(races)
 
 
 def test_checker_catches_a_copy_out_that_does_not_wait(tiny_path, cuda_host_shim, monkeypatch):  # noqa: F811

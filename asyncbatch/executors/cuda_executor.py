@@ -5,7 +5,7 @@ device except ``wait`` (the caller's later wait for step N's tokens). The one
 wait on the launch path is the planner's staging fence, which fires on the
 ``h2d_end`` event recorded below.
 
-    planner     [launch N: pad + copies, replay, D2H]        [launch N+1 ...]      [wait N: d2h event]
+    planner     [launch N: pad, pack, 1 copy, replay, D2H]   [launch N+1 ...]      [wait N: d2h event]
     H2D stream     [staging A → static set A]●h2d_end                [staging B → set B]●
     compute                   (wait ●)[start● graph(A, bucket, variant) end●]  (wait ●)[ step N+1 ...
     D2H stream                                          (wait end●)[ids N]●d2h → set A free again
