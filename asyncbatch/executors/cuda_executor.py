@@ -211,8 +211,10 @@ class CudaExecutor(Executor):
             if free is not None:
                 self.h2d_stream.wait_event(free)
             ev.h2d_start.record()  # after the wait, so h2d_ms is the copies alone
-            if plan is None or plan.variant is SamplingVariant.HIDDEN:
-                step = self._torch_step.copy_in(meta)  # HIDDEN: the sampler's inputs (the forward's are unused)
+            if plan is None:
+                step = self._torch_step.copy_in(meta)
+            elif plan.variant is SamplingVariant.HIDDEN:
+                step = self._torch_step.copy_in(meta, forward=False)  # the sampler's inputs; the graph has the rest
             if plan is not None:
                 self.graphs.prepare(plan.set_index, self._decode_step.host_arrays(meta.staging), plan.rows, plan.bucket)
             ev.h2d_end.record()
@@ -221,7 +223,7 @@ class CudaExecutor(Executor):
             self.compute_stream.wait_event(ev.h2d_end)
             ev.start.record()
             if plan is not None and plan.variant is SamplingVariant.HIDDEN:
-                logits = self._replay_forward(meta, step, plan)
+                logits = self._replay_forward(meta, plan)
             elif plan is None and meta.extras is not None and meta.extras.grammar is not None:
                 logits = self._torch_step.forward(meta, step, self.forward_hook)
             else:
@@ -246,13 +248,11 @@ class CudaExecutor(Executor):
         self._copy_out(meta, handle, ev, out, step, plan)
         return handle
 
-    def _replay_forward(self, meta: StepMeta, step: DeviceStep, plan: GraphPlan) -> torch.Tensor:
+    def _replay_forward(self, meta: StepMeta, plan: GraphPlan) -> torch.Tensor:
         """Replay the ``HIDDEN`` graph of ``plan`` and compute the real rows' logits ``[rows, vocab]`` from its
-        hidden states; ``step`` (the eager sampler's inputs) gets the decode rows' input tokens, which the
-        penalties count, from the token buffer the graph read them from."""
+        hidden states (the penalties need no input tokens of a decode-only step: they count what is sampled)."""
         with mark("graph", meta.step_id, f" bucket={plan.bucket} {plan.variant.value}"):
             hidden = self.graphs.replay(plan.set_index, plan.bucket, plan.variant)["hidden"][:plan.rows]
-        step.batch.input_ids[:plan.rows] = self.token_buffer[step.decode_rows]
         self.forward_only_steps += 1
         return self.model.compute_logits(hidden)
 

@@ -236,18 +236,24 @@ class TorchStep:
         return PagedForwardBatch(**fields, prefill_meta=prefill_meta, prefill_tables=prefill_tables,
                                  max_prefill_len=max((p.q_len for p in rows), default=0))
 
-    def copy_in(self, meta: StepMeta) -> DeviceStep:
+    def copy_in(self, meta: StepMeta, forward: bool = True) -> DeviceStep:
+        """The step's inputs on the device. ``forward=False``: a decode-only step whose forward a CUDA graph
+        replays from its own inputs, so only what sampling reads is uploaded (the batch's tensors are empty)."""
         s, t, nd, r = meta.staging, meta.num_tokens, meta.num_decode, meta.num_sampled
+        if not forward and nd != t:
+            raise ValueError(f"copy_in(forward=False) is for decode-only steps, got {nd} decode rows of {t} tokens")
         up = self.upload
-        input_ids = up(s.input_ids[:t])
-        positions = up(s.positions[:t])
-        slot_mapping = up(s.slot_mapping[:t])
+        if forward:
+            input_ids = up(s.input_ids[:t])
+            positions = up(s.positions[:t])
+            slot_mapping = up(s.slot_mapping[:t])
         decode_rows = up(s.decode_token_rows[:nd])
-        decode_tables = up(self._table_rows(s.decode_block_tables, nd, meta.decode_max_blocks))
-        decode_lens = up(s.decode_context_lens[:nd])
-        npre = len(meta.prefill_rows)
-        prefill_width = max((p.block_count for p in meta.prefill_rows), default=1)
-        prefill_tables = up(self._table_rows(s.prefill_block_tables, npre, prefill_width))
+        if forward:
+            decode_tables = up(self._table_rows(s.decode_block_tables, nd, meta.decode_max_blocks))
+            decode_lens = up(s.decode_context_lens[:nd])
+            npre = len(meta.prefill_rows)
+            prefill_width = max((p.block_count for p in meta.prefill_rows), default=1)
+            prefill_tables = up(self._table_rows(s.prefill_block_tables, npre, prefill_width))
         sampling = SamplingTensors(
             temperature=up(s.sample_temperature[:r]), top_k=up(s.sample_top_k[:r]), top_p=up(s.sample_top_p[:r]),
             min_p=up(s.sample_min_p[:r]), seed=up(s.sample_seed[:r]), step=up(s.sample_step[:r]))
@@ -268,11 +274,17 @@ class TorchStep:
                                     first_chunk_rows=up(s.first_chunk_token_rows[:len(meta.first_chunk_rows)]),
                                     cached_context=None if cached is None else (
                                         up(cached.rows), up(cached.token_ids), up(cached.is_output)))
-        rows = [PrefillRow(p.token_start, p.q_len, p.ctx_len, prefill_tables[i, :p.block_count])
-                for i, p in enumerate(meta.prefill_rows)]
-        batch = self._make_batch(meta, prefill_tables, input_ids=input_ids, positions=positions,
-                                 slot_mapping=slot_mapping, num_decode=nd, decode_block_tables=decode_tables,
-                                 decode_context_lens=decode_lens, prefill_rows=rows, logits_indices=logits_indices)
+        if forward:
+            rows = [PrefillRow(p.token_start, p.q_len, p.ctx_len, prefill_tables[i, :p.block_count])
+                    for i, p in enumerate(meta.prefill_rows)]
+            batch = self._make_batch(meta, prefill_tables, input_ids=input_ids, positions=positions,
+                                     slot_mapping=slot_mapping, num_decode=nd, decode_block_tables=decode_tables,
+                                     decode_context_lens=decode_lens, prefill_rows=rows, logits_indices=logits_indices)
+        else:
+            none = torch.empty(0, dtype=torch.int64, device=self.device)
+            batch = ForwardBatch(input_ids=none, positions=none, slot_mapping=none, num_decode=nd,
+                                 decode_block_tables=none.view(0, 1), decode_context_lens=none, prefill_rows=[],
+                                 logits_indices=logits_indices)
         return DeviceStep(batch, sampling, decode_rows, sample_rows, penalty, extras,
                           token_owner if self.spec is not None else None)
 
