@@ -5,11 +5,11 @@
 #   1. environment   (nvidia-smi, versions)                                   -> $OUT/env.txt
 #   2. CUDA tests    (Triton kernels, graphs vs eager, overlap vs sync,
 #                     no host sync on the launch path, grammar
-#                     masks enqueued by masks_ready)               <= 165 s    -> $OUT/tests.log
+#                     masks enqueued by masks_ready)               <= 160 s    -> $OUT/tests.log
 #   3. attention     (Triton decode/prefill vs torch: both decode
 #                     kernels with their tile, split and warp
 #                     variants, 256 rows x 512 and 8 rows x 4096
-#                     cached, SmolLM2 shape, bf16)                 <=  70 s    -> $OUT/attention.log, attention_bench.json
+#                     cached, SmolLM2 shape, bf16)                 <=  60 s    -> $OUT/attention.log, attention_bench.json
 #   4. step profile  (one decode step of SmolLM2-135M bf16, 256 rows
 #                     x 128 / 512 cached, each decode kernel:
 #                     device time by kernel kind and name, graph
@@ -17,11 +17,11 @@
 #   5. benchmark     (SmolLM2-135M bf16, 256 requests: overlap/sync x
 #                     graphs on/off; overlap+graphs with the split
 #                     decode kernel, and with logprobs / penalty
-#                     rows among the requests)                     <= 220 s    -> $OUT/bench.log, report.json
+#                     rows among the requests)                     <= 210 s    -> $OUT/bench.log, report.json
 #   6. summary       (test counts, the tables; printed last)                   -> $OUT/summary.txt
 #
 # Eight files in $OUT, as many as the device tool brings back (the Markdown tables are in summary.txt).
-# Finishes in 8.5 minutes at most: every stage runs under `timeout` (30 + 140 + 60 + 50 + 220 s at most).
+# Finishes in 8.5 minutes at most: every stage runs under `timeout` (30 + 160 + 60 + 50 + 210 s at most).
 # The model is looked for under $ASYNCBATCH_CACHE, ./.cache/asyncbatch/SmolLM2*, ~/.cache/asyncbatch and the Hugging Face cache;
 # without one the benchmark uses random weights of SmolLM2-135M's shape and its report says so first.
 # Outside the device tool, $OUT defaults to results/gpu_check. PYTHON picks the interpreter (python3).
@@ -83,7 +83,7 @@ EOF
 cat "$OUT/env.txt"
 
 echo "== CUDA tests"
-timeout $((140 * SLOW)) "$PY" -m pytest -q -p no:cacheprovider -rs "${TESTS[@]}" > "$OUT/tests.log" 2>&1
+timeout $((160 * SLOW)) "$PY" -m pytest -q -p no:cacheprovider -rs "${TESTS[@]}" > "$OUT/tests.log" 2>&1
 tests_rc=$?
 tail -n 25 "$OUT/tests.log"
 
@@ -100,7 +100,7 @@ cp "$WORK/step_profile.md" "$OUT/" 2>/dev/null || tail -n 30 "$WORK/step_profile
 head -n 20 "$OUT/step_profile.md"
 
 echo "== benchmark"
-timeout $((220 * SLOW)) "$PY" scripts/gpu_bench.py --out "$WORK" "${BENCH_ARGS[@]}" "$@" > "$OUT/bench.log" 2>&1
+timeout $((210 * SLOW)) "$PY" scripts/gpu_bench.py --out "$WORK" "${BENCH_ARGS[@]}" "$@" > "$OUT/bench.log" 2>&1
 bench_rc=$?
 cp "$WORK/report.json" "$OUT/" 2>/dev/null
 tail -n 5 "$OUT/bench.log"
