@@ -124,6 +124,8 @@ class StaticBuffers:
         """Pack rows ``[0, rows)`` of every host array into the host block, then copy the block's prefix that
         holds them in one non-blocking copy, on the current stream."""
         self._check_rows(rows)
+        if not self._packed:
+            return
         for spec in self.specs:
             self._host[spec.name][:rows] = host[spec.host][:rows]
         last = self._packed[-1]
