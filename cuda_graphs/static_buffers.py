@@ -89,15 +89,11 @@ class StaticBuffers:
             end += -(-_nbytes(spec, max_rows) // _ALIGN) * _ALIGN
         self._device_block = torch.empty(max(end, _ALIGN), dtype=torch.uint8, device=device)
         self._host_block = torch.zeros(max(end, _ALIGN), dtype=torch.uint8, pin_memory=device.type == "cuda")
-        self.tensors: dict[str, torch.Tensor] = {}
-        self._host: dict[str, np.ndarray] = {}
-        for spec in self._packed:
-            self.tensors[spec.name] = self._view(self._device_block, spec)
+        self.tensors = {spec.name: self._view(self._device_block, spec) for spec in self.specs}
+        self._host = {spec.name: self._view(self._host_block, spec).numpy() for spec in self.specs}
+        for spec in self.specs:
             self.tensors[spec.name].fill_(spec.pad)
-            host = self._view(self._host_block, spec)
-            host.fill_(spec.pad)
-            self._host[spec.name] = host.numpy()
-        self.tensors = {spec.name: self.tensors[spec.name] for spec in self.specs}  # the specs' order
+            self._host[spec.name][...] = spec.pad
         self.outputs: dict[str, torch.Tensor] = {
             s.name: torch.zeros((max_rows, *s.tail), dtype=s.dtype, device=device) for s in output_specs}
 

@@ -38,6 +38,7 @@ from asyncbatch.model.triton_tiles import (
     check_layout,
     load_tile,
     online_softmax_step,
+    paged_strides,
     tile_scores,
     tile_slots,
 )
@@ -216,8 +217,7 @@ def split_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_acc = part_ml = out  # not read: the programs write ``out`` themselves
     _split_decode_kernel[(b, kvh, splits)](
         q, k_cache, v_cache, block_tables, context_lens, out, part_acc, part_ml, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
+        *paged_strides(q, k_cache, v_cache, block_tables, out),
         h, **launch.options(), **c,
     )
     if splits > 1:

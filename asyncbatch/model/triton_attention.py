@@ -48,6 +48,7 @@ from asyncbatch.model.triton_tiles import (
     check_layout,
     load_tile,
     online_softmax_step,
+    paged_strides,
     tile_scores,
     tile_slots,
 )
@@ -218,8 +219,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     launch = launch or decode_launch(group, d, k_cache.shape[1])
     _decode_kernel[(b, kvh)](
         q, k_cache, v_cache, block_tables, context_lens, out, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
+        *paged_strides(q, k_cache, v_cache, block_tables, out),
         **launch.options(), **launch.constexprs,
     )
     return out
@@ -246,8 +246,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     grid = (num_rows, triton.cdiv(max_q_len, launch.constexprs["BLOCK_M"]), h)
     _prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, rows, out, scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
+        *paged_strides(q, k_cache, v_cache, block_tables, out),
         **launch.options(), **launch.constexprs,
     )
     return out

@@ -64,6 +64,15 @@ class KernelLaunch:
         return {"num_warps": self.num_warps} | ({} if self.num_stages is None else {"num_stages": self.num_stages})
 
 
+def paged_strides(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  out: torch.Tensor) -> tuple[int, ...]:
+    """The strides every attention kernel here takes, in their argument order: ``q``'s token and head, each
+    cache's block, slot and KV head, the block table's row, ``out``'s token and head."""
+    return (q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0), out.stride(0),
+            out.stride(1))
+
+
 def check_layout(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("q and the KV caches must be contiguous in head_dim")
