@@ -20,7 +20,7 @@ from asyncbatch.model.forward_batch import ForwardBatch, PrefillRow
 from asyncbatch.model.fused_projections import is_fused
 from asyncbatch.model.llama import RMSNorm
 from asyncbatch.model.loader import load_model
-from asyncbatch.model.packed_bf16 import packs_bf16
+from asyncbatch.model.packed_linears import F32_PACKED_ENV, packs_weights
 from asyncbatch.model.rope import RopeTables, apply_rope, signed_sin
 
 CPU = torch.device("cpu")
@@ -66,7 +66,8 @@ def _prefill_then_decode(model) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", list(ARCHS))
-def test_fused_projections_give_the_unfused_logits(tiny_dirs, name):
+def test_fused_projections_give_the_unfused_logits(tiny_dirs, name, monkeypatch):
+    monkeypatch.setenv(F32_PACKED_ENV, "0")  # plain float32 linears (packed ones fuse gate/up too)
     fused = load_model(tiny_dirs[name], torch.float32, CPU, max_positions=32)
     separate = load_model(tiny_dirs[name], torch.float32, CPU, max_positions=32, fuse=False)
     assert is_fused(fused) and not is_fused(separate)
@@ -164,28 +165,32 @@ def count_decode_ops(model) -> tuple[list[str], list[int]]:
     return counter.ops, per_layer
 
 
-def test_a_packed_bfloat16_decode_step_fuses_gate_up_and_casts_nothing(tiny_dirs, monkeypatch):
-    """bfloat16 weights packed for oneDNN (a CPU with bfloat16 kernels): q/k/v and gate/up one product each,
-    no reshape and view around a product, and (where torch's bfloat16 norm computes in float32,
-    ``llama.rms_norm_upcasts``) no casts around the norms. Measured on the tiny Llama: 34 ops a layer, 50 before
-    (separate gate and up, two casts a norm, a reshape and a view a product)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+def test_a_packed_decode_step_fuses_gate_up_and_casts_nothing(tiny_dirs, monkeypatch, dtype):
+    """Weights packed for oneDNN (bfloat16 on a CPU with bfloat16 kernels; float32 on AMD, forced here): q/k/v and
+    gate/up one product each, no reshape and view around a product, and (where torch's bfloat16 norm computes in
+    float32, ``llama.rms_norm_upcasts``) no casts around the norms. Measured on the tiny Llama in bfloat16: 34
+    ops a layer, 50 before (separate gate and up, two casts a norm, a reshape and a view a product)."""
     monkeypatch.setenv("ASYNCBATCH_BF16_EMULATION", "0")
-    if not packs_bf16(torch.bfloat16, CPU):
-        pytest.skip("oneDNN's packed bfloat16 product is not available in this torch build")
-    model = load_model(tiny_dirs["llama"], torch.bfloat16, CPU, max_positions=32)
+    monkeypatch.setenv(F32_PACKED_ENV, "1")
+    if not packs_weights(dtype, CPU):
+        pytest.skip(f"oneDNN's packed {dtype} product is not available in this torch build")
+    model = load_model(tiny_dirs["llama"], dtype, CPU, max_positions=32)
     ops, per_layer = count_decode_ops(model)
+    monkeypatch.setenv(F32_PACKED_ENV, "0")
     float_ops, _ = count_decode_ops(load_model(tiny_dirs["llama"], torch.float32, CPU, max_positions=32))
     layers = len(model.model.layers)
     assert is_fused(model, "gate_up_proj")
     assert ops.count("_linear_pointwise") == 4 * layers + 1 and "linear" not in ops  # + the LM head
     assert ops.count("reshape") <= 2 * layers + 1  # attention's own (its output), none around the products
-    if llama.rms_norm_upcasts(torch.bfloat16):
+    if dtype == torch.float32 or llama.rms_norm_upcasts(torch.bfloat16):
         assert ops.count("to") == float_ops.count("to")  # the step's own casts, none at the norms
     assert max(per_layer) <= 36, per_layer
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
-def test_a_decode_step_dispatches_a_bounded_number_of_ops(tiny_dirs, name):
+def test_a_decode_step_dispatches_a_bounded_number_of_ops(tiny_dirs, name, monkeypatch):
+    monkeypatch.setenv(F32_PACKED_ENV, "0")  # the plain float32 linears (the packed ones: the test above)
     model = load_model(tiny_dirs[name], torch.float32, CPU, max_positions=32)
     ops, per_layer = count_decode_ops(model)
     layers = len(model.model.layers)

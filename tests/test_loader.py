@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 from tiny_models import save_tiny_model, tiny_config
 from transformers import GPT2Config
 
-from asyncbatch.model import default_model, gguf_cache
+from asyncbatch.model import default_model, gguf_cache, packed_linears
+from asyncbatch.model.cpu_features import cpu_vendor
 from asyncbatch.model.default_model import INSTALL_COMMAND, DefaultModelMissingError
 from asyncbatch.model.llama import SUPPORTED_ARCHITECTURES
 from asyncbatch.model.loader import (
@@ -26,12 +27,13 @@ from asyncbatch.model.loader import (
     resolve_dtype,
     resolve_model_path,
 )
-from asyncbatch.model.packed_bf16 import (
-    PACKED_ENV,
+from asyncbatch.model.packed_linears import (
+    BF16_PACKED_ENV,
+    F32_PACKED_ENV,
     PACKED_MAX_ROWS,
-    PackedBf16Head,
-    PackedBf16Linear,
-    packs_bf16,
+    PackedHead,
+    PackedLinear,
+    packs_weights,
 )
 from asyncbatch.model.quantization import weight_bytes
 
@@ -288,17 +290,21 @@ def test_loaded_model_is_cast_frozen_and_materialised(llama_dir: Path, monkeypat
     assert torch.equal(q, stored_q.to(torch.bfloat16).to(q.dtype))
 
 
-def test_packed_bf16_linears_give_the_plain_products(llama_dir: Path, monkeypatch) -> None:
-    """Where the CPU has bfloat16 kernels, the decoder's linears also hold a copy packed for oneDNN
-    (``packed_bf16``): each gives the plain linears' output bit for bit (gate and up fused into one: the two
-    plain products side by side), through the packed copy up to ``PACKED_MAX_ROWS`` rows and the plain weight
-    above; a step's weight bytes are counted once."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+def test_packed_linears_give_the_plain_products(llama_dir: Path, monkeypatch, dtype: torch.dtype) -> None:
+    """Linears packed for oneDNN (``packed_linears``: bfloat16 where the CPU has bfloat16 kernels, float32 on AMD,
+    here forced on): each gives the plain linears' output (gate and up fused into one: the two plain products
+    side by side), and so does the LM head. bfloat16 bit for bit, through the packed copy up to
+    ``PACKED_MAX_ROWS`` rows and the plain weight above; float32 through the packed copy at every size, within
+    float32 rounding, with no plain decoder weight left (held once). A step's weight bytes are counted once."""
     monkeypatch.setenv("ASYNCBATCH_BF16_EMULATION", "0")
-    if not packs_bf16(torch.bfloat16, CPU):
-        pytest.skip("oneDNN's packed bfloat16 product is not available in this torch build")
-    packed = load_model(llama_dir, torch.bfloat16, CPU, max_positions=32)
-    monkeypatch.setenv(PACKED_ENV, "0")
-    plain = load_model(llama_dir, torch.bfloat16, CPU, max_positions=32)
+    monkeypatch.setenv(F32_PACKED_ENV, "1")
+    if not packs_weights(dtype, CPU):
+        pytest.skip(f"oneDNN's packed {dtype} product is not available in this torch build")
+    packed = load_model(llama_dir, dtype, CPU, max_positions=32)
+    monkeypatch.setenv(BF16_PACKED_ENV, "0")
+    monkeypatch.setenv(F32_PACKED_ENV, "0")
+    plain = load_model(llama_dir, dtype, CPU, max_positions=32)
     plain_modules = dict(plain.named_modules())
 
     def reference_of(name: str):
@@ -310,18 +316,42 @@ def test_packed_bf16_linears_give_the_plain_products(llama_dir: Path, monkeypatc
         assert isinstance(plain_modules[name], torch.nn.Linear)
         return plain_modules[name]
 
-    pairs = [(m, reference_of(name)) for name, m in packed.named_modules() if isinstance(m, PackedBf16Linear)]
+    def check(got: torch.Tensor, want: torch.Tensor, rows: int) -> None:
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, want), rows
+        else:  # another order of the float32 sums: last bits only
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+    pairs = [(m, reference_of(name)) for name, m in packed.named_modules() if isinstance(m, PackedLinear)]
     assert len(pairs) == 4 * plain.config.num_hidden_layers  # q/k/v fused, o, gate/up fused, down
+    assert all((m.weight is None) == (dtype == torch.float32) for m, _ in pairs)
     gen = torch.Generator().manual_seed(0)
     for module, reference in pairs:
         for rows in (1, 5, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 40):
-            x = torch.randn(rows, module.in_features, generator=gen).to(torch.bfloat16)
-            assert torch.equal(module(x), reference(x)), rows
-    assert isinstance(packed.packed_lm_head, PackedBf16Head) and plain.packed_lm_head is None
-    for rows in (1, 5, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 40):  # the LM head: the same logits bit for bit
-        hidden = torch.randn(rows, plain.config.hidden_size, generator=gen).to(torch.bfloat16)
-        assert torch.equal(packed.compute_logits(hidden), plain.compute_logits(hidden)), rows
+            x = torch.randn(rows, module.in_features, generator=gen).to(dtype)
+            check(module(x), reference(x), rows)
+    assert isinstance(packed.packed_lm_head, PackedHead) and plain.packed_lm_head is None
+    for rows in (1, 5, PACKED_MAX_ROWS, PACKED_MAX_ROWS + 40):  # the LM head: the same logits
+        hidden = torch.randn(rows, plain.config.hidden_size, generator=gen).to(dtype)
+        check(packed.compute_logits(hidden), plain.compute_logits(hidden), rows)
     assert weight_bytes(packed) == weight_bytes(plain)
+
+
+def test_float32_weights_are_packed_on_amd_cpus_unless_told(monkeypatch) -> None:
+    """float32 linears go through oneDNN's packed product on AMD CPUs (MKL's float32 path is slow there), not on
+    Intel ones; ``ASYNCBATCH_F32_PACKED`` decides either way; bfloat16 packing follows its own switch."""
+    if not torch.backends.mkldnn.is_available() or not packed_linears._packed_product_works(torch.float32):
+        pytest.skip("oneDNN's packed float32 product is not available in this torch build")
+    monkeypatch.delenv(F32_PACKED_ENV, raising=False)
+    for vendor, packs in (("AuthenticAMD", True), ("GenuineIntel", False), ("", False)):
+        monkeypatch.setattr(packed_linears, "cpu_vendor", lambda vendor=vendor: vendor)
+        assert packs_weights(torch.float32, CPU) is packs, vendor
+        monkeypatch.setenv(F32_PACKED_ENV, "0" if packs else "1")
+        assert packs_weights(torch.float32, CPU) is not packs, vendor
+        monkeypatch.delenv(F32_PACKED_ENV)
+    assert not packs_weights(torch.float16, CPU) and not packs_weights(torch.float32, torch.device("meta"))
+    assert cpu_vendor("processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\n") == "AuthenticAMD"
+    assert cpu_vendor("processor\t: 0\nFeatures\t: fp asimd\n") == ""
 
 
 def test_sharded_checkpoint_loads_like_single_file(tmp_path: Path) -> None:

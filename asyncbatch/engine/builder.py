@@ -242,7 +242,7 @@ def _load_weights(config: EngineConfig, spec: ModelSpec, hf_config: PretrainedCo
     device, max_len = spec.device, spec.max_model_len
     pack = not config.compile_decode  # the compiler traces plain weights, not oneDNN's packed ones
     model = load_model(spec.path, dtype, torch_device, max_positions=max_len, quantization=config.quantization,
-                       pack_bf16=pack)
+                       pack=pack)
     reserved = 0
     if device == "cuda" and config.num_kv_blocks is None and config.kv_cache_memory_gib is None:
         from asyncbatch.executors.cuda_memory import profile_step_memory
@@ -256,7 +256,7 @@ def _load_weights(config: EngineConfig, spec: ModelSpec, hf_config: PretrainedCo
         from asyncbatch.speculative.draft_model import DraftModel
 
         draft_model = load_model(spec.draft_path, dtype, torch_device, max_positions=max_len,
-                                 quantization=config.quantization, pack_bf16=pack)
+                                 quantization=config.quantization, pack=pack)
         draft = DraftModel(draft_model, draft_model.new_kv_caches(num_blocks, config.block_size), max_len)
     return model, kv_caches, draft, num_blocks
 

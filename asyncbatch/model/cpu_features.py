@@ -47,6 +47,21 @@ def hardware_cpu_flags() -> frozenset[str]:
         return frozenset()
 
 
+def cpu_vendor(cpuinfo: str | None = None) -> str:
+    """The ``vendor_id`` of the first processor in ``/proc/cpuinfo`` (``GenuineIntel``, ``AuthenticAMD``, ...);
+    empty where the file or the line is missing (Arm lists none). Never faked: it says whose kernels run."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = _CPUINFO.read_text(errors="replace")
+        except OSError:
+            return ""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() == "vendor_id":
+            return value.strip()
+    return ""
+
+
 def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
     """The feature flags of the first processor in ``/proc/cpuinfo`` (``flags`` on x86, ``Features`` on Arm);
     empty where the file is missing. With ``cpuinfo`` omitted, ``ASYNCBATCH_CPU_FLAGS`` wins where set."""

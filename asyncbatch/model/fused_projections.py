@@ -3,8 +3,8 @@
 q, k and v read the same input, and so do gate and up. ``fuse_projections`` replaces each group of a
 loaded ``CausalLM``'s decoder layer by one module, ``qkv_proj`` (outputs ``[q | k | v]``) and
 ``gate_up_proj`` (``[gate | up]``), and removes the separate ones: one matmul instead of three and two.
-Which groups: ``FLOAT_GROUPS`` at load for every model, ``ALL_GROUPS`` for quantized weights and for bfloat16
-weights packed for oneDNN (``packed_bf16``). Invariants:
+Which groups: ``FLOAT_GROUPS`` at load for every model, ``ALL_GROUPS`` for quantized weights and for weights
+packed for oneDNN (``packed_linears``: bfloat16, and float32 on AMD). Invariants:
 
 * Checkpoints keep their names: the model is built and loaded with ``q_proj`` ... ``up_proj`` (what a
   Hugging Face state dict holds), and fusion happens after loading (``loader.load_model``).
@@ -30,8 +30,9 @@ ALL_GROUPS = ("qkv_proj", "gate_up_proj")
 # Float weights (float32, bfloat16, emulated bfloat16) fuse q/k/v only. A fused gate/up product (576 x 3072
 # for the default model) ran as fast as two at one row but 10-15 % slower at 8-32 rows in float32 on the
 # AMD EPYC (MKL picks another blocking; profiles/lean-decode-step-amd-epyc-2core/), and saves one call
-# per layer; the quantized kernels fuse both (``quantization.quantize_model``), and so do packed bfloat16
-# weights, whose steps above 32 rows multiply the halves apart (``packed_bf16.pack_bf16_linears``).
+# per layer; the quantized kernels fuse both (``quantization.quantize_model``), and so do packed weights
+# (oneDNN's product, not MKL's), whose bfloat16 steps above 32 rows multiply the halves apart
+# (``packed_linears.pack_linears``).
 FLOAT_GROUPS = ("qkv_proj",)
 
 

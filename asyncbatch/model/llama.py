@@ -201,7 +201,7 @@ class CausalLM(nn.Module):
         self.quantized_lm_head: nn.Module | None = None
         # Set by ``emulated_bf16.emulate_bf16_linears``: bfloat16 on a CPU without bfloat16 kernels.
         self.emulated_lm_head: nn.Module | None = None
-        # Set by ``packed_bf16.pack_bf16_linears``: bfloat16 on a CPU with bfloat16 kernels, small steps.
+        # Set by ``packed_linears.pack_linears``: bfloat16 on a CPU with bfloat16 kernels (small steps), float32 on AMD.
         self.packed_lm_head: nn.Module | None = None
         attn = self.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim

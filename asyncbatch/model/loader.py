@@ -26,7 +26,7 @@ from asyncbatch.model.emulated_bf16 import emulate_bf16_linears, emulates_bf16
 from asyncbatch.model.fused_projections import ALL_GROUPS, FLOAT_GROUPS, fuse_projections
 from asyncbatch.model.gguf_cache import convert_gguf
 from asyncbatch.model.llama import SUPPORTED_ARCHITECTURES, CausalLM, use_direct_norms
-from asyncbatch.model.packed_bf16 import pack_bf16_linears, packs_bf16
+from asyncbatch.model.packed_linears import pack_linears, packs_weights
 from asyncbatch.model.quantization import check_quantization, quantize_model
 from asyncbatch.model.tokenizer_cache import load_tokenizer_cached
 
@@ -119,7 +119,7 @@ def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
 
 def load_model(path: str | os.PathLike[str], dtype: torch.dtype, device: torch.device | str,
                max_positions: int, quantization: str | None = None, fuse: bool = True,
-               pack_bf16: bool = True) -> CausalLM:
+               pack: bool = True) -> CausalLM:
     """Build ``CausalLM`` from the directory's weights, in ``dtype`` on ``device``, frozen, in eval mode.
 
     Floating-point weights are cast to ``dtype``; the rotary tables stay float32
@@ -127,11 +127,11 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype, device: torch.d
     ``ValueError`` listing them. ``quantization`` (CPU only: ``"int8"``, ``"int4"``, ``"w8a8"``) then swaps
     the projections and the LM head for quantized ones (``quantization.quantize_model``).
 
-    q/k/v (and gate/up, for quantized and packed bfloat16 weights) are loaded under their checkpoint names, then
+    q/k/v (and gate/up, for quantized and packed weights) are loaded under their checkpoint names, then
     fused into one linear (``fused_projections``); ``fuse=False`` keeps them separate (the tests' reference for
-    the fusion; a quantized model is fused either way). bfloat16 weights on a CPU with bfloat16 dot products
-    are packed for oneDNN (``packed_bf16``) unless ``pack_bf16`` is False (``compile_decode`` traces the plain
-    ones).
+    the fusion; a quantized model is fused either way). bfloat16 weights on a CPU with bfloat16 dot products,
+    and float32 weights on an AMD CPU, are packed for oneDNN (``packed_linears``) unless ``pack`` is False
+    (``compile_decode`` traces the plain ones).
     """
     try:
         from accelerate import init_empty_weights
@@ -157,8 +157,8 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype, device: torch.d
     model.load_state_dict(state, strict=True, assign=True)
     del state  # the model holds the weights now: fusing below frees the separate q/k/v and gate/up ones
     emulated = quantization is None and emulates_bf16(dtype, device)
-    packed = quantization is None and not emulated and pack_bf16 and packs_bf16(dtype, device)
-    if fuse:  # gate/up too where the weights are packed: one packed product a layer (``pack_bf16_linears``)
+    packed = quantization is None and not emulated and pack and packs_weights(dtype, device)
+    if fuse:  # gate/up too where the weights are packed: one packed product a layer (``pack_linears``)
         fuse_projections(model, ALL_GROUPS if packed else FLOAT_GROUPS)
     model.to(device)  # moves the rotary buffers; parameters are already there
     model = model.eval().requires_grad_(False)
@@ -168,7 +168,7 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype, device: torch.d
     elif emulated:
         emulate_bf16_linears(model)
     elif packed:
-        pack_bf16_linears(model)
+        pack_linears(model)
     return model
 
 
