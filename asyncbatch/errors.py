@@ -9,3 +9,8 @@ class EngineDeadError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """This request failed (for example its logits were NaN); other requests went on."""
+
+
+class ConstraintConflictError(RequestFailedError):
+    """This request's own constraints (structured output, ``allowed_token_ids``, ``bad_words``) left no token to
+    sample at some position: the caller's error, not the engine's (the server answers 400)."""

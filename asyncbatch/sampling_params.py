@@ -59,6 +59,11 @@ class SamplingParams:
     ``truncate_prompt_tokens`` keeps only the prompt's last k tokens (left
     truncation; -1: the last ``max_model_len``), vLLM's field: the request's
     ``prompt_token_ids`` are the kept ones, and its ``prompt`` their text.
+    ``allowed_token_ids`` (vLLM's): only these ids may be sampled. ``bad_words``
+    (vLLM's): words and phrases the output never contains as whole tokens: the
+    engine tokenizes each (as it stands, and after a space) and forbids a phrase's
+    last token wherever the output so far ends with the rest of it. Both are
+    token masks, filled under overlap like a grammar's (``token_constraints``).
     """
 
     max_tokens: int = 16
@@ -82,7 +87,11 @@ class SamplingParams:
     min_tokens: int = 0
     structured_outputs: StructuredOutputsParams | None = None
     truncate_prompt_tokens: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     _stop: tuple[str, ...] = field(default=(), init=False, repr=False)
+    # ``bad_words`` as token id phrases, set by the frontend (``InputProcessor``), which has the tokenizer.
+    bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.max_tokens = _check_int("max_tokens", self.max_tokens)
@@ -141,6 +150,24 @@ class SamplingParams:
             if self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1:
                 raise ValueError("SamplingParams.truncate_prompt_tokens must be -1 (max_model_len) or >= 1, got "
                                  f"{self.truncate_prompt_tokens}")
+        if self.allowed_token_ids is not None:
+            if isinstance(self.allowed_token_ids, (str, bytes)) or not hasattr(self.allowed_token_ids, "__iter__"):
+                raise TypeError("SamplingParams.allowed_token_ids must be a list of ints")
+            self.allowed_token_ids = [_check_int("allowed_token_ids[]", t) for t in self.allowed_token_ids]
+            if not self.allowed_token_ids:
+                raise ValueError("SamplingParams.allowed_token_ids must not be empty (None allows every token)")
+            if any(t < 0 for t in self.allowed_token_ids):
+                raise ValueError("SamplingParams.allowed_token_ids must be >= 0")
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, (str, bytes)) or not hasattr(self.bad_words, "__iter__"):
+                raise TypeError("SamplingParams.bad_words must be a list of strings")
+            self.bad_words = list(self.bad_words)
+            for word in self.bad_words:
+                if not isinstance(word, str):
+                    raise TypeError(f"SamplingParams.bad_words must be a list of strings, got {type(word).__name__}")
+                if not word.strip():
+                    raise ValueError("SamplingParams.bad_words entries must not be empty or blank")
+            self.bad_words = self.bad_words or None
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise TypeError("SamplingParams.structured_outputs must be StructuredOutputsParams, got "
                             f"{type(self.structured_outputs).__name__}")
@@ -188,9 +215,14 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def constrains_tokens(self) -> bool:
+        """Whether the output is masked token by token: a grammar, ``allowed_token_ids`` or ``bad_words``."""
+        return self.structured_outputs is not None or self.allowed_token_ids is not None or bool(self.bad_words)
+
+    @property
     def token_ids_named(self) -> list[int]:
-        """Every token id the parameters name (stop ids, bias keys): checked against the vocabulary."""
-        return list(self.stop_token_ids or ()) + list(self.logit_bias or ())
+        """Every token id the parameters name (stop ids, bias keys, allowed ids): checked against the vocabulary."""
+        return list(self.stop_token_ids or ()) + list(self.logit_bias or ()) + list(self.allowed_token_ids or ())
 
     @property
     def eos_ends(self) -> bool:

@@ -57,6 +57,13 @@ BAD_PARAMS = [
     ({"truncate_prompt_tokens": 0}, ValueError, "truncate_prompt_tokens"),
     ({"truncate_prompt_tokens": -2}, ValueError, "truncate_prompt_tokens"),
     ({"truncate_prompt_tokens": True}, TypeError, "truncate_prompt_tokens"),
+    ({"allowed_token_ids": []}, ValueError, "allowed_token_ids"),
+    ({"allowed_token_ids": [3, -1]}, ValueError, "allowed_token_ids"),
+    ({"allowed_token_ids": "12"}, TypeError, "allowed_token_ids"),
+    ({"allowed_token_ids": [1.5]}, TypeError, "allowed_token_ids"),
+    ({"bad_words": "word"}, TypeError, "bad_words"),
+    ({"bad_words": ["ok", 3]}, TypeError, "bad_words"),
+    ({"bad_words": ["ok", "  "]}, ValueError, "bad_words"),
 ]
 
 

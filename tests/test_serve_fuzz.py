@@ -47,6 +47,8 @@ def _fields(rng: random.Random, chat: bool) -> dict:
         "stop": lambda: rng.choice(["a", ["\n", "x"], ["a"] * 10, "\u0000"]),
         "stop_token_ids": lambda: [rng.choice([0, 2, 49151, 49152, 2**63, -1]) for _ in range(rng.randint(0, 3))],
         "logit_bias": lambda: {str(rng.choice(INTS)): rng.choice(FLOATS) for _ in range(rng.randint(1, 3))},
+        "allowed_token_ids": lambda: [rng.choice(INTS) for _ in range(rng.randint(0, 3))],
+        "bad_words": lambda: rng.choice([[], ["a"], ["the", " x "], [" "], ["\u0000"]]),
         "ignore_eos": lambda: rng.random() < 0.5, "stream": lambda: rng.random() < 0.5,
         "stream_options": lambda: {"include_usage": True, "continuous_usage_stats": rng.random() < 0.5},
         "guided_json": lambda: rng.choice(SCHEMAS), "guided_regex": lambda: rng.choice(REGEXES),

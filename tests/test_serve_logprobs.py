@@ -1,4 +1,4 @@
-"""Log-probabilities, ``logit_bias`` and ``min_tokens`` over HTTP.
+"""Log-probabilities, ``logit_bias``, ``min_tokens``, ``allowed_token_ids`` and ``bad_words`` over HTTP.
 
 The formatting (OpenAI's chat and legacy completions objects, ``echo``, vLLM's ``prompt_logprobs``, token
 bytes, -inf clamped) without an engine; then a served tiny model (engine core in process: it starts in a
@@ -241,6 +241,39 @@ def test_logit_bias_and_min_tokens(served) -> None:
         assert chat["choices"][0]["message"]["content"] == "zzz"
 
 
+def test_allowed_token_ids_and_bad_words(served) -> None:
+    """vLLM's extras: the completion keeps inside ``allowed_token_ids``; a ``bad_words`` word the plain
+    completion contains is gone, in the chat route too (the same masks as structured output)."""
+    server, _engine, _reference = served
+    prompt = ids_of("Go")
+    allowed = ids_of("xyz")
+    with client(server) as http:
+        def complete(path: str = "/v1/completions", **fields) -> dict:
+            body = {"prompt": prompt} if "chat" not in path else {"messages": CHAT}
+            response = http.post(path, json={**body, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                                             "return_token_ids": True, **fields})
+            assert response.status_code == 200, response.text
+            return response.json()["choices"][0]
+
+        inside = complete(allowed_token_ids=allowed, temperature=1.0, seed=3)
+        assert set(inside["token_ids"]) <= set(allowed) and len(inside["token_ids"]) == 12
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            plain = complete(path)
+            text = plain["text"] if "chat" not in path else plain["message"]["content"]
+            word = next(text[i:i + 2] for i in range(len(text) - 1)  # whole characters the tokenizer round-trips
+                        if all(c.isascii() and c.isprintable() and not c.isspace() for c in text[i:i + 2]))
+            banned = complete(path, bad_words=[word])
+            banned_text = banned["text"] if "chat" not in path else banned["message"]["content"]
+            assert word.strip() not in banned_text and banned_text != text, (word, text, banned_text)
+        # constraints that exclude each other: the caller's error (400), streamed or not; the server serves on
+        conflict = {"prompt": prompt, "max_tokens": 4, "allowed_token_ids": allowed[:1], "bad_words": ["x"]}
+        response = http.post("/v1/completions", json=conflict)
+        assert response.status_code == 400 and response.json()["error"]["code"] == "constraints_conflict"
+        streamed = http.post("/v1/completions", json={**conflict, "stream": True})
+        assert streamed.status_code == 200 and '"constraints_conflict"' in streamed.text
+        assert complete(allowed_token_ids=allowed)["token_ids"]
+
+
 BAD = [
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
@@ -255,6 +288,9 @@ BAD = [
     ("/v1/chat/completions", {"logit_bias": {"100000": 1}}, "logit_bias"),
     ("/v1/completions", {"min_tokens": 9}, "min_tokens"),
     ("/v1/chat/completions", {"min_tokens": -1}, "min_tokens"),
+    ("/v1/completions", {"allowed_token_ids": []}, "allowed_token_ids"),
+    ("/v1/chat/completions", {"allowed_token_ids": [5, 100000]}, "allowed_token_ids"),
+    ("/v1/completions", {"bad_words": [" "]}, "bad_words"),
 ]
 
 

@@ -109,7 +109,9 @@ class EngineCore:
                                   spec is not None and spec.uses_draft_model) if vocab_size else None
         self.writer = StepMetadataWriter(scheduler.rows, scheduler.blocks, extras,
                                          speculative=scheduler.speculative is not None)
-        self.grammar = GrammarState(make_grammar_compiler) if make_grammar_compiler is not None else None
+        # Grammar rows need a compiler (a tokenizer); ``allowed_token_ids`` / ``bad_words`` rows only the masks.
+        self.grammar = (GrammarState(make_grammar_compiler, scheduler.eos_token_id, vocab_size)
+                        if extras is not None else None)
         self._unfilled: list[GrammarMask] = []  # launched masks not yet filled (released if the planner dies)
         self.staging = StagingPair(config.max_num_batched_tokens, config.max_num_seqs, max_blocks_per_seq,
                                    pinned=getattr(executor, "is_cuda", False))
@@ -134,7 +136,7 @@ class EngineCore:
             # at CPython's 5 ms a thread that wants it back may wait a whole step. ``LLM`` holds this for an
             # in-process core; here it also covers the engine core's own process, where nothing else did.
             hold_switch_interval(self.config.switch_interval_s)
-        if self.config.structured_outputs_warmup and self.grammar is not None:
+        if self.config.structured_outputs_warmup and self.grammar is not None and self.grammar.can_compile:
             self.grammar.warm_up()
         self._thread.start()
 

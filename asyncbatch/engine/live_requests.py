@@ -64,6 +64,8 @@ class LiveRequests:
                 future.add_done_callback(lambda f, seq=new.seq: self._inbox.put(GrammarCompiled(seq, f)))
             elif not self._add(new):
                 refused.append(new.seq)
+            elif self.grammar is not None:  # allowed_token_ids / bad_words: masks without a grammar
+                self.grammar.constrain(new.seq, new.params)
         if refused:
             self._send(ended_only(refused, Finish.REFUSED))
 
@@ -80,6 +82,7 @@ class LiveRequests:
             self._send(ended_only([new.seq], Finish.REFUSED))
             return
         self.grammar.add(new.seq, matcher)
+        self.grammar.constrain(new.seq, new.params)
 
     def _add(self, new: NewRequest) -> bool:
         """Queue ``new``; False if the scheduler refused it (that request alone ends; the engine goes on)."""
@@ -120,6 +123,9 @@ class LiveRequests:
         (``Finish.GRAMMAR``) and is not kept. Returns the step's kept rows and ended seqs/codes, updated."""
         if self.grammar is None or not self.grammar.active:
             return applied, ended, ended_codes
+        emptied = self.grammar.emptied
+        if emptied and len(ended):  # a row its own constraints left nothing to sample: not the model's NaN
+            ended_codes = np.where(np.isin(ended, list(emptied)), Finish.CONSTRAINED, ended_codes).astype(np.int8)
         # A row may have several tokens in a verify step: the matchers read them one by one, in order (the
         # masks allowed each after the ones before it). Tokens keep their order (logprob columns index them).
         applied = applied.per_token()
@@ -130,7 +136,7 @@ class LiveRequests:
         finished = set(applied.seqs[applied.finish != Finish.NONE].tolist())  # by the step itself (a stop)
         for seq in ending:
             if seq not in finished:
-                self.scheduler.finish(self.requests[seq], Finish.GRAMMAR.reason)
+                self.scheduler.finish(self.requests[seq], Finish.GRAMMAR.reason)  # both codes' reason: "error"
         keep = np.ones(len(applied.seqs), dtype=bool)
         keep[rejected] = False
         kept, positions = applied.token_keys()
@@ -138,4 +144,5 @@ class LiveRequests:
         return (AppliedStep(applied.seqs[keep], applied.token_ids[keep], applied.finish[keep], applied.errored,
                             kept[keep], positions=positions[keep]),
                 np.concatenate([ended, bad]),
-                np.concatenate([ended_codes, np.full(len(bad), Finish.GRAMMAR, dtype=np.int8)]))
+                np.concatenate([ended_codes, np.where(np.isin(bad, list(emptied)), Finish.CONSTRAINED,
+                                                      Finish.GRAMMAR).astype(np.int8)]))

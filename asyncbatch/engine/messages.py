@@ -40,6 +40,7 @@ class Finish(enum.IntEnum):
     STOP_STRING = 6  # found by the frontend; the core only frees the request
     REFUSED = 7  # the scheduler could never place it (built past the input processor), or queuing it failed
     GRAMMAR = 8  # its grammar failed to compile in the core, or rejected a sampled token (no token kept)
+    CONSTRAINED = 9  # its token masks (grammar, allowed_token_ids, bad_words) together allowed no token
 
     @property
     def reason(self) -> str:
@@ -49,11 +50,14 @@ class Finish(enum.IntEnum):
 
 _REASONS = {Finish.NONE: "", Finish.EOS: "stop", Finish.STOP_TOKEN: "stop", Finish.LENGTH: "length",
             Finish.ABORT: "abort", Finish.ERROR: "error", Finish.STOP_STRING: "stop", Finish.REFUSED: "error",
-            Finish.GRAMMAR: "error"}
+            Finish.GRAMMAR: "error", Finish.CONSTRAINED: "error"}
 
 NON_FINITE_MESSAGE = "the model produced NaN or infinite logits for this request"
-GRAMMAR_MESSAGE = ("structured output failed in the engine core: the grammar did not compile there, or rejected "
-                   "a sampled token (a bug: the token mask should have prevented it)")
+GRAMMAR_MESSAGE = ("structured output failed in the engine core: the grammar did not compile there, or it, "
+                   "allowed_token_ids or bad_words rejected a sampled token (a bug: the token mask should have "
+                   "prevented it)")
+CONSTRAINED_MESSAGE = ("the request's token constraints exclude each other: its structured output, allowed_token_ids "
+                       "and bad_words together left no token to sample")
 REFUSED_MESSAGE = ("the engine core refused this request: its prompt + max_tokens exceed what one request can "
                    "hold (max_model_len, or the whole KV cache; the input processor refuses such requests "
                    "at submission), or queuing it failed (an engine bug, in the core's log)")

@@ -91,7 +91,8 @@ class RowState:
         self.repetition[:] = 1.0
         # ``has_stop_ids``: apply checks stop ids in Python for these rows only. Sampler extras
         # (``step_extras``): which rows need more than the plain sampler (``needs_extras``: any of ``has_bias``
-        # (logit_bias, or min_tokens > 0), ``has_grammar`` (structured_outputs) and logprobs), and what.
+        # (logit_bias, or min_tokens > 0), ``has_grammar`` (a token mask: structured_outputs, allowed_token_ids,
+        # bad_words) and logprobs), and what.
         (self.ignore_eos, self.has_stop_ids, self.uses_penalty, self.has_bias, self.has_grammar,
          self.needs_extras) = self._flags  # [S] each
         self.decoding = np.zeros(s, dtype=bool)  # [S] running and past its prefill: a member of the DecodeSet
@@ -119,7 +120,7 @@ class RowState:
         from Python tuples, or of joining small arrays)."""
         p = request.params
         logprobs = -1 if p.logprobs is None else p.logprobs
-        bias, grammar = bool(p.logit_bias) or p.min_tokens > 0, p.structured_outputs is not None
+        bias, grammar = bool(p.logit_bias) or p.min_tokens > 0, p.constrains_tokens
         # A top_k past the vocabulary keeps every token, as 0 does: 2**63 and up would not fit the int64 column.
         top_k = p.top_k if 0 < p.top_k < 2**63 else 0
         ints = (p.max_tokens, request.seed, top_k, logprobs, p.min_tokens)

@@ -28,6 +28,7 @@ from asyncbatch.frontend.prompt_validation import (
     check_token_ids,
     prompt_token_ids,
 )
+from asyncbatch.sampling.token_constraints import bad_words_token_ids
 from asyncbatch.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # annotations only: transformers is imported by the tokenizer's owner
@@ -158,6 +159,8 @@ class InputProcessor:
             prompt = self.tokenizer.decode(kept) if self.tokenizer is not None and prompt is not None else None
         if self.tokenizer is None:
             check_needs_no_tokenizer(params)
+        elif params.bad_words:
+            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words, self.vocab_size)
         check_token_ids(params, self.vocab_size)
         self.check_structured_outputs(params)
         check_fits(len(prompt_ids), params, self.max_model_len, self.usable_tokens)

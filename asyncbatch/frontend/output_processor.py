@@ -31,6 +31,7 @@ from collections.abc import Callable
 import numpy as np
 
 from asyncbatch.engine.messages import (
+    CONSTRAINED_MESSAGE,
     GRAMMAR_MESSAGE,
     NON_FINITE_MESSAGE,
     REFUSED_MESSAGE,
@@ -45,7 +46,8 @@ from asyncbatch.outputs import Logprobs, StreamDelta
 from asyncbatch.profiling.marks import mark
 from asyncbatch.profiling.timeline import Timeline
 
-_ENDED_MESSAGES = {Finish.ERROR: NON_FINITE_MESSAGE, Finish.REFUSED: REFUSED_MESSAGE, Finish.GRAMMAR: GRAMMAR_MESSAGE}
+_ENDED_MESSAGES = {Finish.ERROR: NON_FINITE_MESSAGE, Finish.REFUSED: REFUSED_MESSAGE, Finish.GRAMMAR: GRAMMAR_MESSAGE,
+                   Finish.CONSTRAINED: CONSTRAINED_MESSAGE}
 _NONE, _STOP_TOKEN = int(Finish.NONE), int(Finish.STOP_TOKEN)
 
 

@@ -50,11 +50,16 @@ def check_needs_no_tokenizer(params: SamplingParams) -> None:
     if params.structured_outputs is not None:
         raise ValueError("SamplingParams.structured_outputs needs the tokenizer's vocabulary, but the engine has "
                          "none (skip_tokenizer_init=True)")
+    if params.bad_words:
+        raise ValueError("SamplingParams.bad_words needs the tokenizer to find the words' tokens, but the engine has "
+                         "none (skip_tokenizer_init=True); use allowed_token_ids or logit_bias")
 
 
 def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
-    """Token ids the parameters name (``stop_token_ids``, ``logit_bias`` keys) must be in the vocabulary."""
-    for name, ids in (("stop_token_ids", params.stop_token_ids or ()), ("logit_bias", params.logit_bias or ())):
+    """Token ids the parameters name (``stop_token_ids``, ``logit_bias`` keys, ``allowed_token_ids``) must be in the
+    vocabulary."""
+    for name, ids in (("stop_token_ids", params.stop_token_ids or ()), ("logit_bias", params.logit_bias or ()),
+                      ("allowed_token_ids", params.allowed_token_ids or ())):
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"SamplingParams.{name} token ids must be in [0, {vocab_size - 1}], got {bad[:5]}")

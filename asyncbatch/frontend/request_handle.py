@@ -27,7 +27,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from asyncbatch.errors import RequestFailedError
+from asyncbatch.engine.messages import CONSTRAINED_MESSAGE
+from asyncbatch.errors import ConstraintConflictError, RequestFailedError
 from asyncbatch.frontend.detokenizer import DeferredDetokenizer, IncrementalDetokenizer, NullDetokenizer
 from asyncbatch.frontend.stop_strings import StopStringMatcher
 from asyncbatch.outputs import Logprobs, RequestMetrics, RequestOutput, StreamDelta
@@ -91,7 +92,8 @@ class RequestHandle:
                                     self.logprobs, self.prompt_logprobs)
         if self.streaming:
             if reason == "error":
-                self.deltas.put(RequestFailedError(f"request {self.request_id} failed: {error}"))
+                failed = ConstraintConflictError if error == CONSTRAINED_MESSAGE else RequestFailedError
+                self.deltas.put(failed(f"request {self.request_id} failed: {error}"))
             else:
                 self.deltas.put(StreamDelta(self.request_id, "", [], reason, stop_reason, self.output))
         self.done.set()

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from asyncbatch.errors import EngineDeadError, RequestFailedError
+from asyncbatch.errors import ConstraintConflictError, EngineDeadError, RequestFailedError
 from asyncbatch.outputs import RequestOutput, StreamDelta
 from asyncbatch.serve.openai_errors import OpenAIError, error_body
 from asyncbatch.serve.request_stream import RequestStream
@@ -145,8 +145,8 @@ class Generation:
             if self.include_usage:
                 yield _event({**self.chunk_head(object_name), "choices": [], "usage": self.usage()})
         except (RequestFailedError, EngineDeadError) as exc:
-            status = 503 if isinstance(exc, EngineDeadError) else 500
-            yield _event(error_body(status, str(exc), code="engine_dead" if status == 503 else "request_failed"))
+            status, code = _failure_status(exc)
+            yield _event(error_body(status, str(exc), code=code))
         finally:
             self._record_abandoned()
         yield "data: [DONE]\n\n"
@@ -174,8 +174,19 @@ class Generation:
             work.result()
         except RequestFailedError as exc:
             self._record_abandoned()
-            raise OpenAIError(500, str(exc), code="request_failed") from exc
+            status, code = _failure_status(exc)
+            raise OpenAIError(status, str(exc), code=code) from exc
         return [o for o in self.outputs if o is not None]
+
+
+def _failure_status(exc: Exception) -> tuple[int, str]:
+    """The HTTP status and error code of a request that failed after it was accepted: 503 when the engine
+    died, 400 when the request's own constraints excluded each other (the caller's doing), else 500."""
+    if isinstance(exc, EngineDeadError):
+        return 503, "engine_dead"
+    if isinstance(exc, ConstraintConflictError):
+        return 400, "constraints_conflict"
+    return 500, "request_failed"
 
 
 class SSEResponse(StreamingResponse):

@@ -54,6 +54,8 @@ class SamplingFields(_Body):
     skip_special_tokens: bool = True
     min_tokens: int = 0
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len)
+    allowed_token_ids: list[int] | None = None  # only these ids may be sampled
+    bad_words: list[str] | None = None  # words the output never contains (``token_constraints``)
     # vLLM's: the choice also carries its token ids (and the prompt's); on by default without a tokenizer.
     return_token_ids: bool | None = None
     prompt_logprobs: int | None = None

@@ -193,6 +193,8 @@ def sampling_params(body: SamplingFields, max_tokens: int, *, logprobs: int | No
                 min_tokens=body.min_tokens,
                 structured_outputs=structured,
                 truncate_prompt_tokens=body.truncate_prompt_tokens,
+                allowed_token_ids=body.allowed_token_ids,
+                bad_words=body.bad_words,
             ))
         except (ValueError, TypeError) as exc:
             field = _FIELD.match(str(exc))
