@@ -144,8 +144,10 @@ def test_constrained_greedy_tokens_obey_and_agree_in_every_mode(make_llm, tiny_m
     prompts = PROMPTS * 2 + PROMPTS[:2]
     results = {}
     for overlap in (True, False):
-        llm = make_llm(str(tiny_model), device="cpu", dtype="float32", engine_process=False, overlap=overlap,
-                       speculative_config=speculative, debug_check_integrity=True)
+        # One engine-core process: the tokenized words travel to it with the parameters.
+        llm = make_llm(str(tiny_model), device="cpu", dtype="float32", overlap=overlap,
+                       engine_process=speculative is None and overlap, speculative_config=speculative,
+                       debug_check_integrity=True)
         outs = llm.generate(prompts, params, use_tqdm=False)
         results[overlap] = [o.token_ids for o in outs]
         for out, p, before in zip(outs, params, plain * 2 + plain[:2]):
@@ -239,7 +241,7 @@ def test_allowed_token_ids_on_the_sim_device_without_a_tokenizer(make_llm):
     """The ``sim`` device picks inside masks, so its tokens obey too; an engine without a tokenizer keeps
     ``allowed_token_ids`` and refuses ``bad_words`` (they need the tokenizer), naming the field."""
     llm = make_llm("smollm2-135m", device="sim", sim=SimConfig(step_fixed_ms=0.2), skip_tokenizer_init=True,
-                   debug_check_integrity=True)
+                   debug_check_integrity=True, engine_process=False)
     allowed = [[100 + i, 2000 + 7 * i, 30000 + i] for i in range(64)]
     params = [SamplingParams(max_tokens=20, ignore_eos=True, allowed_token_ids=ids) for ids in allowed]
     plain = SamplingParams(max_tokens=20, ignore_eos=True)
