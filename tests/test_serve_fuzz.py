@@ -49,6 +49,7 @@ def _fields(rng: random.Random, chat: bool) -> dict:
         "logit_bias": lambda: {str(rng.choice(INTS)): rng.choice(FLOATS) for _ in range(rng.randint(1, 3))},
         "allowed_token_ids": lambda: [rng.choice(INTS) for _ in range(rng.randint(0, 3))],
         "bad_words": lambda: rng.choice([[], ["a"], ["the", " x "], [" "], ["\u0000"]]),
+        "add_special_tokens": lambda: rng.random() < 0.5,
         "ignore_eos": lambda: rng.random() < 0.5, "stream": lambda: rng.random() < 0.5,
         "stream_options": lambda: {"include_usage": True, "continuous_usage_stats": rng.random() < 0.5},
         "guided_json": lambda: rng.choice(SCHEMAS), "guided_regex": lambda: rng.choice(REGEXES),

@@ -177,8 +177,8 @@ class ClusterEngine(AsyncEngineClient):
     def untrack(self, request: RemoteRequest) -> None:
         self._live.discard(request)
 
-    async def prompt_ids(self, prompt: Prompt) -> list[int]:
-        return self.processor.prompt_ids(prompt)
+    async def prompt_ids(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
+        return self.processor.prompt_ids(prompt, add_special_tokens)
 
     def submit_processed(self, requests: Sequence[ProcessedRequest],
                          request_ids: Sequence[str | None]) -> list[RemoteRequest]:

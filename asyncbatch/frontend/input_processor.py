@@ -110,16 +110,19 @@ class InputProcessor:
         """The most tokens (prompt + output) one request can have: the context, bounded by the KV cache."""
         return min(self.max_model_len, self.usable_tokens)
 
-    def prompt_ids(self, prompt: object) -> list[int]:
-        """Token ids of a text prompt or a list of token ids, checked against the vocabulary."""
-        return prompt_token_ids(prompt, self.tokenizer, self.vocab_size)
+    def prompt_ids(self, prompt: object, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text prompt (``add_special_tokens``: the tokenizer's BOS and the like, as vLLM's
+        completions add by default) or a list of token ids, checked against the vocabulary."""
+        return prompt_token_ids(prompt, self.tokenizer, self.vocab_size, add_special_tokens)
 
     def chat_prompt_ids(self, messages: list[dict], add_generation_prompt: bool = True,
-                        continue_final_message: bool = False, **template_kwargs: object) -> list[int]:
+                        continue_final_message: bool = False, add_special_tokens: bool = False,
+                        **template_kwargs: object) -> list[int]:
         """The token ids of one conversation under the model's chat template (or ``chat_template=``); not yet
         checked: pass them through ``prompt_ids``. ``continue_final_message`` leaves the last message open (no
         end-of-turn after it), so the model continues it: an assistant message given as the answer's start
-        (vLLM's field; it excludes ``add_generation_prompt``)."""
+        (vLLM's field; it excludes ``add_generation_prompt``). ``add_special_tokens``: the tokenizer's own special
+        tokens around the rendered text too (off, as in vLLM: templates write their BOS themselves)."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer, but the engine has none (skip_tokenizer_init=True)")
         if not isinstance(messages, list) or not messages:
@@ -131,7 +134,7 @@ class InputProcessor:
                              "continues the last message, the second starts a new one")
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                                   continue_final_message=continue_final_message, **template_kwargs)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def truncated(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:
         """The prompt's last ``params.truncate_prompt_tokens`` ids (-1: the last ``max_model_len``); all of

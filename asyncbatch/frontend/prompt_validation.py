@@ -15,8 +15,10 @@ if TYPE_CHECKING:  # annotations only: transformers is imported by the tokenizer
     from transformers import PreTrainedTokenizerBase
 
 
-def prompt_token_ids(prompt: object, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int) -> list[int]:
-    """Token ids of a text prompt or a list of token ids, validated against the vocabulary."""
+def prompt_token_ids(prompt: object, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int,
+                     add_special_tokens: bool = True) -> list[int]:
+    """Token ids of a text prompt (with the tokenizer's special tokens, e.g. BOS, unless ``add_special_tokens``
+    is False) or a list of token ids, validated against the vocabulary."""
     if prompt is None:
         raise TypeError("prompt must be a string or a list of token ids, got None")
     if isinstance(prompt, str):
@@ -25,7 +27,7 @@ def prompt_token_ids(prompt: object, tokenizer: PreTrainedTokenizerBase | None, 
         if tokenizer is None:
             raise ValueError("prompt is text but the engine has no tokenizer (skip_tokenizer_init=True): "
                              "pass a list of token ids")
-        ids = tokenizer.encode(prompt, add_special_tokens=True)
+        ids = tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         if not ids:
             raise ValueError("prompt encodes to zero tokens")
         return list(ids)

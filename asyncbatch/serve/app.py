@@ -112,9 +112,12 @@ def build_app(engine: AsyncEngineClient, settings: ServeSettings, *,
         if (body.prompt is None) == (body.messages is None):
             raise OpenAIError(422, "give exactly one of 'prompt' and 'messages'", param="prompt")
         if body.messages is not None:
+            # vLLM's default for messages is the chat route's (no special tokens around the template), for a
+            # prompt the completions route's: the field decides only where the request sets it.
+            special = body.add_special_tokens if "add_special_tokens" in body.model_fields_set else False
             chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt,
                                          continue_final_message=body.continue_final_message,
-                                         chat_template_kwargs=body.chat_template_kwargs)
+                                         chat_template_kwargs=body.chat_template_kwargs, add_special_tokens=special)
             ids = chat_prompt_ids(state, chat)
         else:
             ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)

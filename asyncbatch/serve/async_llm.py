@@ -122,11 +122,11 @@ class AsyncLLM(AsyncEngineClient):
         waker = self._waker
         return lambda: AsyncDeltaStream(waker)
 
-    async def prompt_ids(self, prompt: Prompt) -> list[int]:
+    async def prompt_ids(self, prompt: Prompt, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt, validated (long texts are tokenized off the loop)."""
         if isinstance(prompt, str) and len(prompt) > _OFFLOAD_CHARS:
-            return await asyncio.to_thread(self.processor.prompt_ids, prompt)
-        return self.processor.prompt_ids(prompt)
+            return await asyncio.to_thread(self.processor.prompt_ids, prompt, add_special_tokens)
+        return self.processor.prompt_ids(prompt, add_special_tokens)
 
     async def submit(self, prompts: Sequence[Prompt], params: Sequence[SamplingParams],
                      request_ids: Sequence[str | None]) -> list[AsyncRequest]:

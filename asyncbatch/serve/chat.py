@@ -59,7 +59,7 @@ def chat_prompt_ids(state: ServerState, body: ChatCompletionRequest, plan: ToolP
     generation = bool(kwargs.pop("add_generation_prompt", body.add_generation_prompt))
     continued = bool(kwargs.pop("continue_final_message", body.continue_final_message))
     try:  # the processor's ValueErrors (both switches set, no messages) are 400s naming their field
-        return processor.chat_prompt_ids(messages, generation, continued, **kwargs)
+        return processor.chat_prompt_ids(messages, generation, continued, body.add_special_tokens, **kwargs)
     except ValueError:
         raise
     except Exception as exc:

@@ -51,7 +51,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
                              prompt_logprobs=completion_prompt_logprobs(body), structured=structured)
     await compile_constraint(engine, params[0], source)
     state.admit(len(prompts) * body.n)
-    whole = [await engine.prompt_ids(p) for p in prompts]
+    whole = [await engine.prompt_ids(p, body.add_special_tokens) for p in prompts]
     prompt_ids = [engine.processor.truncated(ids, params[0]) for ids in whole]  # truncate_prompt_tokens
     # The echo is the prompt the model saw: the kept tokens' text where truncate_prompt_tokens cut it.
     echo = [(_prompt_text(p if len(ids) == len(w) else ids, engine.tokenizer) if body.echo else "")

@@ -75,6 +75,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS and the like around a text prompt
     best_of: int | None = None
     suffix: str | None = None
 
@@ -106,6 +107,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the last (assistant) message is continued, not closed
     chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False  # vLLM's: the tokenizer's own special tokens around the rendered template
 
 
 class TokenizeRequest(_Body):
