@@ -64,6 +64,9 @@ class SamplingParams:
     engine tokenizes each (as it stands, and after a space) and forbids a phrase's
     last token wherever the output so far ends with the rest of it. Both are
     token masks, filled under overlap like a grammar's (``token_constraints``).
+    ``cache_salt`` (vLLM's request field): the request's prefix-cache blocks are
+    shared only with requests of the same salt (one tenant's prompts cannot be
+    probed through another's cache hits); give each tenant a long random secret.
     """
 
     max_tokens: int = 16
@@ -89,6 +92,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    cache_salt: str | None = None
     _stop: tuple[str, ...] = field(default=(), init=False, repr=False)
     # ``bad_words`` as token id phrases, set by the frontend (``InputProcessor``), which has the tokenizer.
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
@@ -168,6 +172,8 @@ class SamplingParams:
                 if not word.strip():
                     raise ValueError("SamplingParams.bad_words entries must not be empty or blank")
             self.bad_words = self.bad_words or None
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise ValueError("SamplingParams.cache_salt must be a non-empty string if given")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise TypeError("SamplingParams.structured_outputs must be StructuredOutputsParams, got "
                             f"{type(self.structured_outputs).__name__}")

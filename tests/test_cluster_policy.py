@@ -10,7 +10,7 @@ import pytest
 
 from asyncbatch.cluster.cache_summary import CacheSummary, hash_scheme, prompt_keys
 from asyncbatch.cluster.routing_policy import CacheAwarePolicy, RecentRoutes, ReplicaView, matched_blocks
-from asyncbatch.engine.prefix_cache import chain_keys
+from asyncbatch.engine.prefix_cache import chain_keys, salted_root
 
 BS = 16
 TENANT_A = list(range(1000, 1000 + 8 * BS))
@@ -27,6 +27,9 @@ def test_prompt_keys_are_the_engines_chain_keys():
     chain_keys(TENANT_A + [1, 2, 3], BS, keys, [])
     assert prompt_keys(TENANT_A + [1, 2, 3], BS) == keys and len(keys) == 8
     assert prompt_keys(TENANT_A, BS, max_blocks=3) == keys[:3]
+    salted: list[int] = []  # a cache salt's keys: the engine's for that salt, none of the unsalted ones
+    chain_keys(TENANT_A + [1, 2, 3], BS, salted, [], salted_root("s")[0])
+    assert prompt_keys(TENANT_A + [1, 2, 3], BS, cache_salt="s") == salted and not set(salted) & set(keys)
 
 
 def test_keys_are_the_same_in_another_process_whatever_the_hash_seed_and_need_no_ray():

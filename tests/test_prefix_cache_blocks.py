@@ -28,7 +28,7 @@ from kv_shadow import ShadowDevice
 from asyncbatch.engine import prefix_sharing
 from asyncbatch.engine.block_manager import BlockManager, IntegrityError, blocks_for_tokens
 from asyncbatch.engine.host_staging import StagingPair
-from asyncbatch.engine.prefix_cache import PrefixCache, chain_keys
+from asyncbatch.engine.prefix_cache import ROOT, PrefixCache, chain_keys, salted_root
 from asyncbatch.engine.request import Request, RequestStatus
 from asyncbatch.engine.scheduler import Scheduler
 from asyncbatch.engine.step_metadata import StepMetadataWriter
@@ -431,19 +431,43 @@ def test_a_hash_collision_costs_a_hit_never_wrong_tokens():
     cache = PrefixCache(8, 2)
     key = 12345
     first: list[int] = []
-    cache.register_chains([(first, [1], [key], [(1, 2)], 1)])
+    cache.register_chains([(first, [1], [key], [(1, 2)], 1, ROOT)])
     assert first == [1] and cache.cached[1]  # serial 1
     collided: list[int] = []  # same key, other content: not registered, and the chain ends there
-    cache.register_chains([(collided, [2, 3], [key, 99], [(3, 4), (5, 6)], 2)])
+    cache.register_chains([(collided, [2, 3], [key, 99], [(3, 4), (5, 6)], 2, ROOT)])
     assert collided == [] and not cache.cached[2] and not cache.cached[3] and cache.num_cached == 1
     assert cache.match([key], [(3, 4)], 1) == []  # the key matches, the tokens do not
     assert cache.match([key], [(1, 2)], 1)[0].block == 1
     other_prefix = [7]  # same tokens after another prefix (serial 7, key 5): not registered
-    cache.register_chains([(other_prefix, [0, 4], [5, key], [(9, 9), (1, 2)], 2)])
+    cache.register_chains([(other_prefix, [0, 4], [5, key], [(9, 9), (1, 2)], 2, ROOT)])
     assert other_prefix == [7] and not cache.cached[4]
     again: list[int] = []  # the same content after the same prefix: the record names it, the block stays uncached
-    cache.register_chains([(again, [5], [key], [(1, 2)], 1)])
+    cache.register_chains([(again, [5], [key], [(1, 2)], 1, ROOT)])
     assert again == [1] and not cache.cached[5] and cache.num_cached == 1
+
+
+def test_a_cache_salt_gives_a_chain_of_its_own():
+    """``cache_salt``: the same tokens under another salt (or none) have other keys and are never verified against
+    each other's records, even where a key were forced equal (the first block's root serial differs); under the
+    same salt they hit. The cache's own check accepts the salted records."""
+    cache = PrefixCache(8, 2)
+    tokens = [1, 2, 3, 4]
+    roots = {salt: salted_root(salt) for salt in (None, "tenant-a", "tenant-b")}
+    assert roots[None] == ROOT and len({r for r in roots.values()}) == 3
+    assert all(serial < 0 for _, serial in (roots["tenant-a"], roots["tenant-b"]))
+    chains = {}
+    for i, (salt, (root_key, root_serial)) in enumerate(roots.items()):
+        keys, contents = [], []
+        chain_keys(tokens, 2, keys, contents, root_key)
+        chains[salt] = (keys, contents)
+        assert cache.match(keys, contents, 2, root_serial) == []  # nobody else's blocks
+        chain: list[int] = []
+        cache.register_chains([(chain, [1 + 2 * i, 2 + 2 * i], keys, contents, 2, (root_key, root_serial))])
+        assert [rec.block for rec in cache.match(keys, contents, 2, root_serial)] == [1 + 2 * i, 2 + 2 * i]
+    assert len({tuple(k) for k, _ in chains.values()}) == 3 and cache.num_cached == 6
+    keys_a, contents_a = chains["tenant-a"]
+    assert cache.match(keys_a, contents_a, 2, roots["tenant-b"][1]) == []  # another root serial: no verification
+    cache.check(cache.cached.astype(np.int64), AssertionError)  # every registered block still held
 
 
 def test_reset_drops_only_unreferenced_blocks():

@@ -139,3 +139,27 @@ def test_tokens_with_caching_on_and_off_bfloat16(make_llm):
     assert on.stats["preemptions"] > 0 and on.cache["evictions"] > 0
     assert_bfloat16_runs_agree(on.model_path, "caching on vs off", on.prompts, on.batch + on.again,
                                off.batch + off.again, params)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "sync"])
+def test_a_cache_salt_shares_blocks_only_within_its_salt(make_llm, overlap):
+    """vLLM's ``cache_salt``: the same prompt under another salt, or none, computes everything again; under the
+    same salt it hits; tokens are the same either way (``sim``, block accounting checked after every step)."""
+    llm = make_llm("smollm2-135m", device="sim", overlap=overlap, block_size=16, debug_check_integrity=True,
+                   skip_tokenizer_init=True, engine_process=False)
+    prompt = list(range(100, 164))  # four full blocks
+    tokens = {}
+
+    def run(salt: str | None) -> int:
+        before = llm.prefix_cache_stats()["cached_tokens"]
+        out = llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True, seed=1, cache_salt=salt),
+                           use_tqdm=False)[0]
+        tokens.setdefault("first", out.token_ids)
+        assert out.token_ids == tokens["first"]
+        return llm.prefix_cache_stats()["cached_tokens"] - before
+
+    assert run("tenant-a") == 0
+    assert run("tenant-b") == 0 and run(None) == 0  # other salts, and none, do not see tenant-a's blocks
+    assert run("tenant-a") == 48 and run(None) == 48 and run("tenant-b") == 48  # each hits its own (3 of 4 blocks)
+    with pytest.raises(ValueError, match="cache_salt"):
+        SamplingParams(cache_salt="")

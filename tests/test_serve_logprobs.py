@@ -274,6 +274,25 @@ def test_allowed_token_ids_and_bad_words(served) -> None:
         assert complete(allowed_token_ids=allowed)["token_ids"]
 
 
+def test_cache_salt_over_http(served) -> None:
+    """vLLM's ``cache_salt`` field reaches the prefix cache: a long prompt sent again under another salt computes
+    every block again, under its own salt it hits (the engine's counters); tokens are the same."""
+    server, engine, _reference = served
+    prompt = ids_of("The same long prompt, sent by two tenants. " * 3)
+    with client(server) as http:
+        def cached(salt: str) -> tuple[int, list[int]]:
+            before = engine.prefix_cache_stats()["cached_tokens"]
+            response = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3, "temperature": 0,
+                                                          "return_token_ids": True, "cache_salt": salt})
+            assert response.status_code == 200, response.text
+            return engine.prefix_cache_stats()["cached_tokens"] - before, response.json()["choices"][0]["token_ids"]
+
+        first, tokens = cached("tenant-a")
+        assert cached("tenant-b") == (0, tokens)
+        again, same = cached("tenant-a")
+        assert again > 0 and same == tokens
+
+
 BAD = [
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
@@ -291,6 +310,7 @@ BAD = [
     ("/v1/completions", {"allowed_token_ids": []}, "allowed_token_ids"),
     ("/v1/chat/completions", {"allowed_token_ids": [5, 100000]}, "allowed_token_ids"),
     ("/v1/completions", {"bad_words": [" "]}, "bad_words"),
+    ("/v1/chat/completions", {"cache_salt": ""}, "cache_salt"),
 ]
 
 

@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from asyncbatch.engine.prefix_cache import chain_keys
+from asyncbatch.engine.prefix_cache import chain_keys, salted_root
 
 
 def hash_scheme() -> str:
@@ -30,11 +30,13 @@ def hash_scheme() -> str:
     return f"{sys.implementation.name}-{sys.version_info.major}.{sys.version_info.minor}-{info.algorithm}-{info.width}"
 
 
-def prompt_keys(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None) -> list[int]:
-    """The chain keys of the full blocks of ``token_ids``, exactly as the engine's prefix cache names them."""
+def prompt_keys(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None,
+                cache_salt: str | None = None) -> list[int]:
+    """The chain keys of the full blocks of ``token_ids`` (under the request's ``cache_salt``), exactly as the
+    engine's prefix cache names them."""
     tokens = token_ids if max_blocks is None else token_ids[:max_blocks * block_size]
     keys: list[int] = []
-    chain_keys(tokens, block_size, keys, [])
+    chain_keys(tokens, block_size, keys, [], salted_root(cache_salt)[0])
     return keys
 
 

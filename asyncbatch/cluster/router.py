@@ -101,7 +101,7 @@ class CacheAwareRouter(RegisteredRouter, RequestRouter):
             order = list(candidate_replicas)
             self._rng.shuffle(order)
             return [[r] for r in order]
-        keys = prompt_keys(request.prompt_token_ids, self._block_size)
+        keys = prompt_keys(request.prompt_token_ids, self._block_size, cache_salt=request.params.cache_salt)
         now = time.time()
         by_id = {r.replica_id.to_full_id_str(): r for r in candidate_replicas}
         ranking = self._policy.choose(keys, [self._view(r, now) for r in candidate_replicas], self._rng)
@@ -133,7 +133,8 @@ class CacheAwareRouter(RegisteredRouter, RequestRouter):
         request = _request_of(pending_request)
         if request is not None:  # where the prefix really went (the first choice may have been full)
             self.decisions[CACHE_HIT if hits and rid in hits else LOAD] += 1
-            self._recent.add(rid, prompt_keys(request.prompt_token_ids, self._block_size))
+            self._recent.add(rid, prompt_keys(request.prompt_token_ids, self._block_size,
+                                              cache_salt=request.params.cache_salt))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         rid = self._routed_to.pop(internal_request_id, None) or replica_id.to_full_id_str()

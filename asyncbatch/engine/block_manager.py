@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from asyncbatch.engine.prefix_cache import CachedBlock, PrefixCache
+from asyncbatch.engine.prefix_cache import ROOT, CachedBlock, PrefixCache
 from asyncbatch.engine.request import Request
 from asyncbatch.engine.step_contract import DUMMY_BLOCK, blocks_for_tokens
 
@@ -218,16 +218,17 @@ class BlockManager:
         self.decode_slot_base[rows] = (new - counts) * self.block_size
         self.ref[new] = 1
 
-    def register(self, row: int, keys: Sequence[int], contents: Sequence[tuple[int, ...]], num_full: int) -> None:
+    def register(self, row: int, keys: Sequence[int], contents: Sequence[tuple[int, ...]], num_full: int,
+                 root: tuple[int, int] = ROOT) -> None:
         """Register ``row``'s first ``num_full`` blocks as cached, past those already in its chain.
 
         The caller vouches that those blocks hold the KV of ``contents`` (token tuples known on the host) and
-        that the step writing the last of them is planned; ``keys`` are their chain keys (``chain_keys``). A block
-        whose content is cached already stays uncached (the chain takes the existing record); a key owned by
-        other content (a collision) stops the chain.
+        that the step writing the last of them is planned; ``keys`` are their chain keys (``chain_keys``, from
+        ``root``: the request's, ``prefix_cache.salted_root``). A block whose content is cached already stays
+        uncached (the chain takes the existing record); a key owned by other content (a collision) stops the chain.
         """
         self._register_listed(f"row {row}", self.block_table[row, :self.num_row_blocks[row]], self.chains[row],
-                              keys, contents, num_full)
+                              keys, contents, num_full, root)
 
     def register_rows(self, rows: np.ndarray, requests: Sequence[Request], num_full: np.ndarray) -> None:
         """``register`` for each of ``rows`` ([Q] int64) with its request's chain keys and token tuples
@@ -243,7 +244,8 @@ class BlockManager:
         widest = int(num_full[todo].max())
         ids = self.block_table[rows[todo], :widest].tolist()  # one conversion instead of a scalar read per block
         held, upto = rows[todo].tolist(), num_full[todo].tolist()
-        self.prefix.register_chains((chains[row], block_ids, request.block_keys, request.block_contents, n)
+        self.prefix.register_chains((chains[row], block_ids, request.block_keys, request.block_contents, n,
+                                     request.cache_root)
                                     for row, block_ids, request, n in zip(held, ids, map(requests.__getitem__,
                                                                                          todo.tolist()), upto))
 
@@ -273,18 +275,18 @@ class BlockManager:
         self._drop(parked.blocks, "a parked record")
 
     def register_parked(self, parked: ParkedBlocks, keys: Sequence[int], contents: Sequence[tuple[int, ...]],
-                        num_full: int) -> None:
+                        num_full: int, root: tuple[int, int] = ROOT) -> None:
         """``register`` for a parked record's first ``num_full`` blocks."""
-        self._register_listed("a parked record", parked.blocks, parked.chain, keys, contents, num_full)
+        self._register_listed("a parked record", parked.blocks, parked.chain, keys, contents, num_full, root)
 
     def _register_listed(self, holder: str, listed: np.ndarray, chain: list[int], keys: Sequence[int],
-                         contents: Sequence[tuple[int, ...]], num_full: int) -> None:
+                         contents: Sequence[tuple[int, ...]], num_full: int, root: tuple[int, int]) -> None:
         """``register`` for a holder (a row, or a parked record) listing ``listed`` ([n] block ids) with
         ``chain``."""
         if num_full > len(listed):
             raise IntegrityError(f"{holder} registers {num_full} blocks but lists {len(listed)}")
         if num_full > len(chain):
-            self.prefix.register_chains([(chain, listed[:num_full].tolist(), keys, contents, num_full)])
+            self.prefix.register_chains([(chain, listed[:num_full].tolist(), keys, contents, num_full, root)])
 
     def _drop(self, blocks: np.ndarray, holder: str) -> None:
         """One reference fewer to each of ``blocks`` ([n], a holder's list in order); blocks nobody holds any more

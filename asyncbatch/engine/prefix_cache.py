@@ -8,7 +8,10 @@ tokens chained with its parent's name::
     key[j] = hash((key[j - 1], tuple(tokens[j * bs:(j + 1) * bs])))      key[-1] = ROOT_KEY
 
 Equal tokens at different positions, or after different prefixes, get
-different keys. The hash is Python's own ``hash`` of a tuple of ints: ints
+different keys. A request with a ``cache_salt`` (vLLM's field: one tenant's
+prompts never hit another's cache) starts its chain at a root of its own
+(``salted_root``): its own root key, and a root serial that its first block's
+record must name, so even equal tokens under two salts share nothing. The hash is Python's own ``hash`` of a tuple of ints: ints
 and tuples of ints hash the same in every process of one CPython build (only
 ``str``/``bytes`` hashing is salted), it costs about a microsecond per block,
 and it needs no serialisation (``hashlib`` would need the tokens as bytes first,
@@ -35,6 +38,7 @@ iff block ``b`` has a record; the LRU holds exactly the cached blocks with
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -43,21 +47,36 @@ import numpy as np
 
 ROOT_KEY = 0x2545F4914F6CDD1D  # parent key of a sequence's first block (any fixed int; not salted per process)
 ROOT_SERIAL = 0  # parent serial of a first block; records get serials from 1
+ROOT = (ROOT_KEY, ROOT_SERIAL)  # the root of every chain without a cache salt
 
 
-def chain_keys(tokens: Sequence[int], block_size: int, keys: list[int], contents: list[tuple[int, ...]]) -> None:
+def salted_root(salt: str | None) -> tuple[int, int]:
+    """``(root key, root serial)`` of the chains of requests with ``cache_salt`` ``salt`` (``ROOT`` for None): the
+    salt's 64-bit BLAKE2b digest ``d`` gives the key ``hash((ROOT_KEY, d))`` and the serial ``-(d | 1)``, below every
+    record's serial, so a first block registered under one salt is never verified under another (two salts share a
+    root only if their 63-bit digests collide)."""
+    if salt is None:
+        return ROOT
+    digest = int.from_bytes(hashlib.blake2b(salt.encode(), digest_size=8).digest(), "little")
+    return hash((ROOT_KEY, digest)), -(digest | 1)
+
+
+def chain_keys(tokens: Sequence[int], block_size: int, keys: list[int], contents: list[tuple[int, ...]],
+               root: int = ROOT_KEY) -> None:
     """Extend ``keys`` and ``contents`` (the keys and token tuples of the first ``len(keys)`` full blocks of
-    ``tokens``) to every full block of ``tokens``, in place. Only new blocks are hashed, so a sequence that
-    grows is hashed once; the tuples are kept for verifying lookups and registering blocks."""
-    chain_tail(tokens[len(keys) * block_size:], block_size, keys, contents)
+    ``tokens``) to every full block of ``tokens``, in place; ``root`` is the first block's parent key (a salted
+    request's own, ``salted_root``). Only new blocks are hashed, so a sequence that grows is hashed once; the
+    tuples are kept for verifying lookups and registering blocks."""
+    chain_tail(tokens[len(keys) * block_size:], block_size, keys, contents, root)
 
 
-def chain_tail(tail: Sequence[int], block_size: int, keys: list[int], contents: list[tuple[int, ...]]) -> None:
+def chain_tail(tail: Sequence[int], block_size: int, keys: list[int], contents: list[tuple[int, ...]],
+               root: int = ROOT_KEY) -> None:
     """``chain_keys`` given only the tokens after the blocks already in ``keys`` (``tail[0]`` is the first token
     of block ``len(keys)``): a growing sequence need not be rebuilt to extend its keys."""
     it = iter(tail[:len(tail) // block_size * block_size])
     new = list(zip(*[it] * block_size))  # the full blocks as tuples, built in C
-    parent = keys[-1] if keys else ROOT_KEY
+    parent = keys[-1] if keys else root
     append = keys.append
     for content in new:
         parent = hash((parent, content))
@@ -74,7 +93,7 @@ class CachedBlock:
     parent_key: int
     tokens: tuple[int, ...]
     serial: int  # unique over the cache's life: names this content
-    parent_serial: int  # the record of the preceding block at registration (ROOT_SERIAL for a first block)
+    parent_serial: int  # the record of the preceding block at registration (a root serial for a first block)
 
 
 @dataclass(slots=True)
@@ -111,11 +130,13 @@ class PrefixCache:
         return self._by_block[block]
 
     # -- lookups and registration ----------------------------------------------------------
-    def match(self, keys: Sequence[int], contents: Sequence[tuple[int, ...]], limit: int) -> list[CachedBlock]:
+    def match(self, keys: Sequence[int], contents: Sequence[tuple[int, ...]], limit: int,
+              root_serial: int = ROOT_SERIAL) -> list[CachedBlock]:
         """The cached records of the longest run of the first ``limit`` full blocks with these keys and token
-        tuples (``chain_keys``), each verified against its tokens and the record before it."""
+        tuples (``chain_keys``), each verified against its tokens and the record before it (the first against
+        ``root_serial``, the request's chain root)."""
         found: list[CachedBlock] = []
-        parent = ROOT_SERIAL
+        parent = root_serial
         by_key = self._by_key
         for j in range(limit):
             rec = by_key.get(keys[j])
@@ -126,20 +147,21 @@ class PrefixCache:
         return found
 
     def register_chains(self, chains: Iterable[tuple[list[int], Sequence[int], Sequence[int],
-                                                      Sequence[tuple[int, ...]], int]]) -> None:
+                                                      Sequence[tuple[int, ...]], int, tuple[int, int]]]) -> None:
         """Offer held blocks as the KV of their tokens, along the chains of several holders at once: for each
-        ``(chain, block_ids, keys, contents, num_full)``, blocks ``len(chain) .. num_full - 1`` (``block_ids``,
-        ``keys`` and ``contents`` indexed by block) after the prefix whose serials ``chain`` lists. Each block's
+        ``(chain, block_ids, keys, contents, num_full, root)``, blocks ``len(chain) .. num_full - 1`` (``block_ids``,
+        ``keys`` and ``contents`` indexed by block) after the prefix whose serials ``chain`` lists (``root``: the
+        request's chain root, ``salted_root``). Each block's
         content gets a new record, or is cached already after the same prefix (that record names it and the block
         stays uncached); its serial is appended to ``chain``. A key that another content owns (a hash collision)
         ends that chain. One loop for a whole admission burst, the new blocks marked cached by one array write."""
         by_key, by_block = self._by_key, self._by_block
         serial = self._next_serial
         marked: list[int] = []
-        for chain, block_ids, keys, contents, num_full in chains:
+        for chain, block_ids, keys, contents, num_full, (root_key, root_serial) in chains:
             first = len(chain)
-            parent_key = keys[first - 1] if first else ROOT_KEY
-            parent_serial = chain[-1] if first else ROOT_SERIAL
+            parent_key = keys[first - 1] if first else root_key
+            parent_serial = chain[-1] if first else root_serial
             for j in range(first, num_full):
                 key, tokens = keys[j], contents[j]
                 rec = by_key.get(key)
@@ -218,7 +240,7 @@ class PrefixCache:
                 raise error(f"cached block {rec.block}: the key table and the block records disagree")
             if len(rec.tokens) != self.block_size or hash((rec.parent_key, rec.tokens)) != key:
                 raise error(f"cached block {rec.block}: its key is not the hash of its parent key and tokens")
-            if not ROOT_SERIAL <= rec.parent_serial < rec.serial < self._next_serial:
+            if not rec.parent_serial < rec.serial < self._next_serial:  # a root serial is ROOT_SERIAL or negative
                 raise error(f"cached block {rec.block}: its parent was registered after it")
         lru = np.fromiter(self._lru, dtype=np.int64, count=len(self._lru))
         expected = np.flatnonzero(self.cached & (ref == 0))

@@ -117,11 +117,11 @@ class PrefixSharer:
         # ``prefill_len`` is the length of ``_prefill_tokens``; the prompt's blocks were hashed on arrival, so only
         # outputs to recompute need hashing here (an admission burst skips building the token list).
         if len(keys) < prefill_len // bs:
-            chain_keys(self._prefill_tokens(request), bs, keys, request.block_contents)
+            chain_keys(self._prefill_tokens(request), bs, keys, request.block_contents, request.cache_root[0])
         limit = (prefill_len - 1) // bs
         if not limit or (request.params.prompt_logprobs is not None and _scores_prompt(request)):
             return NO_HIT  # no full block before the last token; or its prompt is scored (registered once computed)
-        cached = cache.match(keys, request.block_contents, limit)
+        cached = cache.match(keys, request.block_contents, limit, request.cache_root[1])
         if not cached:
             return NO_HIT
         blocks = np.fromiter((rec.block for rec in cached), dtype=np.int64, count=len(cached))  # [k]
@@ -131,7 +131,8 @@ class PrefixSharer:
     def prepare(self, request: Request) -> None:
         """Hash ``request``'s prompt blocks (``Scheduler.add``, on arrival): admission then only looks them up."""
         if self.blocks.prefix is not None and not request.block_keys:
-            chain_keys(request.prompt_token_ids, self.blocks.block_size, request.block_keys, request.block_contents)
+            chain_keys(request.prompt_token_ids, self.blocks.block_size, request.block_keys, request.block_contents,
+                       request.cache_root[0])
 
     def share(self, row: int, hit: PrefixHit) -> None:
         """List ``hit``'s blocks first in ``row`` (just admitted, no blocks yet); its fresh blocks come after them
@@ -255,10 +256,11 @@ class PrefixSharer:
             hashed = len(request.block_keys) * bs
             if hashed < pending.num_full * bs:  # hash the new blocks only: the tokens after the hashed ones
                 tail = request.prompt_token_ids[hashed:] + pending.outputs.tolist()
-                chain_tail(tail, bs, request.block_keys, request.block_contents)
+                chain_tail(tail, bs, request.block_keys, request.block_contents, request.cache_root[0])
             pending.registered = len(pending.parked.chain)
         upto = pending.num_full if max_blocks is None else min(pending.registered + max_blocks, pending.num_full)
-        self.blocks.register_parked(pending.parked, request.block_keys, request.block_contents, upto)
+        self.blocks.register_parked(pending.parked, request.block_keys, request.block_contents, upto,
+                                    request.cache_root)
         pending.registered = upto
         if upto < pending.num_full:
             return False

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from asyncbatch.engine.prefix_cache import salted_root
 from asyncbatch.sampling_params import SamplingParams
 
 
@@ -60,6 +61,8 @@ class Request:
     # computed at the first admission with prefix caching on, extended when outputs fill more blocks.
     block_keys: list[int] = field(default_factory=list)
     block_contents: list[tuple[int, ...]] = field(default_factory=list)
+    # (root key, root serial) its chain starts from: ``prefix_cache.ROOT``, or its cache salt's (``salted_root``).
+    cache_root: tuple[int, int] = field(init=False)
     # Its parameters as ``RowState.admit_many`` writes them (``RowState.constants_of``), computed on arrival.
     row_constants: bytes = b""
     # Its prompt as an int64 array (made with the request, off the planner's path): an admission burst joins the
@@ -68,6 +71,7 @@ class Request:
 
     def __post_init__(self) -> None:
         self.prompt_array = np.asarray(self.prompt_token_ids, dtype=np.int64)
+        self.cache_root = salted_root(self.params.cache_salt)
 
     @property
     def finished(self) -> bool:

@@ -56,6 +56,7 @@ class SamplingFields(_Body):
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: max_model_len)
     allowed_token_ids: list[int] | None = None  # only these ids may be sampled
     bad_words: list[str] | None = None  # words the output never contains (``token_constraints``)
+    cache_salt: str | None = None  # prefix-cache blocks shared only with requests of the same salt
     # vLLM's: the choice also carries its token ids (and the prompt's); on by default without a tokenizer.
     return_token_ids: bool | None = None
     prompt_logprobs: int | None = None

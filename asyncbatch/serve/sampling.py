@@ -195,6 +195,7 @@ def sampling_params(body: SamplingFields, max_tokens: int, *, logprobs: int | No
                 truncate_prompt_tokens=body.truncate_prompt_tokens,
                 allowed_token_ids=body.allowed_token_ids,
                 bad_words=body.bad_words,
+                cache_salt=body.cache_salt,
             ))
         except (ValueError, TypeError) as exc:
             field = _FIELD.match(str(exc))
