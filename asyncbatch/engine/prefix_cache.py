@@ -11,7 +11,9 @@ Equal tokens at different positions, or after different prefixes, get
 different keys. A request with a ``cache_salt`` (vLLM's field: one tenant's
 prompts never hit another's cache) starts its chain at a root of its own
 (``salted_root``): its own root key, and a root serial that its first block's
-record must name, so even equal tokens under two salts share nothing. The hash is Python's own ``hash`` of a tuple of ints: ints
+record must name, so even equal tokens under two salts share nothing.
+
+The hash is Python's own ``hash`` of a tuple of ints: ints
 and tuples of ints hash the same in every process of one CPython build (only
 ``str``/``bytes`` hashing is salted), it costs about a microsecond per block,
 and it needs no serialisation (``hashlib`` would need the tokens as bytes first,
