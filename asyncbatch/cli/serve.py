@@ -55,6 +55,8 @@ def add_serve_command(subparsers) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="uvicorn's access log line per HTTP request")
     p.add_argument("--disable-log-requests", action="store_true", help="no log line per finished request")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let chat requests bring their own chat_template (vLLM's flag; off: a 400)")
     p.add_argument("--structured-outputs-warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="build the grammar compiler at start, so the first structured request does not wait ~1 s "
                         "for it (default: on)")
@@ -107,7 +109,8 @@ def _model_settings_kwargs(args: argparse.Namespace, settings_cls) -> tuple[str 
     names = tuple(args.served_model_name or [model or "smollm2-135m"])
     settings = settings_cls(names, api_key=args.api_key, max_waiting=args.max_waiting,
                             max_body_bytes=args.max_request_bytes, shutdown_timeout_s=args.shutdown_timeout,
-                            log_requests=not args.disable_log_requests)
+                            log_requests=not args.disable_log_requests,
+                            trust_request_chat_template=args.trust_request_chat_template)
     kwargs = engine_kwargs(args, overlap=not args.no_overlap)
     kwargs.update(max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
                   skip_tokenizer_init=args.skip_tokenizer_init, num_threads=args.num_threads,

@@ -127,7 +127,7 @@ class InputProcessor:
             raise ValueError("chat needs a tokenizer, but the engine has none (skip_tokenizer_init=True)")
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
-        if getattr(self.tokenizer, "chat_template", None) is None:
+        if getattr(self.tokenizer, "chat_template", None) is None and template_kwargs.get("chat_template") is None:
             raise ValueError("the tokenizer has no chat template; pass chat_template= (--chat-template)")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true: the first "

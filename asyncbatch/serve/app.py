@@ -117,7 +117,8 @@ def build_app(engine: AsyncEngineClient, settings: ServeSettings, *,
             special = body.add_special_tokens if "add_special_tokens" in body.model_fields_set else False
             chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=body.add_generation_prompt,
                                          continue_final_message=body.continue_final_message,
-                                         chat_template_kwargs=body.chat_template_kwargs, add_special_tokens=special)
+                                         chat_template_kwargs=body.chat_template_kwargs, add_special_tokens=special,
+                                         chat_template=body.chat_template)
             ids = chat_prompt_ids(state, chat)
         else:
             ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)

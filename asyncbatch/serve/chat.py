@@ -51,11 +51,16 @@ def template_messages(messages: list[ChatMessage]) -> list[dict]:
 def chat_prompt_ids(state: ServerState, body: ChatCompletionRequest, plan: ToolPlan | None = None) -> list[int]:
     """The conversation's token ids under the chat template, with the tools of ``plan`` (``tool_calls``)."""
     processor = state.engine.processor
-    template = getattr(processor.tokenizer, "chat_template", None)
+    if body.chat_template is not None and not state.settings.trust_request_chat_template:
+        raise OpenAIError(400, "chat_template: this server does not take a request's own chat template (start it "
+                               "with --trust-request-chat-template)", param="chat_template")
+    template = body.chat_template or getattr(processor.tokenizer, "chat_template", None)
     messages, tool_kwargs = template_inputs(template_messages(body.messages), plan,
                                             template_supports_tools(template))
     # chat_template_kwargs may set the two switches too, and win over the fields (as in vLLM).
     kwargs = {**tool_kwargs, **(body.chat_template_kwargs or {})}
+    if body.chat_template is not None:
+        kwargs["chat_template"] = body.chat_template
     generation = bool(kwargs.pop("add_generation_prompt", body.add_generation_prompt))
     continued = bool(kwargs.pop("continue_final_message", body.continue_final_message))
     try:  # the processor's ValueErrors (both switches set, no messages) are 400s naming their field
@@ -64,7 +69,7 @@ def chat_prompt_ids(state: ServerState, body: ChatCompletionRequest, plan: ToolP
         raise
     except Exception as exc:
         raise OpenAIError(400, f"the chat template failed on these messages: {type(exc).__name__}: {exc}",
-                          param="messages") from exc
+                          param="chat_template" if body.chat_template is not None else "messages") from exc
 
 
 def _finish_reason(reason: str | None, called: bool) -> str | None:

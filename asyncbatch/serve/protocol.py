@@ -109,6 +109,7 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False  # vLLM's: the last (assistant) message is continued, not closed
     chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False  # vLLM's: the tokenizer's own special tokens around the rendered template
+    chat_template: str | None = None  # vLLM's: this request's Jinja template (``--trust-request-chat-template``)
 
 
 class TokenizeRequest(_Body):
@@ -121,6 +122,7 @@ class TokenizeRequest(_Body):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # as the chat route's (``--trust-request-chat-template``)
 
 
 class DetokenizeRequest(_Body):

@@ -10,7 +10,9 @@ class ServeSettings:
     """``served_model_names``: the names ``model`` may take in requests (the first is reported); ``api_key``:
     required as a Bearer token on ``/v1`` when set; ``max_waiting``: requests not yet scheduled beyond which
     new ones get 503 with ``Retry-After`` (None: unbounded); ``max_body_bytes``: larger bodies get 413;
-    ``shutdown_timeout_s``: after SIGTERM, how long in-flight requests may run before they are aborted."""
+    ``shutdown_timeout_s``: after SIGTERM, how long in-flight requests may run before they are aborted;
+    ``trust_request_chat_template``: a chat request may bring its own Jinja ``chat_template`` (vLLM's flag of the
+    same name; off: such a request is a 400, since a template runs as code in the server's sandboxed Jinja)."""
 
     served_model_names: tuple[str, ...]
     api_key: str | None = None
@@ -19,6 +21,7 @@ class ServeSettings:
     shutdown_timeout_s: float = 30.0
     retry_after_s: int = 1
     log_requests: bool = True
+    trust_request_chat_template: bool = False
 
     def __post_init__(self) -> None:
         if not self.served_model_names or not all(self.served_model_names):
