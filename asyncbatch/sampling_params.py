@@ -27,6 +27,16 @@ def _check_int(name: str, value: object) -> int:
     return int(value)
 
 
+def _check_token_ids(name: str, value: object) -> list[int]:
+    """A list of token ids (ints >= 0; the vocabulary bound is the input processor's check)."""
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise TypeError(f"SamplingParams.{name} must be a list of ints")
+    ids = [_check_int(f"{name}[]", t) for t in value]
+    if any(t < 0 for t in ids):
+        raise ValueError(f"SamplingParams.{name} must be >= 0")
+    return ids
+
+
 def _check_float(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, Real):
         raise TypeError(f"SamplingParams.{name} must be a number, got {type(value).__name__}")
@@ -132,11 +142,7 @@ class SamplingParams:
         if self._stop and not self.detokenize:
             raise ValueError("SamplingParams.stop needs detokenize=True (stop strings are matched in the text)")
         if self.stop_token_ids is not None:
-            if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
-                raise TypeError("SamplingParams.stop_token_ids must be a list of ints")
-            self.stop_token_ids = [_check_int("stop_token_ids[]", t) for t in self.stop_token_ids]
-            if any(t < 0 for t in self.stop_token_ids):
-                raise ValueError("SamplingParams.stop_token_ids must be >= 0")
+            self.stop_token_ids = _check_token_ids("stop_token_ids", self.stop_token_ids)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
@@ -155,13 +161,9 @@ class SamplingParams:
                 raise ValueError("SamplingParams.truncate_prompt_tokens must be -1 (max_model_len) or >= 1, got "
                                  f"{self.truncate_prompt_tokens}")
         if self.allowed_token_ids is not None:
-            if isinstance(self.allowed_token_ids, (str, bytes)) or not hasattr(self.allowed_token_ids, "__iter__"):
-                raise TypeError("SamplingParams.allowed_token_ids must be a list of ints")
-            self.allowed_token_ids = [_check_int("allowed_token_ids[]", t) for t in self.allowed_token_ids]
+            self.allowed_token_ids = _check_token_ids("allowed_token_ids", self.allowed_token_ids)
             if not self.allowed_token_ids:
                 raise ValueError("SamplingParams.allowed_token_ids must not be empty (None allows every token)")
-            if any(t < 0 for t in self.allowed_token_ids):
-                raise ValueError("SamplingParams.allowed_token_ids must be >= 0")
         if self.bad_words is not None:
             if isinstance(self.bad_words, (str, bytes)) or not hasattr(self.bad_words, "__iter__"):
                 raise TypeError("SamplingParams.bad_words must be a list of strings")
