@@ -178,13 +178,15 @@ class GrammarState:
         """The constraints' part of ``advance``: ``refused`` (the matchers' refusals) with theirs merged in, in
         position order; a request already refused feeds its constraint nothing more."""
         constraints = self.constraints
+        # Only the constrained requests' positions, found in one array operation: a step's kept tokens may be a
+        # thousand rows' while a few requests have a constraint.
+        index = np.isin(seqs, np.fromiter(constraints, dtype=np.int64, count=len(constraints))).nonzero()[0]
+        if not len(index):
+            return refused
         ended = set(seqs[refused].tolist()) if refused else set()
         out = set(refused)
-        for i, (seq, token) in enumerate(zip(seqs.tolist(), tokens.tolist())):
-            constraint = constraints.get(seq)
-            if constraint is None:
-                continue
-            if seq in ended or not constraint.accept(token):
+        for i, seq, token in zip(index.tolist(), seqs[index].tolist(), tokens[index].tolist()):
+            if seq in ended or not constraints[seq].accept(token):
                 ended.add(seq)
                 out.add(i)
         return sorted(out)
