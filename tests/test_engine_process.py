@@ -10,9 +10,11 @@ import threading
 import time
 
 import pytest
+import torch
 from tiny_models import save_tiny_model
 
 from asyncbatch import EngineDeadError, SamplingParams, SimConfig
+from asyncbatch.model.packed_linears import F32_PACKED_ENV, packs_weights
 
 # Long enough that requests are still running when the test acts on them.
 SLOW_SIM = SimConfig(step_fixed_ms=2.0, per_token_us=0.0, per_context_token_ns=0.0, output_len_distribution="fixed",
@@ -23,6 +25,12 @@ FAST_SIM = SimConfig(step_fixed_ms=0.2, output_len_min=4, output_len_max=40)
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return save_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", "LlamaForCausalLM")
+
+
+def packs_weights_at_all() -> bool:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(F32_PACKED_ENV, "1")
+        return packs_weights(torch.float32, torch.device("cpu"))
 
 
 def core_pids() -> list[int]:
@@ -195,6 +203,21 @@ def test_two_engines_in_one_process(make_llm):
     a.close()
     assert len(core_pids()) == 1
     assert b.generate([[7]], params, use_tqdm=False)[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.skipif(not packs_weights_at_all(), reason="this torch build has no oneDNN packed products")
+def test_a_core_started_later_reads_the_callers_environment_of_now(make_llm, tiny_dir, monkeypatch):
+    """Cores are forked from a server that froze its environment when it started: a setting the caller
+    changes between two engines must reach the second one's core all the same (here whether float32 weights
+    are packed for oneDNN)."""
+    packed = {}
+    for asked in ("0", "1", "0"):
+        monkeypatch.setenv(F32_PACKED_ENV, asked)
+        llm = make_llm(str(tiny_dir), device="cpu", dtype="float32", num_kv_blocks=16)
+        packed.setdefault(asked, set()).add(llm.executor_info["packed_linears"])
+        llm.close()
+    assert packed["0"] == {0}
+    assert len(packed["1"]) == 1 and min(packed["1"]) > 0
 
 
 def test_ctrl_c_in_the_caller_does_not_reach_the_core(make_llm):

@@ -24,6 +24,7 @@ import contextlib
 import itertools
 import multiprocessing
 import multiprocessing.spawn as mp_spawn
+import os
 import queue
 import threading
 import weakref
@@ -102,8 +103,8 @@ class CoreClient:
         if config.engine_process:
             ctx = _process_context()
             self._conn, child = ctx.Pipe(duplex=True)
-            self.process = ctx.Process(target=core_main, args=(config, spec, child), name="asyncbatch-core",
-                                       daemon=True)
+            self.process = ctx.Process(target=core_main, args=(config, spec, child, dict(os.environ)),
+                                       name="asyncbatch-core", daemon=True)
             with _without_main_module():
                 self.process.start()
             child.close()  # only the child holds that end now: its death reads as EOF here

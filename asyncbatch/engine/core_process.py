@@ -12,12 +12,17 @@ device keeps running and the outputs reach the frontend as fast as it reads them
 The fork server preloads ``core_preload`` (this module, the executors, the
 model families' config modules, torch._dynamo) once, so every core after the
 first starts by a fork of an interpreter that has already paid for those
-imports; the frontend importing this module pays for none of them.
+imports; the frontend importing this module pays for none of them. A fork of
+the server inherits the server's environment, frozen when the first core
+started, so the caller sends its own and the core adopts it before anything
+reads a setting (``ASYNCBATCH_DECODE_KERNEL`` set between two engines once
+reached only the first).
 """
 
 from __future__ import annotations
 
 import gc
+import os
 import queue
 import signal
 import threading
@@ -34,8 +39,10 @@ from asyncbatch.profiling.stack_dump import dump_stacks_on_signal
 _POLL_S = 0.5  # how often the main thread checks that the planner is still alive
 
 
-def core_main(config: EngineConfig, spec: ModelSpec, conn: Connection) -> None:
-    """Entry point of the core process (``multiprocessing`` target)."""
+def core_main(config: EngineConfig, spec: ModelSpec, conn: Connection, environ: dict[str, str]) -> None:
+    """Entry point of the core process (``multiprocessing`` target); ``environ``: the caller's environment
+    when it started this core."""
+    adopt_environment(environ)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C belongs to the caller, who closes us
     dump_stacks_on_signal()  # kill -USR1: every thread's stack to stderr (a core that stops making progress)
     enable_nvtx(spec.nvtx)
@@ -70,6 +77,15 @@ def core_main(config: EngineConfig, spec: ModelSpec, conn: Connection) -> None:
 
 
 _STOP = object()
+
+
+def adopt_environment(environ: dict[str, str]) -> None:
+    """Make this process's environment ``environ``: the engine's settings read from variables
+    (``ASYNCBATCH_*``, Triton's, CUDA's before it starts) are then the caller's of now, as for a spawned
+    process, and not the fork server's of when it started."""
+    if environ != os.environ:
+        os.environ.clear()
+        os.environ.update(environ)
 
 
 def _send_loop(outbox: queue.SimpleQueue, conn: Connection) -> None:

@@ -29,6 +29,7 @@ from asyncbatch.executors.kernel_threads import claim_kernel_threads
 from asyncbatch.model.compiled_decode import CompiledDecode, is_pure_decode
 from asyncbatch.model.forward_batch import ForwardBatch, PagedForwardBatch, PrefillRow
 from asyncbatch.model.llama import CausalLM
+from asyncbatch.model.packed_linears import PackedLinear
 from asyncbatch.model.quantization import packed_bytes
 from asyncbatch.profiling.marks import mark
 from asyncbatch.profiling.memory import module_mib, tensor_mib
@@ -684,4 +685,6 @@ class TorchExecutor(ThreadedExecutor):
                 "torch_threads": self.kernel_threads,
                 "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                 "compile_decode": self.compile_seconds is not None, "compile_seconds": self.compile_seconds,
-                "compiled_steps": self._torch_step.compiled_steps}
+                "compiled_steps": self._torch_step.compiled_steps,
+                # Decoder linears multiplying through oneDNN's packed weights (``packed_linears``).
+                "packed_linears": sum(isinstance(m, PackedLinear) for m in self.model.modules())}

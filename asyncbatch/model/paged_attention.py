@@ -28,7 +28,9 @@ from asyncbatch.model.forward_batch import ForwardBatch
 from asyncbatch.model.kv_write_op import write_kv_in_place
 
 ATTENTION_BACKENDS = ("auto", "triton", "torch")
-_backend = os.environ.get("ASYNCBATCH_ATTENTION", "auto")
+# None until the first CUDA call reads ``ASYNCBATCH_ATTENTION``: an engine core forked from the fork server
+# (which imported this module) adopts its caller's environment first (``core_process.adopt_environment``).
+_backend: str | None = None
 _triton: ModuleType | None = None
 _triton_missing = False
 
@@ -44,7 +46,11 @@ def set_attention_backend(name: str) -> None:
 def triton_kernels(device: torch.device) -> ModuleType | None:
     """The ``triton_attention`` module if attention on ``device`` should use it, else None."""
     global _triton, _triton_missing
-    if device.type != "cuda" or _backend == "torch":
+    if device.type != "cuda":
+        return None
+    if _backend is None:
+        set_attention_backend(os.environ.get("ASYNCBATCH_ATTENTION", "auto"))
+    if _backend == "torch":
         return None
     if _triton is None and not _triton_missing:
         try:
