@@ -6,8 +6,8 @@ head_dim 64, KV block size 16) on random data with every row's blocks
 scattered through the cache:
 
 * decode: ``--rows`` rows of ``--context`` cached tokens each (or each of
-  ``--decode-shapes``); the engine's grouped kernel (``decode_launch``) and
-  its key tiles x warps; the split kernel (``split_decode``) as it chooses
+  ``--decode-shapes``); the grouped kernel (``decode_launch``) and its key
+  tiles x warps; the split kernel (``split_decode``, the engine's) as it chooses
   for the shape and its neighbours (split counts, key tiles, warps; all of
   them, and pipeline stages, with ``--sweep``); and the torch reference
   (gather + SDPA) the engine falls back to without Triton; with the KV bytes
@@ -114,10 +114,11 @@ DecodeFn = Callable[..., torch.Tensor]
 
 
 def grouped_variants(q: torch.Tensor, k_cache: torch.Tensor) -> dict[str, tuple[DecodeFn, kernels.KernelLaunch]]:
-    """The grouped kernel (the engine's default): ``decode_launch``'s choice, then key tiles x warps."""
+    """The grouped kernel (the engine's until the first GPU run): ``decode_launch``'s choice, then key tiles x
+    warps."""
     heads, head_dim = q.shape[1], q.shape[2]
     chosen = kernels.decode_launch(heads // k_cache.shape[2], head_dim, k_cache.shape[1])
-    variants = {f"grouped N{chosen.constexprs['BLOCK_N']}, {chosen.num_warps} warps (engine)":
+    variants = {f"grouped N{chosen.constexprs['BLOCK_N']}, {chosen.num_warps} warps (its choice)":
                 (kernels.decode_attention, chosen)}
     for block_n in (16, 32, 64):
         for warps in (4, 8):
@@ -140,13 +141,13 @@ def split_variants(q: torch.Tensor, k_cache: torch.Tensor, table_width: int,
         stages = "" if launch.num_stages is None else f", {launch.num_stages} stages"
         return f"split S{k['SPLITS']} N{k['BLOCK_N']}, {launch.num_warps} warps{stages}"
 
-    variants = {f"{name(chosen)} (its choice)": (split_decode.split_decode_attention, chosen)}
+    variants = {f"{name(chosen)} (engine)": (split_decode.split_decode_attention, chosen)}
     if sweep:
         grid = [(s, n, 4, None) for s in (1, 2, 4, 8, 16) for n in (16, 32, 64)]
         grid += [(c["SPLITS"], c["BLOCK_N"], w, st) for w in (2, 4, 8) for st in (1, 2, 3)]
     else:
-        grid = [(max(1, c["SPLITS"] // 2), c["BLOCK_N"], 4, None), (c["SPLITS"] * 2, c["BLOCK_N"], 4, None),
-                (c["SPLITS"], 16, 4, None), (c["SPLITS"], 64, 4, None), (c["SPLITS"], c["BLOCK_N"], 8, None)]
+        grid = [(max(1, c["SPLITS"] // 2), c["BLOCK_N"], 4, None), (c["SPLITS"] * 2, c["BLOCK_N"], 4, None)]
+        grid += [(c["SPLITS"], n, 4, None) for n in (16, 32, 64)] + [(c["SPLITS"], c["BLOCK_N"], 8, None)]
     for splits, block_n, warps, stages in grid:
         launch = kernels.KernelLaunch({**c, "SPLITS": splits, "BLOCK_N": block_n}, warps, stages)
         if launch != chosen:
@@ -168,7 +169,7 @@ def bench_decode(args, rows: int, context: int, device: torch.device, dtype: tor
     kv_bytes = 2 * rows * context * kv_heads * d * k_cache.element_size()
     shape = f"{rows}x{context}"
     variants = grouped_variants(q, k_cache) | split_variants(q, k_cache, tables.shape[1], args.sweep)
-    want = kernels.decode_attention(q, k_cache, v_cache, tables, lens, scale)  # the engine's default kernel
+    want = kernels.decode_attention(q, k_cache, v_cache, tables, lens, scale)  # the grouped kernel's choice
     results = []
     for name, (fn, launch) in variants.items():
         out = torch.empty_like(q)

@@ -3,8 +3,9 @@
 
 Runs the same greedy workload (``--num-requests`` requests submitted at once,
 ``ignore_eos``) through six engines, bfloat16 on ``cuda``: {overlap, sync} ×
-{graphs on, graphs off} with the grouped decode kernel, overlap + graphs
-with the split one (``split_decode``), and overlap + graphs with one request
+{graphs on, graphs off} with the engine's decode kernel (``split_decode``),
+overlap + graphs with the grouped one (``triton_attention.decode_attention``,
+the default before the first GPU run), and overlap + graphs with one request
 in 16 asking for logprobs or a repetition penalty (such steps replay their
 forward alone and sample eagerly); each engine warms up, then runs
 ``--repeats`` times.
@@ -12,7 +13,9 @@ Writes ``report.json`` and ``report.md`` into ``--out`` and prints a short
 table last. Figures per engine: output tokens/s (wall clock), device busy
 fraction and idle gap per step (whole run, and the steady decode window:
 after the last prefill step, while every request still decodes), planner time
-per step, graph capture time and graph pool memory.
+and device time per step (whole run, steady window), planner time per step,
+graph capture time and graph pool memory, and the decode kernel the engine
+core reported it launched.
 
 The model: the first complete checkout of SmolLM2-135M found under
 ``--model``, ``$ASYNCBATCH_CACHE``, ``./.cache/asyncbatch``, ``~/.cache/asyncbatch``
@@ -188,10 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     # The newest comparisons first: a run cut by gpu_check.sh's time limit keeps them (the report is written
     # after every engine).
-    parser.add_argument("--configs", default="overlap+graphs,overlap+graphs+split,overlap+graphs+extras,sync+graphs,"
+    parser.add_argument("--configs", default="overlap+graphs,overlap+graphs+grouped,overlap+graphs+extras,sync+graphs,"
                                              "overlap+eager,sync+eager",
-                        help="MODE+KIND[+TAG...],...: overlap|sync, graphs|eager; tags: split (the split decode "
-                             "kernel), extras (one request in 16 with logprobs or a repetition penalty)")
+                        help="MODE+KIND[+TAG...],...: overlap|sync, graphs|eager; tags: grouped (the grouped decode "
+                             "kernel, not the split one), extras (one request in 16 with logprobs or a repetition "
+                             "penalty)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -215,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         mode, kind, *tags = name.split("+")
         print(f"running {name} ...", flush=True)
         try:
-            use_decode_kernel("split" if "split" in tags else "grouped")
+            use_decode_kernel("grouped" if "grouped" in tags else "split")
             run_params = with_extras(params) if "extras" in tags else params
             results[name] = run_engine(model, kind == "graphs", mode == "overlap", prompts, run_params, args)
         except Exception as exc:  # noqa: BLE001 - one broken configuration must not hide the others
@@ -248,7 +252,7 @@ def ratios(results: dict) -> dict:
                         ("overlap/sync (eager)", "overlap+eager", "sync+eager"),
                         ("graphs/eager (overlap)", "overlap+graphs", "overlap+eager"),
                         ("graphs/eager (sync)", "sync+graphs", "sync+eager"),
-                        ("split/grouped decode kernel (overlap+graphs)", "overlap+graphs+split", "overlap+graphs"),
+                        ("split/grouped decode kernel (overlap+graphs)", "overlap+graphs", "overlap+graphs+grouped"),
                         ("with extras/without (overlap+graphs)", "overlap+graphs+extras", "overlap+graphs")):
         if tps(a) and tps(b):
             out[label] = {"throughput_ratio": tps(a) / tps(b), "identical_requests": same(a, b)}
@@ -258,8 +262,9 @@ def ratios(results: dict) -> dict:
 def render(report: dict) -> str:
     lines = [report["model_note"], (f"device: {report['device']}, torch {report['torch']}, "
              f"{report['workload']['requests']} requests, {report['workload']['dtype']}, greedy"),
-             (f"{'config':<20} {'tok/s':>9} {'busy%':>6} {'steady%':>8} {'gap ms':>7} {'st.gap':>7} "
-             f"{'dev ms':>7} {'plan ms':>7} {'capture s':>9} {'pool MiB':>8} {'graphs':>6}")]
+             (f"{'config':<22} {'tok/s':>9} {'busy%':>6} {'steady%':>8} {'gap ms':>7} {'st.gap':>7} "
+             f"{'dev ms':>7} {'st.dev':>7} {'plan ms':>7} {'capture s':>9} {'pool MiB':>8} {'graphs':>6} "
+             f"{'decode':>7}")]
     for name, r in report["results"].items():
         if "error" in r:
             lines.append(f"{name:<20} FAILED: {r['error'][:200]}")
@@ -267,11 +272,12 @@ def render(report: dict) -> str:
         best, stats = r["best"], r["executor"].get("cuda_graph_stats", {})
         whole, steady = best["whole"], best["steady"]
         lines.append(
-            f"{name:<20} {best['tok_per_s']:>9.0f} {100 * whole.get('device_busy_fraction', 0):>6.2f} "
+            f"{name:<22} {best['tok_per_s']:>9.0f} {100 * whole.get('device_busy_fraction', 0):>6.2f} "
             f"{100 * steady.get('device_busy_fraction', 0):>8.2f} {whole.get('idle_gap_ms_mean', 0):>7.3f} "
             f"{steady.get('idle_gap_ms_mean', 0):>7.3f} {whole.get('device_ms_per_step', 0):>7.2f} "
-            f"{whole.get('planner_ms_per_step', 0):>7.2f} {stats.get('capture_s', 0):>9.1f} "
-            f"{stats.get('pool_bytes', 0) / 2**20:>8.0f} {r['cuda_graphs_active']!s:>6}")
+            f"{steady.get('device_ms_per_step', 0):>7.2f} {whole.get('planner_ms_per_step', 0):>7.2f} "
+            f"{stats.get('capture_s', 0):>9.1f} {stats.get('pool_bytes', 0) / 2**20:>8.0f} "
+            f"{r['cuda_graphs_active']!s:>6} {r['executor'].get('decode_kernel', '-'):>7}")
     for label, ratio in report["ratios"].items():
         lines.append(f"{label}: {ratio['throughput_ratio']:.2f}x (identical requests: "
                      f"{100 * (ratio['identical_requests'] or 0):.0f}%)")

@@ -15,7 +15,7 @@
 #                     device time by kernel kind and name, graph
 #                     replay beside it)                            <=  50 s    -> $OUT/step_profile.md
 #   5. benchmark     (SmolLM2-135M bf16, 256 requests: overlap/sync x
-#                     graphs on/off; overlap+graphs with the split
+#                     graphs on/off; overlap+graphs with the grouped
 #                     decode kernel, and with logprobs / penalty
 #                     rows among the requests)                     <= 210 s    -> $OUT/bench.log, report.json
 #   6. summary       (test counts, the tables; printed last)                   -> $OUT/summary.txt

@@ -181,17 +181,23 @@ def test_engine_steady_state_has_no_host_sync(make_llm, tiny_path):
 
 
 def test_engine_split_decode_kernel_agrees(make_llm, tiny_path, monkeypatch):
-    """The split decode kernel (``split_decode``: a few rows, so several runs per row and the merge kernel)
-    in captured graphs and eager steps, overlap and sync: the grouped kernel's tokens."""
+    """The split decode kernel (``split_decode``, the default: a few rows, so several runs per row and the
+    merge kernel) in captured graphs and eager steps, overlap and sync: the grouped kernel's tokens. Each
+    engine reports the kernel it launched: a variable set after the fork server started reaches its core."""
     from asyncbatch.model import triton_attention
 
-    want, _ = run_engine(make_llm, tiny_path)
-    monkeypatch.setenv("ASYNCBATCH_DECODE_KERNEL", "split")  # an engine-core process reads it at import
-    triton_attention.set_decode_kernel("split")
+    previous = triton_attention.decode_kernel()
     try:
-        for graphs in (True, False):
-            for overlap in (True, False):
-                got, _ = run_engine(make_llm, tiny_path, enable_cuda_graphs=graphs, overlap=overlap)
-                assert got == want, (graphs, overlap)
+        runs = {}
+        for kernel in triton_attention.DECODE_KERNELS:
+            monkeypatch.setenv("ASYNCBATCH_DECODE_KERNEL", kernel)  # an engine-core process reads it at import
+            triton_attention.set_decode_kernel(kernel)  # an in-process engine
+            for graphs in (True, False):
+                for overlap in (True, False):
+                    runs[kernel, graphs, overlap], info = run_engine(make_llm, tiny_path, enable_cuda_graphs=graphs,
+                                                                     overlap=overlap)
+                    assert info["decode_kernel"] == kernel
     finally:
-        triton_attention.set_decode_kernel("grouped")
+        triton_attention.set_decode_kernel(previous)
+    want = runs["grouped", False, False]
+    assert all(tokens == want for tokens in runs.values())

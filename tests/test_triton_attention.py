@@ -76,10 +76,12 @@ def clean(table: torch.Tensor, num_blocks: int) -> torch.Tensor:
     (8, 2, 32, 8),  # group of 4
     (6, 2, 24, 4),  # head_dim padded to 32
 ])
-@pytest.mark.parametrize("splits", [None, 1, 2, 16], ids=["grouped", "split-1", "split-2", "split-16"])
-def test_decode_kernel_matches_reference(dtype, heads, kv_heads, head_dim, block_size, splits):
+@pytest.mark.parametrize("splits,block_n", [(None, None), (1, None), (2, None), (16, None), (2, 64)],
+                         ids=["grouped", "split-1", "split-2", "split-16", "split-2-n64"])
+def test_decode_kernel_matches_reference(dtype, heads, kv_heads, head_dim, block_size, splits, block_n):
     """``splits``: None runs the grouped kernel, a number the split kernel with that many runs per row
-    (16: more runs than tiles, most of them empty)."""
+    (16: more runs than tiles, most of them empty); ``block_n``: its keys per tile, where not its choice
+    (64, the tensor-core choice, also in the interpreter)."""
     lens = [1, 7, block_size, 3 * block_size + 5, 70, 0]  # 0: a row with nothing to attend writes zeros
     needed = [-(-n // block_size) for n in lens]
     width = max(needed) + 3  # wider than any row needs, as in a captured graph
@@ -94,7 +96,7 @@ def test_decode_kernel_matches_reference(dtype, heads, kv_heads, head_dim, block
         out = kernels.decode_attention(*args)
     else:
         launch = split_decode.split_decode_launch(heads // kv_heads, head_dim, block_size, splits,
-                                                  fp32_dot=dtype == torch.float32 or not _CUDA)
+                                                  fp32_dot=dtype == torch.float32 or not _CUDA, block_n=block_n)
         out = split_decode.split_decode_attention(*args, launch=launch)
     assert out.dtype == dtype and out.shape == q.shape
     assert torch.all(out[-1] == 0)
@@ -214,11 +216,12 @@ def test_mixed_batch_dispatch_matches_reference(paged, decode_kernel):
                                           max_prefill_len=max(r.q_len for r in prefill_rows))
     else:
         batch = ForwardBatch(**fields)
+    previous = kernels.decode_kernel()
     kernels.set_decode_kernel(decode_kernel)
     try:
         out = kernels.paged_attention(q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), batch, 0.25)
     finally:
-        kernels.set_decode_kernel("grouped")
+        kernels.set_decode_kernel(previous)
     ref = torch.empty(q.shape, dtype=torch.float64)
     ref[:2] = reference.decode_attention(q[:2].double(), k_cache.double(), v_cache.double(),
                                          clean(decode_tables, k_cache.shape[0]), decode_lens, 0.25)

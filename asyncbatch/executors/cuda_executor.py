@@ -315,6 +315,8 @@ class CudaExecutor(Executor):
     def describe(self) -> dict:
         info = {**super().describe(), **self._torch_step.memory_info()}
         info["attention"] = "triton" if self._triton is not None else "torch"
+        if self._triton is not None:
+            info["decode_kernel"] = self._triton.decode_kernel()
         info["cuda_graphs"] = self.graphs is not None
         if self.graphs is None:
             info["cuda_graphs_off_reason"] = self.graphs_off_reason

@@ -15,15 +15,14 @@ multiplies keys element-wise on CUDA cores. This one differs twice:
 KV heads, the block table's width and the GPU's multiprocessors), never from
 the context lengths' values, so a captured CUDA graph stays valid.
 
-Status: correct against the torch reference (tests/test_triton_attention.py,
-in the CPU interpreter) and compiled for sm_90 (scripts/kernel_resources.py),
-but not yet timed on a GPU: the engine uses it only where
-``ASYNCBATCH_DECODE_KERNEL=split`` (or ``set_decode_kernel("split")``) asks,
-and ``scripts/gpu_check.sh`` measures both kernels side by side. Why it was
-written: on an H200 the first kernel read 256 rows x 512 cached tokens of
-SmolLM2-135M's shape at 436 GB/s, slower than the torch reference's gather
-+ SDPA (816 GB/s; profiles/gpu-check-nvidia-h200-2026-12-04): ptxas gives it
-242 registers per thread, two programs per multiprocessor.
+The engine's default decode kernel since its first GPU timing (H200, Triton
+3.6, SmolLM2-135M's shape, bf16; profiles/gpu-check-nvidia-h200-*): 35-41 us
+where ``triton_attention``'s kernel took 229 us at 256 rows x 512 cached
+tokens (2.5-2.8 TB/s of KV read against 0.44), and 11-13 us against 445 us
+at 8 rows x 4,096. ``ASYNCBATCH_DECODE_KERNEL=grouped`` (or
+``set_decode_kernel("grouped")``) asks for the other one. Why it was written:
+ptxas gives the first kernel 242 registers per thread, two programs per
+multiprocessor, each walking its row's context alone.
 """
 
 import functools
@@ -43,7 +42,6 @@ from asyncbatch.model.triton_tiles import (
     tile_slots,
 )
 
-_BLOCK_N = 32
 # Programs to aim for per multiprocessor, and the most runs a row's context is cut into.
 _PROGRAMS_PER_SM = 8
 _MAX_SPLITS = 16
@@ -121,6 +119,13 @@ def _decode_merge_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_o
     tl.store(out_ptr + row * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
+def keys_per_tile(fp32_dot: bool) -> int:
+    """``BLOCK_N``: 64 on tensor cores (on the H200 1.15x faster than 32 at both shapes timed, with the same
+    split counts); 32 where the products run in IEEE float32 (float32 models, the CPU interpreter), whose
+    sums take twice the registers, and which no GPU has timed."""
+    return 32 if fp32_dot else 64
+
+
 @functools.cache  # one lookup per device, not one per layer
 def _multiprocessors(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device."""
@@ -143,7 +148,7 @@ def decode_splits(rows: int, kv_heads: int, max_tiles: int, multiprocessors: int
 
 @functools.cache  # called by every layer of every eager step: choose once per shape
 def split_decode_launch(group: int, head_dim: int, block_size: int, splits: int = 1,
-                        fp32_dot: bool = False) -> KernelLaunch:
+                        fp32_dot: bool = False, block_n: int | None = None) -> KernelLaunch:
     """The split decode kernel's launch for a model shape (``group`` query heads per KV head).
 
     The group's query heads are the rows of a tensor-core product, padded to
@@ -152,11 +157,12 @@ def split_decode_launch(group: int, head_dim: int, block_size: int, splits: int 
     tile of scores rather than the grouped kernel's ``GROUP_PAD x BLOCK_N x
     DIM_PAD`` products (167 registers a thread against 242 for SmolLM2's
     shape with Triton 3.6); ``fp32_dot``: IEEE float32 products (float32
-    models, and the CPU interpreter).
+    models, and the CPU interpreter); ``block_n`` overrides ``keys_per_tile``.
     """
     group_pad, dim_pad = max(16, triton.next_power_of_2(group)), max(16, triton.next_power_of_2(head_dim))
     constexprs = {"GROUP": group, "GROUP_PAD": group_pad, "HEAD_DIM": head_dim, "DIM_PAD": dim_pad,
-                  "BLOCK_SIZE": block_size, "BLOCK_N": _BLOCK_N, "SPLITS": splits, "FP32_DOT": fp32_dot}
+                  "BLOCK_SIZE": block_size, "BLOCK_N": block_n or keys_per_tile(fp32_dot), "SPLITS": splits,
+                  "FP32_DOT": fp32_dot}
     # 8 warps once the float32 sums and a tile's addresses outgrow 4 warps' registers (ptxas for sm_90 spilled
     # float32 products at head_dim 128 with 4: scripts/kernel_resources.py).
     wide = group_pad * dim_pad * (2 if fp32_dot else 1) > 2048
@@ -182,12 +188,12 @@ def engine_launch(q: torch.Tensor, k_cache: torch.Tensor, table_width: int) -> K
     (row, KV head) in the CPU interpreter, which runs programs one after another."""
     rows, heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    fp32_dot = q.dtype == torch.float32 or not q.is_cuda
     splits = 1
     if q.is_cuda:
-        max_tiles = -(-table_width * block_size // _BLOCK_N)
+        max_tiles = -(-table_width * block_size // keys_per_tile(fp32_dot))
         splits = decode_splits(rows, kv_heads, max_tiles, _multiprocessors(q.device))
-    return split_decode_launch(heads // kv_heads, head_dim, block_size, splits,
-                               fp32_dot=q.dtype == torch.float32 or not q.is_cuda)
+    return split_decode_launch(heads // kv_heads, head_dim, block_size, splits, fp32_dot=fp32_dot)
 
 
 def split_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

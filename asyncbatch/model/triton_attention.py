@@ -10,9 +10,10 @@ softmax in float32 (the cache layout is ``paged_attention``'s:
   row only*, so a block table may be as wide as ``max_blocks_per_seq`` (the
   static shape a CUDA graph captures) without costing anything: entries past
   a row's context are never read. A row with context length 0 writes zeros.
-  (``split_decode`` holds a second decode kernel, tensor-core products over a
-  context split among programs; ``set_decode_kernel`` or
-  ``ASYNCBATCH_DECODE_KERNEL`` chooses which one the engine launches.)
+  (``split_decode`` holds the engine's default decode kernel, tensor-core
+  products over a context split among programs, 5.6-34x faster than this one
+  on an H200; ``set_decode_kernel`` or ``ASYNCBATCH_DECODE_KERNEL`` chooses
+  which one the engine launches.)
 * ``prefill_attention``: many chunks of consecutive query tokens in one
   launch (varlen). Row ``r`` is described by ``rows[r] = (token_start, q_len,
   ctx_len)``: its queries are tokens ``token_start .. token_start + q_len`` of
@@ -56,8 +57,9 @@ from asyncbatch.model.triton_tiles import (
 # Registers per program stay bounded: a decode tile holds GROUP_PAD * BLOCK_N * DIM_PAD floats.
 _DECODE_TILE_ELEMENTS = 8192
 
-# The engine's decode kernel: "grouped" (``decode_attention``, below) or "split" (``split_decode``, not yet
-# timed on a GPU; scripts/gpu_check.sh measures both).
+# The engine's decode kernel: "split" (``split_decode``) or "grouped" (``decode_attention``, below). Split is
+# the default: on an H200 it took 35-41 us where grouped took 229 us (256 rows x 512 cached tokens of
+# SmolLM2-135M's shape) and 11-13 us against 445 us (8 rows x 4,096); profiles/gpu-check-nvidia-h200-*.
 DECODE_KERNELS = ("grouped", "split")
 
 
@@ -67,7 +69,7 @@ def _checked_decode_kernel(name: str, source: str) -> str:
     return name
 
 
-_decode_kernel_choice = _checked_decode_kernel(os.environ.get("ASYNCBATCH_DECODE_KERNEL", "grouped"),
+_decode_kernel_choice = _checked_decode_kernel(os.environ.get("ASYNCBATCH_DECODE_KERNEL", "split"),
                                                "ASYNCBATCH_DECODE_KERNEL")
 
 
@@ -182,11 +184,15 @@ def prefill_launch(group: int, head_dim: int, block_size: int, max_q_len: int, f
 def _prefill_launch(group: int, head_dim: int, block_size: int, short: bool, fp32_dot: bool) -> KernelLaunch:
     """See ``prefill_launch``.
 
-    Chosen so that ptxas for sm_90 keeps the tile in registers (no stack
-    spills; ``scripts/kernel_resources.py`` shows the table): 16 query rows
-    for short chunks, else 64 (tensor-core dtypes) or 32 (``fp32_dot``: IEEE
-    float32 products on CUDA cores, and the CPU interpreter); 8 warps once the
-    tile outgrows 4 (64-row tiles, head_dim 128, every float32 tile).
+    16 query rows for short chunks, else 64 (tensor-core dtypes) or 32
+    (``fp32_dot``: IEEE float32 products on CUDA cores, and the CPU
+    interpreter); 4 warps up to head_dim 64 on tensor cores, else 8 (head_dim
+    128, every float32 tile), so that ptxas for sm_90 keeps the tile in
+    registers (``scripts/kernel_resources.py`` shows the table). The 64-row
+    tile at head_dim 64 spilled 16 bytes a thread with 4 warps under Triton
+    3.9, yet was 1.3x faster than 8 warps on an H200 under Triton 3.6 in two
+    runs (4 chunks x 512 tokens after 512 cached: 45.4-45.7 us against
+    59.4-60.0; profiles/gpu-check-nvidia-h200-*).
     """
     dim_pad = max(16, triton.next_power_of_2(head_dim))
     if fp32_dot:
@@ -194,7 +200,7 @@ def _prefill_launch(group: int, head_dim: int, block_size: int, short: bool, fp3
         num_warps = 8
     else:
         block_m, block_n = 16 if short else 64, 64 if dim_pad <= 64 else 32
-        num_warps = 4 if short and dim_pad <= 64 else 8
+        num_warps = 4 if dim_pad <= 64 else 8
     constexprs = {"GROUP": group, "HEAD_DIM": head_dim, "DIM_PAD": dim_pad, "BLOCK_SIZE": block_size,
                   "BLOCK_M": block_m, "BLOCK_N": block_n, "FP32_DOT": fp32_dot}
     return KernelLaunch(MappingProxyType(constexprs), num_warps=num_warps)
@@ -267,6 +273,11 @@ def set_decode_kernel(name: str) -> None:
     (``ASYNCBATCH_DECODE_KERNEL`` sets it at import; an engine-core process inherits the variable)."""
     global _decode_kernel_choice
     _decode_kernel_choice = _checked_decode_kernel(name, "decode kernel")
+
+
+def decode_kernel() -> str:
+    """The decode kernel ``paged_attention`` launches now (``DECODE_KERNELS``)."""
+    return _decode_kernel_choice
 
 
 def engine_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
