@@ -2,10 +2,12 @@
 """GPU benchmark for ``gpu_check.sh``: overlap vs synchronous, CUDA graphs on vs off, on one GPU.
 
 Runs the same greedy workload (``--num-requests`` requests submitted at once,
-``ignore_eos``) through six engines, bfloat16 on ``cuda``: {overlap, sync} ×
+``ignore_eos``) through seven engines, bfloat16 on ``cuda``: {overlap, sync} ×
 {graphs on, graphs off} with the engine's decode kernel (``split_decode``),
-overlap + graphs with the grouped one (``triton_attention.decode_attention``,
-the default before the first GPU run), and overlap + graphs with one request
+overlap + graphs with ``fused_elementwise``'s kernels (norms, rotary, SiLU x up;
+off by default until timed), overlap + graphs with the grouped decode kernel
+(``triton_attention.decode_attention``, the default before the first GPU
+run), and overlap + graphs with one request
 in 16 asking for logprobs or a repetition penalty (such steps replay their
 forward alone and sample eagerly); each engine warms up, then runs
 ``--repeats`` times.
@@ -47,6 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from asyncbatch import LLM, SamplingParams
+from asyncbatch.executors.cuda_executor import FUSED_ELEMENTWISE_ENV
 from asyncbatch.profiling.timeline import steady_decode_window, summarize
 
 SMOLLM2_135M = {  # config.json of HuggingFaceTB/SmolLM2-135M(-Instruct), the fields the engine reads
@@ -131,10 +134,13 @@ def with_extras(params: list[SamplingParams]) -> list[SamplingParams]:
     return out
 
 
-def use_decode_kernel(name: str) -> None:
-    """The decode kernel the next engine launches (``triton_attention.DECODE_KERNELS``), in this process and in
-    an engine-core process it starts (which inherits the variable)."""
+def use_kernels(tags: list[str]) -> None:
+    """The kernels the next engine launches, in this process and in the engine-core process it starts (which
+    adopts this environment): the grouped or split decode kernel (``triton_attention.DECODE_KERNELS``), and
+    ``fused_elementwise``'s kernels or the torch ops."""
+    name = "grouped" if "grouped" in tags else "split"
     os.environ["ASYNCBATCH_DECODE_KERNEL"] = name
+    os.environ[FUSED_ELEMENTWISE_ENV] = "1" if "fused" in tags else "0"
     module = sys.modules.get("asyncbatch.model.triton_attention")  # imported by a CUDA engine before
     if module is not None:
         module.set_decode_kernel(name)
@@ -191,11 +197,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     # The newest comparisons first: a run cut by gpu_check.sh's time limit keeps them (the report is written
     # after every engine).
-    parser.add_argument("--configs", default="overlap+graphs,overlap+graphs+grouped,overlap+graphs+extras,sync+graphs,"
-                                             "overlap+eager,sync+eager",
+    parser.add_argument("--configs", default="overlap+graphs,overlap+graphs+fused,overlap+graphs+grouped,"
+                                             "overlap+graphs+extras,sync+graphs,overlap+eager,sync+eager",
                         help="MODE+KIND[+TAG...],...: overlap|sync, graphs|eager; tags: grouped (the grouped decode "
-                             "kernel, not the split one), extras (one request in 16 with logprobs or a repetition "
-                             "penalty)")
+                             "kernel, not the split one), fused (fused_elementwise's kernels), extras (one request "
+                             "in 16 with logprobs or a repetition penalty)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -219,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         mode, kind, *tags = name.split("+")
         print(f"running {name} ...", flush=True)
         try:
-            use_decode_kernel("grouped" if "grouped" in tags else "split")
+            use_kernels(tags)
             run_params = with_extras(params) if "extras" in tags else params
             results[name] = run_engine(model, kind == "graphs", mode == "overlap", prompts, run_params, args)
         except Exception as exc:  # noqa: BLE001 - one broken configuration must not hide the others
@@ -253,6 +259,7 @@ def ratios(results: dict) -> dict:
                         ("graphs/eager (overlap)", "overlap+graphs", "overlap+eager"),
                         ("graphs/eager (sync)", "sync+graphs", "sync+eager"),
                         ("split/grouped decode kernel (overlap+graphs)", "overlap+graphs", "overlap+graphs+grouped"),
+                        ("fused/unfused elementwise (overlap+graphs)", "overlap+graphs+fused", "overlap+graphs"),
                         ("with extras/without (overlap+graphs)", "overlap+graphs+extras", "overlap+graphs")):
         if tps(a) and tps(b):
             out[label] = {"throughput_ratio": tps(a) / tps(b), "identical_requests": same(a, b)}

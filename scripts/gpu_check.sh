@@ -5,23 +5,26 @@
 #   1. environment   (nvidia-smi, versions)                                   -> $OUT/env.txt
 #   2. CUDA tests    (Triton kernels, graphs vs eager, overlap vs sync,
 #                     no host sync on the launch path, grammar
-#                     masks enqueued by masks_ready)               <= 160 s    -> $OUT/tests.log
+#                     masks enqueued by masks_ready, the fused
+#                     elementwise kernels)                         <= 140 s    -> $OUT/tests.log
 #   3. attention     (Triton decode/prefill vs torch: both decode
 #                     kernels with their tile, split and warp
 #                     variants, 256 rows x 512 and 8 rows x 4096
 #                     cached, SmolLM2 shape, bf16)                 <=  60 s    -> $OUT/attention.log, attention_bench.json
 #   4. step profile  (one decode step of SmolLM2-135M bf16, 256 rows
-#                     x 128 / 512 cached, each decode kernel:
+#                     x 128 / 512 cached, each decode kernel and
+#                     the split one with fused elementwise kernels:
 #                     device time by kernel kind and name, graph
-#                     replay beside it)                            <=  50 s    -> $OUT/step_profile.md
+#                     replay beside it)                            <=  70 s    -> $OUT/step_profile.md
 #   5. benchmark     (SmolLM2-135M bf16, 256 requests: overlap/sync x
-#                     graphs on/off; overlap+graphs with the grouped
-#                     decode kernel, and with logprobs / penalty
+#                     graphs on/off; overlap+graphs with the fused
+#                     elementwise kernels, with the grouped decode
+#                     kernel, and with logprobs / penalty
 #                     rows among the requests)                     <= 210 s    -> $OUT/bench.log, report.json
 #   6. summary       (test counts, the tables; printed last)                   -> $OUT/summary.txt
 #
 # Eight files in $OUT, as many as the device tool brings back (the Markdown tables are in summary.txt).
-# Finishes in 8.5 minutes at most: every stage runs under `timeout` (30 + 160 + 60 + 50 + 210 s at most).
+# Finishes in 8.5 minutes at most: every stage runs under `timeout` (30 + 140 + 60 + 70 + 210 s at most).
 # The model is looked for under $ASYNCBATCH_CACHE, ./.cache/asyncbatch/SmolLM2*, ~/.cache/asyncbatch and the Hugging Face cache;
 # without one the benchmark uses random weights of SmolLM2-135M's shape and its report says so first.
 # Outside the device tool, $OUT defaults to results/gpu_check. PYTHON picks the interpreter (python3).
@@ -44,7 +47,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 export TRITON_INTERPRET=0  # compiled kernels, also where tests/conftest.py would choose the interpreter
 TESTS=(tests/test_triton_attention.py tests/test_cuda_path.py tests/test_cuda_graphs.py
-       tests/test_decode_graph.py tests/test_grammar_plumbing.py)
+       tests/test_decode_graph.py tests/test_grammar_plumbing.py tests/test_fused_elementwise.py)
 ATTENTION_ARGS=(--decode-shapes 256x512,8x4096)
 STEP_ARGS=()
 BENCH_ARGS=()
@@ -83,7 +86,7 @@ EOF
 cat "$OUT/env.txt"
 
 echo "== CUDA tests"
-timeout $((160 * SLOW)) "$PY" -m pytest -q -p no:cacheprovider -rs "${TESTS[@]}" > "$OUT/tests.log" 2>&1
+timeout $((140 * SLOW)) "$PY" -m pytest -q -p no:cacheprovider -rs "${TESTS[@]}" > "$OUT/tests.log" 2>&1
 tests_rc=$?
 tail -n 25 "$OUT/tests.log"
 
@@ -94,7 +97,7 @@ cp "$WORK/attention_bench.json" "$OUT/" 2>/dev/null
 tail -n 30 "$OUT/attention.log"
 
 echo "== step profile"
-timeout $((50 * SLOW)) "$PY" scripts/gpu_step_profile.py --out "$WORK" "${STEP_ARGS[@]}" > "$WORK/step_profile.log" 2>&1
+timeout $((70 * SLOW)) "$PY" scripts/gpu_step_profile.py --out "$WORK" "${STEP_ARGS[@]}" > "$WORK/step_profile.log" 2>&1
 step_rc=$?
 cp "$WORK/step_profile.md" "$OUT/" 2>/dev/null || tail -n 30 "$WORK/step_profile.log" > "$OUT/step_profile.md"
 head -n 20 "$OUT/step_profile.md"

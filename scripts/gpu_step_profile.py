@@ -2,9 +2,9 @@
 """Where one decode step's device time goes on a GPU: the engine's model, kernel by kernel.
 
 For ``--rows`` decode rows at each of ``--contexts`` cached tokens, and for each of ``--decode-kernels``
-(``triton_attention.DECODE_KERNELS``), runs the model's forward and greedy sampling (as
-``harness.decode_step`` builds them: every row one token, its own blocks) ``--steps`` times under
-``torch.profiler`` and sums the device time of every kernel: by kind (matrix products, decode attention,
+(``triton_attention.DECODE_KERNELS``; ``KERNEL+fused``: with ``fused_elementwise``'s kernels), runs the
+model's forward and greedy sampling (as ``harness.decode_step`` builds them: every row one token, its own
+blocks) ``--steps`` times under ``torch.profiler`` and sums the device time of every kernel: by kind (matrix products, decode attention,
 the KV write, elementwise, reductions, sampling's argmax, copies) and the slowest kernels by name. Beside it,
 the step's time as the engine sees it: the same steps captured into one CUDA graph and replayed, timed with
 events (no launch overhead), so "kernels" and "graph replay" can be compared (their difference is the gaps
@@ -172,7 +172,9 @@ def render(report: dict) -> str:
     for case in report["cases"]:
         graph = case["graph_replay_us_per_step"]
         graph_text = f", graph {graph:.0f}" if graph is not None else ""
-        lines += ["", (f"## {case['decode_kernel']} decode kernel, {case['rows']} rows x {case['context']} cached: "
+        fused = " + fused elementwise" if case.get("fused_elementwise") else ""
+        lines += ["", (f"## {case['decode_kernel']} decode kernel{fused}, {case['rows']} rows x {case['context']} "
+                       f"cached: "
                        f"kernels {case['kernel_us_per_step']:.0f}{graph_text}, "
                        f"eager {case['eager_wall_us_per_step']:.0f}")]
         total = case["kernel_us_per_step"] or 1.0
@@ -190,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--contexts", default="128,512", help="cached tokens per row, comma-separated")
-    parser.add_argument("--decode-kernels", default="grouped,split")
+    parser.add_argument("--decode-kernels", default="grouped,split,split+fused",
+                        help="decode kernels, comma-separated; NAME+fused: with fused_elementwise's kernels")
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -206,15 +209,21 @@ def main(argv: list[str] | None = None) -> int:
     model = load_model(path, getattr(torch, args.dtype), device, max_positions=max(contexts))
     kv_caches = model.new_kv_caches(1 + args.rows * -(-max(contexts) // BLOCK_SIZE), BLOCK_SIZE)
     cases = []
-    for name in args.decode_kernels.split(","):
+    for variant in args.decode_kernels.split(","):
+        name, *tags = variant.split("+")
         if device.type == "cuda":
             from asyncbatch.model import triton_attention
 
             triton_attention.set_decode_kernel(name)
+        if "fused" in tags:
+            from asyncbatch.model import fused_elementwise
+
+            model.fused_elementwise = fused_elementwise
         for context in contexts:
-            print(f"profiling {name} decode kernel, {args.rows} rows x {context} ...", flush=True)
-            cases.append({"decode_kernel": name, **profile_case(model, kv_caches, args.rows, context, args.steps,
-                                                                 device)})
+            print(f"profiling {variant}, {args.rows} rows x {context} ...", flush=True)
+            cases.append({"decode_kernel": name, "fused_elementwise": "fused" in tags,
+                          **profile_case(model, kv_caches, args.rows, context, args.steps, device)})
+        model.fused_elementwise = None
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (aten ops, a smoke test)"
     report = {"device": device_name, "torch": torch.__version__, "dtype": args.dtype, "model_note": note,
               "git_commit": git_commit(), "args": vars(args), "cases": cases}

@@ -180,6 +180,21 @@ def test_engine_steady_state_has_no_host_sync(make_llm, tiny_path):
     assert got == want
 
 
+def test_engine_fused_elementwise_kernels_agree(make_llm, tiny_path, monkeypatch):
+    """``fused_elementwise``'s kernels (``ASYNCBATCH_FUSED_ELEMENTWISE=1``) in captured graphs and eager steps,
+    overlap and sync: the torch ops' tokens (float32: the logits differ only by the norm's order of summation)."""
+    from asyncbatch.executors.cuda_executor import FUSED_ELEMENTWISE_ENV
+
+    want, info = run_engine(make_llm, tiny_path)
+    assert info["fused_elementwise"] is False
+    monkeypatch.setenv(FUSED_ELEMENTWISE_ENV, "1")
+    for graphs in (True, False):
+        for overlap in (True, False):
+            got, info = run_engine(make_llm, tiny_path, enable_cuda_graphs=graphs, overlap=overlap)
+            assert info["fused_elementwise"] is True
+            assert got == want, (graphs, overlap)
+
+
 def test_engine_split_decode_kernel_agrees(make_llm, tiny_path, monkeypatch):
     """The split decode kernel (``split_decode``, the default: a few rows, so several runs per row and the
     merge kernel) in captured graphs and eager steps, overlap and sync: the grouped kernel's tokens. Each

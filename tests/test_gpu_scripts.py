@@ -76,7 +76,7 @@ def test_gpu_check_script_runs_every_stage(tiny_path, tmp_path):
 
     report = json.loads((out / "report.json").read_text())
     assert set(report["results"]) == {"overlap+graphs", "sync+graphs", "overlap+eager", "sync+eager",
-                                      "overlap+graphs+grouped", "overlap+graphs+extras"}
+                                      "overlap+graphs+grouped", "overlap+graphs+extras", "overlap+graphs+fused"}
     assert all("error" not in r for r in report["results"].values())
     assert all(ratio["identical_requests"] == 1.0 for ratio in report["ratios"].values())
 

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -70,6 +71,9 @@ from cuda_graphs import CudaGraphBackend, GraphRunner, normalize_batch_sizes
 
 logger = logging.getLogger(__name__)
 
+# "1": the model's norms, residual adds, rotary and SiLU x up run as ``fused_elementwise``'s kernels (off until
+# a GPU has timed them: scripts/gpu_check.sh profiles a step both ways).
+FUSED_ELEMENTWISE_ENV = "ASYNCBATCH_FUSED_ELEMENTWISE"
 STAGING_BUFFERS = 2  # the engine's double buffer: one static input set per staging buffer
 # Event times are float32 milliseconds since a reference event: 1 s keeps them to ~0.06 us (after 33 s
 # their step would be ~4 us, as large as the idle gaps being measured), so the reference moves on.
@@ -111,6 +115,10 @@ class CudaExecutor(Executor):
         device = torch.device(device)
         self._check_device(device)
         self._triton = triton_kernels(device)  # the Triton attention module, or None (torch reference)
+        if self._triton is not None and os.environ.get(FUSED_ELEMENTWISE_ENV) == "1":
+            from asyncbatch.model import fused_elementwise
+
+            model.fused_elementwise = fused_elementwise
         self._torch_step = TorchStep(model, kv_caches, max_num_seqs, device, non_blocking_uploads=True,
                                      paged=self._triton is not None)
         self.model, self.kv_caches, self.token_buffer = model, kv_caches, self._torch_step.token_buffer
@@ -317,6 +325,7 @@ class CudaExecutor(Executor):
         info["attention"] = "triton" if self._triton is not None else "torch"
         if self._triton is not None:
             info["decode_kernel"] = self._triton.decode_kernel()
+        info["fused_elementwise"] = self.model.fused_elementwise is not None
         info["cuda_graphs"] = self.graphs is not None
         if self.graphs is None:
             info["cuda_graphs_off_reason"] = self.graphs_off_reason

@@ -10,6 +10,7 @@ tokens agree with it.
 from __future__ import annotations
 
 import functools
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
@@ -31,6 +32,14 @@ class StepContext(NamedTuple):
     batch: ForwardBatch
     rope: RopeTables
     attention: AttentionPlan | None  # the torch reference's masks and block lists; None on Triton
+    fused: ModuleType | None = None  # ``fused_elementwise`` where the model runs its kernels (CUDA), else None
+
+
+def rotate(x: torch.Tensor, step: StepContext) -> torch.Tensor:
+    """``apply_rope`` with the step's tables: one fused kernel where the step has them."""
+    if step.fused is not None:
+        return step.fused.rope(x, step.rope.cos, step.rope.sin)
+    return apply_rope(x, step.rope)
 
 
 @functools.cache
@@ -122,14 +131,14 @@ class Attention(nn.Module):
             qk, v = qkv.split((h + kvh, kvh), dim=1)
             if self.qk_norm:
                 qk = self._qk_norm(qk)
-            q, k = apply_rope(qk, step.rope).split((h, kvh), dim=1)
+            q, k = rotate(qk, step).split((h, kvh), dim=1)
         else:  # separate projections (``load_model(fuse=False)``: the fusion's reference)
             q = self.q_proj(x).view(t, h, self.head_dim)  # [T, heads, head_dim]
             k = self.k_proj(x).view(t, kvh, self.head_dim)  # [T, kv_heads, head_dim]
             v = self.v_proj(x).view(t, kvh, self.head_dim)
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = apply_rope(q, step.rope), apply_rope(k, step.rope)
+            q, k = rotate(q, step), rotate(k, step)
         out = paged_attention(q, k, v, k_cache, v_cache, step.batch, self.scale, step.attention)
         return self.o_proj(out.reshape(t, h * self.head_dim))
 
@@ -154,11 +163,13 @@ class MLP(nn.Module):
         # up_proj removed).
         self.gate_up_proj: nn.Module | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: ModuleType | None = None) -> torch.Tensor:
+        """``fused``: ``fused_elementwise``, whose one kernel gives ``F.silu(gate) * up``."""
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # views of one [T, 2 * intermediate] product
-            return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up if fused is None else fused.silu_mul(gate, up))
 
 
 class DecoderLayer(nn.Module):
@@ -203,6 +214,9 @@ class CausalLM(nn.Module):
         self.emulated_lm_head: nn.Module | None = None
         # Set by ``packed_linears.pack_linears``: bfloat16 on a CPU with bfloat16 kernels (small steps), float32 on AMD.
         self.packed_lm_head: nn.Module | None = None
+        # Set by the CUDA executor where ``ASYNCBATCH_FUSED_ELEMENTWISE=1``: the ``fused_elementwise`` module,
+        # whose kernels replace the norms, residual adds, rotary and SiLU x up of every layer.
+        self.fused_elementwise: ModuleType | None = None
         attn = self.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         cos, sin = rope_cos_sin(config, attn.head_dim, max_positions)
@@ -244,10 +258,33 @@ class CausalLM(nn.Module):
         # What every layer shares is computed once here: the rotary rows and the attention's masks and
         # block lists (``paged_attention.plan_attention``; None on Triton).
         step = StepContext(batch, step_tables(self.rope_cos, self.rope_sin_signed, batch.positions, x.dtype),
-                           plan_attention(batch, kv_caches[0][0].shape[1], x.device, x.dtype))
-        for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches):
-            x = layer(x, step, k_cache, v_cache)
+                           plan_attention(batch, kv_caches[0][0].shape[1], x.device, x.dtype),
+                           self.fused_elementwise)
+        if step.fused is not None:
+            x = self._fused_layers(x, step, kv_caches)
+        else:
+            for layer, (k_cache, v_cache) in zip(self.model.layers, kv_caches):
+                x = layer(x, step, k_cache, v_cache)
         return self.model.norm(x[batch.logits_indices])  # [R, hidden]
+
+    def _fused_layers(self, x: torch.Tensor, step: StepContext,
+                      kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """Every ``DecoderLayer`` with ``fused_elementwise``'s kernels: each residual sum is computed with the
+        norm that follows it (the next layer's input norm included) in one kernel; the last sum stays a plain
+        add, since the final norm reads only the rows whose logits are wanted."""
+        ops, layers = step.fused, self.model.layers
+        norm = layers[0].input_layernorm
+        h, residual = ops.add_rms_norm(x, None, norm.weight, norm.eps)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, kv_caches)):
+            attn = layer.self_attn(h, step, k_cache, v_cache)
+            norm = layer.post_attention_layernorm
+            h, residual = ops.add_rms_norm(attn, residual, norm.weight, norm.eps)
+            mlp = layer.mlp(h, ops)
+            if i + 1 == len(layers):
+                return residual + mlp
+            norm = layers[i + 1].input_layernorm
+            h, residual = ops.add_rms_norm(mlp, residual, norm.weight, norm.eps)
+        return x  # no layers
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head: ``[R, hidden]`` final-normed states → ``[R, vocab]`` float32 logits."""
