@@ -155,12 +155,23 @@ class GraphRunner:
 
     # -- one step -------------------------------------------------------------------
     def prepare(self, set_index: int, host: Mapping[str, np.ndarray], rows: int, bucket: int) -> None:
-        """Pad host rows ``[rows, bucket)`` and copy rows ``[0, bucket)`` into the set, on the current stream."""
+        """``pack`` then ``upload``."""
+        self.pack(set_index, host, rows, bucket)
+        self.upload(set_index, bucket)
+
+    def pack(self, set_index: int, host: Mapping[str, np.ndarray], rows: int, bucket: int) -> None:
+        """Pad host rows ``[rows, bucket)`` and pack rows ``[0, bucket)`` into the set's pinned host block: the
+        host's share, done before the copy is enqueued so that events around the copy time the copy alone."""
         if not 1 <= rows <= bucket:
             raise ValueError(f"rows must be in [1, bucket={bucket}], got {rows}")
         buffers = self.sets[set_index]
         pad_host_rows(host, buffers.specs, rows, bucket)
-        buffers.load(host, bucket)
+        buffers.pack(host, bucket)
+
+    def upload(self, set_index: int, bucket: int) -> None:
+        """Copy rows ``[0, bucket)`` of the set's packed host block into its static inputs, on the current
+        stream."""
+        self.sets[set_index].upload(bucket)
 
     def replay(self, set_index: int, bucket: int, variant: Hashable) -> dict[str, torch.Tensor]:
         """Replay on the current stream; returns the graph's static outputs (``[bucket, ...]``)."""

@@ -117,13 +117,23 @@ class StaticBuffers:
         return {name: t[:rows] for name, t in self.outputs.items()}
 
     def load(self, host: Mapping[str, np.ndarray], rows: int) -> None:
-        """Pack rows ``[0, rows)`` of every host array into the host block, then copy the block's prefix that
-        holds them in one non-blocking copy, on the current stream."""
+        """``pack`` then ``upload``."""
+        self.pack(host, rows)
+        self.upload(rows)
+
+    def pack(self, host: Mapping[str, np.ndarray], rows: int) -> None:
+        """Pack rows ``[0, rows)`` of every host array into the host block (host work only). The caller
+        guarantees that no copy out of the host block is still in flight (the engine: its staging fence)."""
+        self._check_rows(rows)
+        for spec in self.specs:
+            self._host[spec.name][:rows] = host[spec.host][:rows]
+
+    def upload(self, rows: int) -> None:
+        """Copy the host block's prefix that holds rows ``[0, rows)`` to the device in one non-blocking copy,
+        on the current stream."""
         self._check_rows(rows)
         if not self._packed:
             return
-        for spec in self.specs:
-            self._host[spec.name][:rows] = host[spec.host][:rows]
         last = self._packed[-1]
         end = self._offsets[last.name] + _nbytes(last, rows)
         self._device_block[:end].copy_(self._host_block[:end], non_blocking=True)

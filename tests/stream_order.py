@@ -230,7 +230,7 @@ class StreamOrderChecker:
         monkeypatch.setattr(executor, "wait", logged_wait)
         if executor.graphs is not None:
             runner_type = type(executor.graphs)  # slotted: patched on the class
-            replay, prepare = runner_type.replay, runner_type.prepare
+            replay, pack = runner_type.replay, runner_type.pack
 
             def logged_replay(runner, set_index, bucket, variant):
                 timeline = checker.current_stream().timeline
@@ -238,17 +238,17 @@ class StreamOrderChecker:
                     checker.access(tensor, False, timeline, f"replay set {set_index} bucket {bucket}")
                 return replay(runner, set_index, bucket, variant)
 
-            def logged_prepare(runner, set_index, host, rows, bucket):
+            def logged_pack(runner, set_index, host, rows, bucket):
                 for spec in runner.sets[set_index].specs if rows < bucket else ():  # padding: written on the host
                     checker.access(host[spec.host][rows:bucket], True, checker.host_timeline(), "pad host rows")
                 for spec in runner.sets[set_index].specs:  # packing reads the host arrays, on the host
                     checker.access(host[spec.host][:bucket], False, checker.host_timeline(), "pack host rows")
                 checker.access(runner.sets[set_index].host_block, True, checker.host_timeline(),
                                f"pack set {set_index}'s host block")
-                return prepare(runner, set_index, host, rows, bucket)
+                return pack(runner, set_index, host, rows, bucket)
 
             monkeypatch.setattr(runner_type, "replay", logged_replay)
-            monkeypatch.setattr(runner_type, "prepare", logged_prepare)
+            monkeypatch.setattr(runner_type, "pack", logged_pack)
 
 
 class _Stream:

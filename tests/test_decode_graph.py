@@ -179,7 +179,8 @@ def cuda_host_shim(monkeypatch):
     for name, fake in (("Stream", _NoStream), ("Event", _NoEvent), ("stream", lambda s: contextlib.nullcontext()),
                        ("synchronize", lambda *args, **kwargs: None)):
         monkeypatch.setattr(torch.cuda, name, fake)
-    reference = types.SimpleNamespace(paged_attention=paged_attention.reference_attention)
+    reference = types.SimpleNamespace(paged_attention=paged_attention.reference_attention,
+                                      decode_kernel=lambda: "torch reference")
     monkeypatch.setattr(paged_attention, "triton_kernels", lambda device: reference)
     monkeypatch.setattr(cuda_executor, "triton_kernels", lambda device: reference)
     monkeypatch.setattr(cuda_executor, "CudaGraphBackend", lambda device: EagerBackend())

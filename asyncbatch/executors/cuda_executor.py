@@ -214,6 +214,9 @@ class CudaExecutor(Executor):
             self._capture_missing(plan)
         ev = _StepEvents()
         step: DeviceStep | None = None
+        if plan is not None:  # the host's padding and packing first: the h2d events then time the copy alone
+            with mark("pack", meta.step_id):
+                self.graphs.pack(plan.set_index, self._decode_step.host_arrays(meta.staging), plan.rows, plan.bucket)
         with torch.cuda.stream(self.h2d_stream), mark("h2d", meta.step_id):
             free = self._set_free[plan.set_index] if plan is not None else None
             if free is not None:
@@ -224,7 +227,7 @@ class CudaExecutor(Executor):
             elif plan.variant is SamplingVariant.HIDDEN:
                 step = self._torch_step.copy_in(meta, forward=False)  # the sampler's inputs; the graph has the rest
             if plan is not None:
-                self.graphs.prepare(plan.set_index, self._decode_step.host_arrays(meta.staging), plan.rows, plan.bucket)
+                self.graphs.upload(plan.set_index, plan.bucket)
             ev.h2d_end.record()
         meta.staging.fence.signal_with_cuda_event(ev.h2d_end)
         with torch.cuda.stream(self.compute_stream), torch.inference_mode():
