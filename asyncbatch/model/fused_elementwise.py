@@ -17,10 +17,10 @@ moves a value across a rounding boundary:
 * ``rope``: ``x * cos`` and ``swap_halves(x) * signed_sin`` each rounded, then their sum (``rope.apply_rope``).
 * ``silu_mul``: SiLU of the gate rounded, then the product with up (``F.silu(gate) * up``).
 
-Chosen by ``ASYNCBATCH_FUSED_ELEMENTWISE=1`` until a GPU has timed them (``scripts/gpu_check.sh`` profiles a
-step with and without them); the engine's CUDA executor then gives the model this module
-(``CausalLM.fused_elementwise``; ``cuda_executor.FUSED_ELEMENTWISE_ENV``). Launch only (no host sync): they are captured into CUDA graphs like the
-rest of a step. Tested against the torch ops in Triton's CPU interpreter (float32;
+Chosen by ``ASYNCBATCH_FUSED_ELEMENTWISE=1`` (``cuda_executor.FUSED_ELEMENTWISE_ENV``) until a GPU has
+timed them (``scripts/gpu_check.sh`` profiles a step with and without them); the engine's CUDA executor then
+gives the model this module (``CausalLM.fused_elementwise``). Launch only (no host sync): they are captured
+into CUDA graphs like the rest of a step. Tested against the torch ops in Triton's CPU interpreter (float32;
 ``tests/test_fused_elementwise.py``) and on a GPU by ``gpu_check.sh``.
 """
 
@@ -46,8 +46,8 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stri
     inv = tl.rsqrt(tl.sum(xf * xf, axis=0) / n + eps)
     normed = (xf * inv).to(out_ptr.dtype.element_ty)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_o + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty),
-             mask=mask)
+    out = (w.to(tl.float32) * normed.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + cols, out, mask=mask)
 
 
 @triton.jit
