@@ -104,6 +104,21 @@ def median_ms(fn: Callable[[], object], device: torch.device, calls: int, repeat
     return statistics.median(samples), method
 
 
+def host_us_per_launch(fn: Callable[[], object], device: torch.device, calls: int) -> float:
+    """Host microseconds per call of ``calls`` back-to-back launches, not waiting for the device: what an eager
+    step pays per kernel in Python and the driver (a captured graph pays none of it)."""
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return elapsed * 1e6 / calls
+
+
 def scattered_tables(rows: int, blocks_per_row: int, num_blocks: int, device: torch.device) -> torch.Tensor:
     """Each row's blocks at random distinct places in the cache (block 0, the engine's dummy, unused)."""
     perm = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(1))[:rows * blocks_per_row] + 1
@@ -155,7 +170,10 @@ def split_variants(q: torch.Tensor, k_cache: torch.Tensor, table_width: int,
     return variants
 
 
-def bench_decode(args, rows: int, context: int, device: torch.device, dtype: torch.dtype) -> list[Timing]:
+def bench_decode(args, rows: int, context: int, device: torch.device,
+                 dtype: torch.dtype) -> tuple[list[Timing], dict[str, float]]:
+    """The shape's timings, and the host's microseconds per launch of each kernel's own choice, the torch
+    reference and one torch elementwise product (for scale)."""
     heads, kv_heads, d, bs = args.heads, args.kv_heads, args.head_dim, args.block_size
     blocks_per_row = -(-context // bs)
     num_blocks = rows * blocks_per_row + 1
@@ -187,7 +205,13 @@ def bench_decode(args, rows: int, context: int, device: torch.device, dtype: tor
     ms, how = median_ms(ref, device, args.calls, args.repeats)
     results.append(Timing("decode", "torch reference (gather + SDPA)", ms, kv_bytes / ms / 1e6,
                           (ref().float() - want.float()).abs().max().item(), how, shape))
-    return results
+    calls = 10 * args.calls
+    launches = {name.split(" (")[0]: host_us_per_launch(lambda fn=fn, launch=launch: fn(
+                    q, k_cache, v_cache, tables, lens, scale, launch=launch), device, calls)
+                for name, (fn, launch) in variants.items() if name.endswith(("(its choice)", "(engine)"))}
+    launches["torch reference (gather + SDPA)"] = host_us_per_launch(ref, device, calls)
+    launches["torch elementwise product (q * 2)"] = host_us_per_launch(lambda: q * 2, device, calls)
+    return results, launches
 
 
 def bench_prefill(args, device: torch.device, dtype: torch.dtype) -> list[Timing]:
@@ -237,6 +261,9 @@ def render(report: dict) -> str:
         gbs = f"{t['gb_per_s']:.0f}" if t["gb_per_s"] is not None else "-"
         lines.append(f"{t['kernel']:<8} {t['shape']:<10} {t['variant']:<34} {t['ms'] * 1e3:>9.1f} {gbs:>8} "
                      f"{t['max_abs_diff']:>10.2e}  {t['timing']}")
+    lines.append("host us per eager launch (Python and driver, device not awaited; graphs pay none of it):")
+    for shape, launches in report.get("host_us_per_launch", {}).items():
+        lines += [f"  {shape:<10} {name:<40} {us:>9.1f}" for name, us in launches.items()]
     return "\n".join(lines)
 
 
@@ -265,18 +292,20 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--device cuda needs a CUDA device (use --device cpu to smoke-test)")
     dtype = getattr(torch, args.dtype)
     shapes = args.decode_shapes.split(",") if args.decode_shapes else [f"{args.rows}x{args.context}"]
-    timings = []
+    timings: list[Timing] = []
+    launch_us: dict[str, dict[str, float]] = {}
     with torch.inference_mode():
         for shape in shapes:
             rows, context = (int(x) for x in shape.lower().split("x"))
-            timings += bench_decode(args, rows, context, device, dtype)
+            shape_timings, launch_us[shape] = bench_decode(args, rows, context, device, dtype)
+            timings += shape_timings
         timings += bench_prefill(args, device, dtype)
     import triton
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU interpreter ({platform.machine()})"
     report = {"device": name, "torch": torch.__version__, "triton": triton.__version__, "args": vars(args),
               "decode_shapes": shapes,
-              "timings": [asdict(t) for t in timings]}
+              "timings": [asdict(t) for t in timings], "host_us_per_launch": launch_us}
     text = render(report)
     if args.out:
         out = Path(args.out)

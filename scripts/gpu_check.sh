@@ -10,7 +10,8 @@
 #   3. attention     (Triton decode/prefill vs torch: both decode
 #                     kernels with their tile, split and warp
 #                     variants, 256 rows x 512 and 8 rows x 4096
-#                     cached, SmolLM2 shape, bf16)                 <=  60 s    -> $OUT/attention.log, attention_bench.json
+#                     cached, SmolLM2 shape, bf16; host us per
+#                     eager launch of each)                        <=  60 s    -> $OUT/attention.log, attention_bench.json
 #   4. step profile  (one decode step of SmolLM2-135M bf16, 256 rows
 #                     x 128 / 512 cached, each decode kernel and
 #                     the split one with fused elementwise kernels:
