@@ -6,7 +6,7 @@
 #   2. CUDA tests    (Triton kernels, graphs vs eager, overlap vs sync,
 #                     no host sync on the launch path, grammar
 #                     masks enqueued by masks_ready, the fused
-#                     elementwise kernels)                         <= 140 s    -> $OUT/tests.log
+#                     elementwise kernels)                         <= 150 s    -> $OUT/tests.log
 #   3. attention     (Triton decode/prefill vs torch: both decode
 #                     kernels with their tile, split and warp
 #                     variants, 256 rows x 512 and 8 rows x 4096
@@ -16,7 +16,7 @@
 #                     x 128 / 512 cached, each decode kernel and
 #                     the split one with fused elementwise kernels:
 #                     device time by kernel kind and name, graph
-#                     replay beside it)                            <=  70 s    -> $OUT/step_profile.md
+#                     replay beside it)                            <=  60 s    -> $OUT/step_profile.md
 #   5. benchmark     (SmolLM2-135M bf16, 256 requests: overlap/sync x
 #                     graphs on/off; overlap+graphs with the fused
 #                     elementwise kernels, with the grouped decode
@@ -25,7 +25,7 @@
 #   6. summary       (test counts, the tables; printed last)                   -> $OUT/summary.txt
 #
 # Eight files in $OUT, as many as the device tool brings back (the Markdown tables are in summary.txt).
-# Finishes in 8.5 minutes at most: every stage runs under `timeout` (30 + 140 + 60 + 70 + 210 s at most).
+# Finishes in 8.5 minutes at most: every stage runs under `timeout` (30 + 150 + 60 + 60 + 210 s at most).
 # The model is looked for under $ASYNCBATCH_CACHE, ./.cache/asyncbatch/SmolLM2*, ~/.cache/asyncbatch and the Hugging Face cache;
 # without one the benchmark uses random weights of SmolLM2-135M's shape and its report says so first.
 # Outside the device tool, $OUT defaults to results/gpu_check. PYTHON picks the interpreter (python3).
@@ -87,7 +87,7 @@ EOF
 cat "$OUT/env.txt"
 
 echo "== CUDA tests"
-timeout $((140 * SLOW)) "$PY" -m pytest -q -p no:cacheprovider -rs "${TESTS[@]}" > "$OUT/tests.log" 2>&1
+timeout $((150 * SLOW)) "$PY" -m pytest -q -p no:cacheprovider -rs "${TESTS[@]}" > "$OUT/tests.log" 2>&1
 tests_rc=$?
 tail -n 25 "$OUT/tests.log"
 
@@ -98,7 +98,7 @@ cp "$WORK/attention_bench.json" "$OUT/" 2>/dev/null
 tail -n 30 "$OUT/attention.log"
 
 echo "== step profile"
-timeout $((70 * SLOW)) "$PY" scripts/gpu_step_profile.py --out "$WORK" "${STEP_ARGS[@]}" > "$WORK/step_profile.log" 2>&1
+timeout $((60 * SLOW)) "$PY" scripts/gpu_step_profile.py --out "$WORK" "${STEP_ARGS[@]}" > "$WORK/step_profile.log" 2>&1
 step_rc=$?
 cp "$WORK/step_profile.md" "$OUT/" 2>/dev/null || tail -n 30 "$WORK/step_profile.log" > "$OUT/step_profile.md"
 head -n 20 "$OUT/step_profile.md"
