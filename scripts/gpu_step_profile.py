@@ -215,15 +215,15 @@ def main(argv: list[str] | None = None) -> int:
             from asyncbatch.model import triton_attention
 
             triton_attention.set_decode_kernel(name)
-        if "fused" in tags:
+        if "fused" in tags:  # for the rest of the run: the gate/up product stays fused (list it last)
             from asyncbatch.model import fused_elementwise
 
-            model.fused_elementwise = fused_elementwise
+            fused_elementwise.enable(model)
         for context in contexts:
             print(f"profiling {variant}, {args.rows} rows x {context} ...", flush=True)
             cases.append({"decode_kernel": name, "fused_elementwise": "fused" in tags,
                           **profile_case(model, kv_caches, args.rows, context, args.steps, device)})
-        model.fused_elementwise = None
+        model.fused_elementwise = None  # the kernels off again (the gate/up product stays one)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (aten ops, a smoke test)"
     report = {"device": device_name, "torch": torch.__version__, "dtype": args.dtype, "model_note": note,
               "git_commit": git_commit(), "args": vars(args), "cases": cases}

@@ -90,8 +90,8 @@ def test_a_row_the_kernels_cannot_step_through_is_refused():
 
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
 def test_a_model_with_the_fused_kernels_gives_its_logits(tmp_path, arch):
-    """A mixed step (two prefill chunks, decode rows before them) through every layer, the reference ops vs the
-    fused kernels: float32 logits within the norm's reordering (Qwen3: q/k norms before the fused rotary)."""
+    """Two prefill chunks through every layer, the reference ops vs ``enable``'s kernels and fused gate/up
+    product: float32 logits within the norm's reordering (Qwen3: q/k norms before the fused rotary)."""
     path = save_tiny_model(tmp_path / "model", arch)
     model = load_model(path, torch.float32, DEVICE, max_positions=64)
     block_size, num_blocks = 4, 16
@@ -112,10 +112,8 @@ def test_a_model_with_the_fused_kernels_gives_its_logits(tmp_path, arch):
         logits_indices=torch.tensor([s + len(p) - 1 for s, p in zip(starts, prompts)], device=DEVICE))
     with torch.no_grad():
         want = model(batch, caches)
-        model.fused_elementwise = fused
-        try:
-            got = model(batch, [(k.clone(), v.clone()) for k, v in caches])
-        finally:
-            model.fused_elementwise = None
+        fused.enable(model)
+        assert model.model.layers[0].mlp.gate_up_proj is not None and model.fused_elementwise is fused
+        got = model(batch, [(k.clone(), v.clone()) for k, v in caches])
     assert got.shape == want.shape == (2, model.config.vocab_size)
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (got - want).abs().max()

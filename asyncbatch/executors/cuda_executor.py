@@ -118,7 +118,7 @@ class CudaExecutor(Executor):
         if self._triton is not None and os.environ.get(FUSED_ELEMENTWISE_ENV) == "1":
             from asyncbatch.model import fused_elementwise
 
-            model.fused_elementwise = fused_elementwise
+            fused_elementwise.enable(model)
         self._torch_step = TorchStep(model, kv_caches, max_num_seqs, device, non_blocking_uploads=True,
                                      paged=self._triton is not None)
         self.model, self.kv_caches, self.token_buffer = model, kv_caches, self._torch_step.token_buffer

@@ -5,7 +5,9 @@ decode step of SmolLM2-135M (256 rows, 30 layers) was elementwise kernels: 874 o
 small kernels a layer at ~2 us each (the norm's casts and weight product, rotary's two products, roll and
 sum on a strided view, SiLU, the product with up, the residual adds;
 profiles/gpu-check-nvidia-h200-2026-12-04-second). Here they are four a layer: ``add_rms_norm`` twice
-(the residual sum and the next norm in one pass), ``rope`` and ``silu_mul``.
+(the residual sum and the next norm in one pass), ``rope`` and ``silu_mul``; and ``enable`` fuses the
+gate and up projections into one product too (``silu_mul`` reads its halves), one matrix product a layer
+fewer, as the CPU's packed and quantized weights already have it.
 
 Numerics: each kernel rounds where the torch ops it replaces round, so in float32 the results are the
 reference's up to the order of the norm's sum, and in bfloat16 they differ from it only where that order
@@ -19,14 +21,19 @@ moves a value across a rounding boundary:
 
 Chosen by ``ASYNCBATCH_FUSED_ELEMENTWISE=1`` (``cuda_executor.FUSED_ELEMENTWISE_ENV``) until a GPU has
 timed them (``scripts/gpu_check.sh`` profiles a step with and without them); the engine's CUDA executor then
-gives the model this module (``CausalLM.fused_elementwise``). Launch only (no host sync): they are captured
+calls ``enable``. Launch only (no host sync): they are captured
 into CUDA graphs like the rest of a step. Tested against the torch ops in Triton's CPU interpreter (float32;
 ``tests/test_fused_elementwise.py``) and on a GPU by ``gpu_check.sh``.
 """
 
+import sys
+
 import torch
 import triton
 import triton.language as tl
+from torch import nn
+
+from asyncbatch.model.fused_projections import ALL_GROUPS, fuse_projections
 
 _SILU_BLOCK = 1024  # columns of the intermediate size per program
 
@@ -80,6 +87,13 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, stride_g, stride_u, stride_o, n,
     dtype = out_ptr.dtype.element_ty
     silu = (g / (1.0 + tl.exp(-g))).to(dtype)
     tl.store(out_ptr + row * stride_o + cols, (silu.to(tl.float32) * u.to(tl.float32)).to(dtype), mask=mask)
+
+
+def enable(model: nn.Module) -> None:
+    """Run a loaded ``CausalLM`` through these kernels from its next forward on (``CausalLM.fused_elementwise``),
+    with its gate and up projections fused into one product (in place, for good: no weight is held twice)."""
+    fuse_projections(model, ALL_GROUPS)
+    model.fused_elementwise = sys.modules[__name__]
 
 
 def _check_rows(t: torch.Tensor, name: str) -> None:

@@ -214,8 +214,8 @@ class CausalLM(nn.Module):
         self.emulated_lm_head: nn.Module | None = None
         # Set by ``packed_linears.pack_linears``: bfloat16 on a CPU with bfloat16 kernels (small steps), float32 on AMD.
         self.packed_lm_head: nn.Module | None = None
-        # Set by the CUDA executor where ``ASYNCBATCH_FUSED_ELEMENTWISE=1``: the ``fused_elementwise`` module,
-        # whose kernels replace the norms, residual adds, rotary and SiLU x up of every layer.
+        # Set by ``fused_elementwise.enable`` (the CUDA executor, where ``ASYNCBATCH_FUSED_ELEMENTWISE=1``): that
+        # module, whose kernels replace the norms, residual adds, rotary and SiLU x up of every layer.
         self.fused_elementwise: ModuleType | None = None
         attn = self.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
