@@ -41,6 +41,7 @@ from asyncbatch.engine.messages import (
     StepAck,
     StepOutputs,
 )
+from asyncbatch.errors import ConstraintConflictError, RequestFailedError
 from asyncbatch.frontend.request_handle import RequestHandle
 from asyncbatch.outputs import Logprobs, StreamDelta
 from asyncbatch.profiling.marks import mark
@@ -48,6 +49,8 @@ from asyncbatch.profiling.timeline import Timeline
 
 _ENDED_MESSAGES = {Finish.ERROR: NON_FINITE_MESSAGE, Finish.REFUSED: REFUSED_MESSAGE, Finish.GRAMMAR: GRAMMAR_MESSAGE,
                    Finish.CONSTRAINED: CONSTRAINED_MESSAGE}
+# What a stream raises for a request the core ended, where not ``RequestFailedError`` itself.
+_ENDED_FAILURES = {Finish.CONSTRAINED: ConstraintConflictError}
 _NONE, _STOP_TOKEN = int(Finish.NONE), int(Finish.STOP_TOKEN)
 
 
@@ -112,7 +115,8 @@ class OutputProcessor:
                 handle = self._handles.get(seq)
                 if handle is not None and not handle.finished:
                     code = Finish(code)
-                    self._flush(handle, "", [], finishes, (code.reason, None, start, _ENDED_MESSAGES.get(code)))
+                    self._flush(handle, "", [], finishes, (code.reason, None, start, _ENDED_MESSAGES.get(code),
+                                                           _ENDED_FAILURES.get(code, RequestFailedError)))
         if ended:
             self.send(FinishRequests(ended, ended_codes))
         if record is not None:

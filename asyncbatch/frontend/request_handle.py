@@ -27,8 +27,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from asyncbatch.engine.messages import CONSTRAINED_MESSAGE
-from asyncbatch.errors import ConstraintConflictError, RequestFailedError
+from asyncbatch.errors import RequestFailedError
 from asyncbatch.frontend.detokenizer import DeferredDetokenizer, IncrementalDetokenizer, NullDetokenizer
 from asyncbatch.frontend.stop_strings import StopStringMatcher
 from asyncbatch.outputs import Logprobs, RequestMetrics, RequestOutput, StreamDelta
@@ -82,18 +81,19 @@ class RequestHandle:
     def finished(self) -> bool:
         return self.done.is_set()
 
-    def finish(self, reason: str, stop_reason: int | str | None, now: float, error: str | None = None) -> None:
+    def finish(self, reason: str, stop_reason: int | str | None, now: float, error: str | None = None,
+               failure: type[RequestFailedError] = RequestFailedError) -> None:
         """Publish the final output. ``reason == "error"`` (e.g. NaN logits): ``generate`` returns the
         output with ``error`` set, so one failed request does not cost a batch its other outputs;
-        ``stream`` raises ``RequestFailedError``."""
+        ``stream`` raises ``failure`` (``ConstraintConflictError`` where the request's own constraints
+        excluded each other)."""
         self.metrics.finished_time = now
         self.output = RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.text,
                                     list(self.token_ids), reason, stop_reason, self.metrics, self.simulated, error,
                                     self.logprobs, self.prompt_logprobs)
         if self.streaming:
             if reason == "error":
-                failed = ConstraintConflictError if error == CONSTRAINED_MESSAGE else RequestFailedError
-                self.deltas.put(failed(f"request {self.request_id} failed: {error}"))
+                self.deltas.put(failure(f"request {self.request_id} failed: {error}"))
             else:
                 self.deltas.put(StreamDelta(self.request_id, "", [], reason, stop_reason, self.output))
         self.done.set()
