@@ -83,7 +83,7 @@ BAD_PROMPTS = [
     ([1, -4], ValueError, r"\[0, "),
     ([1, TINY_VOCAB], ValueError, r"\[0, "),
     ([True, 2], TypeError, "token ids"),
-    ({"text": "hi"}, TypeError, "prompt"),
+    ({"text": "hi"}, ValueError, r"prompt dict keys must be among .*got \['text'\]"),  # vLLM's dicts name their keys
 ]
 
 

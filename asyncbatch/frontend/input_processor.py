@@ -17,8 +17,10 @@ other requests are untouched (DESIGN invariant 6). Should the engine core still 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,8 +36,41 @@ from asyncbatch.sampling_params import SamplingParams
 if TYPE_CHECKING:  # annotations only: transformers is imported by the tokenizer's owner
     from transformers import PreTrainedTokenizerBase
 
-Prompt = str | list[int]
+# Text, token ids, or one of vLLM's prompt dicts (``unpack_prompt``).
+Prompt = str | list[int] | Mapping[str, object]
+PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 logger = logging.getLogger(__name__)
+
+
+def unpack_prompt(prompt: object, params: SamplingParams | None) -> tuple[object, SamplingParams | None]:
+    """vLLM's prompt dicts as a plain prompt and the params that carry their ``cache_salt``: ``TextPrompt``
+    (``{"prompt": text}``) and ``TokensPrompt`` (``{"prompt_token_ids": ids}``), each with an optional
+    ``cache_salt``. Other prompts come back as they are. The params are copied, never changed: one
+    ``SamplingParams`` may serve many prompts with different salts."""
+    if not isinstance(prompt, Mapping):
+        return prompt, params
+    unknown = sorted(str(key) for key in prompt if key not in PROMPT_DICT_KEYS)
+    if unknown:
+        raise ValueError(f"prompt dict keys must be among {list(PROMPT_DICT_KEYS)}, got {unknown} (the engine runs "
+                         "text models: no multi-modal inputs)")
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise ValueError("a prompt dict needs exactly one of 'prompt' (text) and 'prompt_token_ids'")
+    if "prompt" in prompt:
+        inner = prompt["prompt"]
+        if not isinstance(inner, str):
+            raise TypeError(f"prompt dict 'prompt' must be a string, got {type(inner).__name__}")
+    else:
+        inner = prompt["prompt_token_ids"]
+        if not isinstance(inner, (list, tuple)):
+            raise TypeError(f"prompt dict 'prompt_token_ids' must be a list of ints, got {type(inner).__name__}")
+    salt = prompt.get("cache_salt")
+    if salt is None:
+        return inner, params
+    params = SamplingParams() if params is None else params
+    if params.cache_salt is not None and params.cache_salt != salt:
+        raise ValueError(f"cache_salt is given twice, {salt!r} in the prompt dict and {params.cache_salt!r} in "
+                         "SamplingParams: give it once")
+    return inner, dataclasses.replace(params, cache_salt=salt)  # SamplingParams checks the salt
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,5 +205,6 @@ class InputProcessor:
         return ProcessedRequest(prompt, prompt_ids, params)
 
     def process(self, prompt: object, params: SamplingParams | None) -> ProcessedRequest:
-        """``prompt_ids`` then ``request``: one prompt, one request."""
+        """``prompt_ids`` then ``request``: one prompt (a prompt dict too: ``unpack_prompt``), one request."""
+        prompt, params = unpack_prompt(prompt, params)
         return self.request(self.prompt_ids(prompt), params, prompt if isinstance(prompt, str) else None)

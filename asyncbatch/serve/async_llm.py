@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 from asyncbatch.frontend.engine_client import EngineClient
-from asyncbatch.frontend.input_processor import InputProcessor, ProcessedRequest, Prompt
+from asyncbatch.frontend.input_processor import InputProcessor, ProcessedRequest, Prompt, unpack_prompt
 from asyncbatch.frontend.request_handle import RequestHandle
 from asyncbatch.llm import LLM
 from asyncbatch.outputs import RequestOutput, StreamDelta
@@ -135,6 +135,10 @@ class AsyncLLM(AsyncEngineClient):
         Raises ``ValueError``/``TypeError`` naming the field for bad input, ``EngineDeadError`` if the
         engine failed.
         """
+        if len(prompts) != len(params):
+            raise ValueError("prompts, params and request_ids must have the same length")
+        unpacked = [unpack_prompt(p, sp) for p, sp in zip(prompts, params)]  # vLLM's prompt dicts
+        prompts, params = [p for p, _ in unpacked], [sp for _, sp in unpacked]
         return self.submit_ids([await self.prompt_ids(p) for p in prompts], params, request_ids, prompts)
 
     def submit_processed(self, requests: Sequence[ProcessedRequest],
