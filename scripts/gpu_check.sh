@@ -61,7 +61,7 @@ if [[ -n "${GPU_CHECK_SMOKE:-}" ]]; then
   ATTENTION_ARGS=(--device cpu --dtype float32 --heads 4 --kv-heads 2 --head-dim 16 --block-size 4
                   --decode-shapes 2x12 --prefill-rows 1 --prefill-len 20 --calls 1 --repeats 1)
   STEP_ARGS=(--device cpu --dtype float32 --model "$GPU_CHECK_SMOKE" --rows 4 --contexts 8 --steps 2
-             --decode-kernels grouped)
+             --decode-kernels grouped,grouped+fused)
   BENCH_ARGS=(--device cpu --dtype float32 --model "$GPU_CHECK_SMOKE" --num-requests 4 --max-num-seqs 4
               --max-model-len 64 --prompt-range 4,8 --output-range 4,8 --repeats 1)
 fi

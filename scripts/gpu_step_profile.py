@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import sys
@@ -29,6 +30,9 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
+
+if "--device" in sys.argv and sys.argv[sys.argv.index("--device") + 1] == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # the fused kernels on CPU tensors (a smoke test); before triton's import
 
 import torch
 from torch.autograd import DeviceType

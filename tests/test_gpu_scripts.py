@@ -82,6 +82,8 @@ def test_gpu_check_script_runs_every_stage(tiny_path, tmp_path):
 
     step_profile = (out / "step_profile.md").read_text()
     assert "grouped decode kernel, 4 rows x 8 cached" in step_profile and "matrix products" in step_profile
+    # The fused variant ran its kernels (the interpreter's, on the CPU) through the same model.
+    assert "grouped decode kernel + fused elementwise, 4 rows x 8 cached" in step_profile
 
     attention = json.loads((out / "attention_bench.json").read_text())
     kernels = [t["kernel"] for t in attention["timings"]]
