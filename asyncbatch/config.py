@@ -79,6 +79,7 @@ class SimConfig:
 
 DEVICES = ("auto", "cpu", "cuda", "sim")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's names
 GRAMMAR_BACKENDS = ("xgrammar", "llguidance")  # structured outputs; "auto" takes the first one installed
 # Weight precisions of the cpu device (``asyncbatch.model.quantization``); None keeps the dtype's weights.
 QUANTIZATIONS = ("int8", "int4", "w8a8")
@@ -131,6 +132,9 @@ class EngineConfig:
     num_threads: int | None = None
     debug_check_integrity: bool = False
     enable_prefix_caching: bool = True
+    # vLLM's scheduling policy: "fcfs" admits in arrival order; "priority" by ``SamplingParams.priority`` (lower
+    # first, arrival order among equals), and preempts the lowest priority first when KV blocks run out.
+    scheduling_policy: str = "fcfs"
     # Structured outputs: the grammar library ("auto": the measured default, docs/structured-output.md).
     structured_outputs_backend: str = "auto"
     # Build the grammar compiler (the grammar library's view of the vocabulary: ~0.5 s of CPU for a 49k
@@ -192,6 +196,8 @@ class EngineConfig:
             raise ValueError(f"switch_interval_s must be in [1e-6, 0.1] or None, got {self.switch_interval_s}")
         if self.skip_tokenizer_init and (self.tokenizer is not None or self.chat_template is not None):
             raise ValueError("skip_tokenizer_init=True loads no tokenizer: tokenizer and chat_template must be None")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if self.structured_outputs_backend not in GRAMMAR_BACKENDS + ("auto",):
             raise ValueError(f"structured_outputs_backend must be one of {('auto', *GRAMMAR_BACKENDS)}, got "
                              f"{self.structured_outputs_backend!r}")

@@ -41,7 +41,7 @@ from asyncbatch.engine.gil_tuning import hold_switch_interval, release_switch_in
 from asyncbatch.engine.messages import AbortRequests, AddRequests, NewRequest
 from asyncbatch.errors import EngineDeadError
 from asyncbatch.frontend.detokenizer import IncrementalDetokenizer, NullDetokenizer, decode_deferred
-from asyncbatch.frontend.input_processor import InputProcessor, ProcessedRequest, Prompt
+from asyncbatch.frontend.input_processor import InputProcessor, ProcessedRequest, Prompt, with_priority
 from asyncbatch.frontend.output_processor import OutputProcessor
 from asyncbatch.frontend.request_handle import DeltaSink, RequestHandle
 from asyncbatch.frontend.stop_strings import StopStringMatcher
@@ -96,7 +96,7 @@ class LLM:
         self._usable_tokens = self._client.ready.num_usable_blocks * self.config.block_size
         self.processor = InputProcessor(self.tokenizer, self._spec.vocab_size, self.max_model_len,
                                         self._usable_tokens, self._spec.eos_token_id,
-                                        self.config.structured_outputs_backend)
+                                        self.config.structured_outputs_backend, self.config.scheduling_policy)
         if self.config.structured_outputs_warmup:
             self.processor.warm_up_grammar()
         self._preemptions = 0
@@ -167,11 +167,13 @@ class LLM:
         return IncrementalDetokenizer(self.tokenizer, ids, skip_special_tokens=params.skip_special_tokens)
 
     def generate(self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams |
-                 Sequence[SamplingParams] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+                 Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order.
 
         Every prompt is validated before any is submitted, so a bad one raises
-        and queues nothing.
+        and queues nothing. ``priority`` (vLLM's argument): one per prompt, the
+        ``SamplingParams.priority`` of each (``scheduling_policy="priority"``).
         """
         # One text prompt may be passed bare; token-id prompts always come in a list ([[1, 2, 3]]),
         # so a flat list of ints is a list of (invalid) prompts, never silently one prompt.
@@ -184,6 +186,10 @@ class LLM:
             params_list = list(sampling_params)
         else:
             params_list = [sampling_params] * len(prompts)
+        if priority is not None:
+            if len(priority) != len(prompts):
+                raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
+            params_list = [with_priority(sp, p) for sp, p in zip(params_list, priority)]
         handles = self.submit([self.processor.process(p, sp) for p, sp in zip(prompts, params_list)],
                               text_by_caller=True)
         return self._collect(handles, use_tqdm)

@@ -19,6 +19,8 @@ MAX_SEED = 2**63 - 1
 MAX_LOGPROBS = 20
 # ``logit_bias`` values are clamped to this range by OpenAI; here a value outside it is refused.
 MAX_LOGIT_BIAS = 100.0
+# ``priority`` is an integer in [-MAX_PRIORITY, MAX_PRIORITY].
+MAX_PRIORITY = 2**31
 
 
 def _check_int(name: str, value: object) -> int:
@@ -77,6 +79,11 @@ class SamplingParams:
     ``cache_salt`` (vLLM's request field): the request's prefix-cache blocks are
     shared only with requests of the same salt (one tenant's prompts cannot be
     probed through another's cache hits); give each tenant a long random secret.
+    ``priority`` (vLLM's request priority; an engine with
+    ``scheduling_policy="priority"``, else it must be 0): waiting requests are
+    admitted lowest value first, in arrival order among equals, and a request
+    short of KV blocks preempts the running request of the largest value (the
+    latest arrival among equals) before any of its betters.
     """
 
     max_tokens: int = 16
@@ -103,6 +110,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     cache_salt: str | None = None
+    priority: int = 0
     _stop: tuple[str, ...] = field(default=(), init=False, repr=False)
     # ``bad_words`` as token id phrases, set by the frontend (``InputProcessor``), which has the tokenizer.
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
@@ -176,6 +184,9 @@ class SamplingParams:
             self.bad_words = self.bad_words or None
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise ValueError("SamplingParams.cache_salt must be a non-empty string if given")
+        self.priority = _check_int("priority", self.priority)
+        if not -MAX_PRIORITY <= self.priority <= MAX_PRIORITY:
+            raise ValueError(f"SamplingParams.priority must be in [-2**31, 2**31], got {self.priority}")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise TypeError("SamplingParams.structured_outputs must be StructuredOutputsParams, got "
                             f"{type(self.structured_outputs).__name__}")

@@ -51,6 +51,7 @@ def _fields(rng: random.Random, chat: bool) -> dict:
         "bad_words": lambda: rng.choice([[], ["a"], ["the", " x "], [" "], ["\u0000"]]),
         "add_special_tokens": lambda: rng.random() < 0.5,
         "cache_salt": lambda: rng.choice(["", "tenant", "\u0000" * 3]),
+        "priority": lambda: rng.choice([0, 0, 1, -1, 2**40]),
         "ignore_eos": lambda: rng.random() < 0.5, "stream": lambda: rng.random() < 0.5,
         "stream_options": lambda: {"include_usage": True, "continuous_usage_stats": rng.random() < 0.5},
         "guided_json": lambda: rng.choice(SCHEMAS), "guided_regex": lambda: rng.choice(REGEXES),

@@ -311,6 +311,8 @@ BAD = [
     ("/v1/chat/completions", {"allowed_token_ids": [5, 100000]}, "allowed_token_ids"),
     ("/v1/completions", {"bad_words": [" "]}, "bad_words"),
     ("/v1/chat/completions", {"cache_salt": ""}, "cache_salt"),
+    ("/v1/completions", {"priority": 1}, "priority"),  # the server's policy is FCFS: only 0
+    ("/v1/chat/completions", {"priority": 2**40}, "priority"),
 ]
 
 

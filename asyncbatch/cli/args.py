@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from asyncbatch.config import DEVICES, DTYPES, GRAMMAR_BACKENDS, QUANTIZATIONS
+from asyncbatch.config import DEVICES, DTYPES, GRAMMAR_BACKENDS, QUANTIZATIONS, SCHEDULING_POLICIES
 from asyncbatch.sampling_params import SamplingParams
 
 
@@ -25,6 +25,8 @@ def add_engine_args(parser: argparse.ArgumentParser, run_options: bool = True) -
     parser.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse the KV blocks of shared prompt prefixes (default: on)")
+    parser.add_argument("--scheduling-policy", default="fcfs", choices=list(SCHEDULING_POLICIES),
+                        help="fcfs: arrival order; priority: by each request's priority, lower first (vLLM's)")
     parser.add_argument("--structured-outputs-backend", default="auto", choices=["auto", *GRAMMAR_BACKENDS],
                         help="grammar library for structured outputs (pip install .[structured]); auto: xgrammar")
     parser.add_argument("--speculative-config", type=_json_object, default=None,
@@ -42,7 +44,7 @@ def engine_kwargs(args: argparse.Namespace, overlap: bool) -> dict:
             "compile_decode": args.compile_decode, "max_num_seqs": args.max_num_seqs,
             "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed, "overlap": overlap,
             "tokenizer": args.tokenizer, "chat_template": args.chat_template,
-            "enable_prefix_caching": args.enable_prefix_caching,
+            "enable_prefix_caching": args.enable_prefix_caching, "scheduling_policy": args.scheduling_policy,
             "structured_outputs_backend": args.structured_outputs_backend,
             "speculative_config": args.speculative_config}
 

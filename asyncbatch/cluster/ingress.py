@@ -81,7 +81,8 @@ class Ingress:
 
         info = await self._replicas.info.remote()
         model = FrontendModel(self._resolved.tokenizer, self._resolved.spec, info["usable_tokens"],
-                              self._config.structured_outputs_backend, self._config.structured_outputs_warmup)
+                              self._config.structured_outputs_backend, self._config.structured_outputs_warmup,
+                              self._config.scheduling_policy)
         engine = ClusterEngine(self._replicas, model, self._max_retries)
         # The engine series come from the replicas (through the router's view of their stats), not from here.
         guard, self._state = build_app(engine, self._settings, unhealthy=self._no_replica_answers,

@@ -229,6 +229,7 @@ def _build_core(config: EngineConfig, spec: ModelSpec, send: Callable[[object], 
     blocks = BlockManager(num_blocks, config.block_size, config.max_num_seqs, spec.max_blocks_per_seq,
                           prefix_caching=config.enable_prefix_caching)
     scheduler = Scheduler(blocks, config.max_num_batched_tokens, eos_token_id=spec.eos_token_id,
+                          priority=config.scheduling_policy == "priority",
                           speculative=config.speculative_config)
     return EngineCore(config, executor, scheduler, spec.max_blocks_per_seq, send, vocab_size=spec.vocab_size,
                       make_grammar_compiler=None if config.skip_tokenizer_init else partial(

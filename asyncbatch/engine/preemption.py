@@ -2,8 +2,11 @@
 
 When a request needs a block and none is free, the most recently admitted
 running request not yet scheduled in this step is preempted; if there is none,
-the request itself is. A preempted request gives back its blocks and token
-row, re-enters the queue at its arrival position (admission stays FIFO), and
+the request itself is. Under the priority policy (``by_priority``) the victim
+is the one of largest ``(priority, arrival)`` among those and the request
+itself (vLLM's choice). A preempted request gives back its blocks and token
+row, re-enters the queue at its place (``queue_key``: arrival, or priority then
+arrival; admission takes the queue's head), and
 is recomputed later from its prompt and the outputs it had (copied out of its
 row's history here); it is re-admitted only once every token sampled for it by
 launched steps is back (``num_pending == 0``).
@@ -20,6 +23,7 @@ count is the preemptor's own.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Callable
 
@@ -30,6 +34,20 @@ from asyncbatch.engine.request import Request, RequestStatus
 from asyncbatch.engine.row_state import NO_ROWS, RowState
 
 _RUNNING = RequestStatus.RUNNING
+
+
+def queue_key(request: Request, by_priority: bool) -> int | tuple[int, int]:
+    """A request's place in the waiting queue: its arrival, or (priority policy) its priority then arrival."""
+    return (request.params.priority, request.arrival_seq) if by_priority else request.arrival_seq
+
+
+def enqueue(waiting: deque[Request], request: Request, by_priority: bool) -> None:
+    """Put ``request`` into ``waiting`` (ordered by ``queue_key``) after every request that goes before it."""
+    key = queue_key(request, by_priority)
+    if not waiting or queue_key(waiting[-1], by_priority) <= key:
+        waiting.append(request)  # an arrival under FCFS: no search
+        return
+    waiting.insert(bisect.bisect_right(waiting, key, key=lambda r: queue_key(r, by_priority)), request)
 
 
 class Preemptor:
@@ -44,7 +62,7 @@ class Preemptor:
 
     def __init__(self, rows: RowState, blocks: BlockManager, waiting: deque[Request], running: dict[int, Request],
                  owners: list[Request | None], release: Callable[[Request], None],
-                 settle: Callable[[], int]) -> None:
+                 settle: Callable[[], int], by_priority: bool = False) -> None:
         self.rows = rows
         self.blocks = blocks
         self.waiting = waiting
@@ -52,6 +70,7 @@ class Preemptor:
         self.owners = owners
         self.release = release
         self.settle = settle
+        self.by_priority = by_priority
         self.num_preemptions = 0
 
     def decode_under_pressure(self, rows: np.ndarray, reach: np.ndarray,
@@ -86,11 +105,10 @@ class Preemptor:
         if not self.blocks.can_allocate(need) and self.blocks.num_parked_blocks:
             self.settle()
         while not self.blocks.can_allocate(need):
-            victim = next((r for r in reversed(self.running.values())
-                           if r is not request and r.status is _RUNNING and not is_scheduled(r)), None)
-            self.preempt(victim or request)
-            preempted.append(victim or request)
-            if victim is None:
+            victim = self._victim(request, is_scheduled)
+            self.preempt(victim)
+            preempted.append(victim)
+            if victim is request:
                 return False
         self.blocks.allocate(request.token_row, num_tokens)
         return True
@@ -103,11 +121,13 @@ class Preemptor:
         self.release(request)
         del self.running[request.arrival_seq]
         request.status = RequestStatus.WAITING
-        # Back into the queue at its arrival position, so admission stays FIFO.
-        index = 0
-        for index, other in enumerate(self.waiting):
-            if other.arrival_seq > request.arrival_seq:
-                break
-        else:
-            index = len(self.waiting)
-        self.waiting.insert(index, request)
+        enqueue(self.waiting, request, self.by_priority)  # at its place: admission keeps the queue's order
+
+    def _victim(self, request: Request, is_scheduled: Callable[[Request], bool]) -> Request:
+        """Who gives ``request`` room: the newest running request not scheduled in this step, else ``request``;
+        under the priority policy the largest ``queue_key`` of those and ``request``."""
+        others = (r for r in reversed(self.running.values())
+                  if r is not request and r.status is _RUNNING and not is_scheduled(r))
+        if not self.by_priority:
+            return next(others, request)
+        return max((request, *others), key=lambda r: queue_key(r, True))

@@ -42,7 +42,7 @@ import numpy as np
 from asyncbatch.engine.admission import Admitter
 from asyncbatch.engine.block_manager import BlockManager, IntegrityError
 from asyncbatch.engine.messages import AppliedStep
-from asyncbatch.engine.preemption import Preemptor
+from asyncbatch.engine.preemption import Preemptor, enqueue
 from asyncbatch.engine.prefix_sharing import PrefixSharer
 from asyncbatch.engine.request import Request, RequestStatus
 from asyncbatch.engine.row_state import NO_ROWS, NO_SEQ, DecodeSet, RowState
@@ -92,7 +92,8 @@ class Scheduler:
     """
 
     def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int, *,
-                 eos_token_id: int | None = None, speculative: SpeculativeConfig | None = None) -> None:
+                 eos_token_id: int | None = None, speculative: SpeculativeConfig | None = None,
+                 priority: bool = False) -> None:
         self.blocks = block_manager
         # Speculative decoding (``docs/speculative.md``): every decode row of a verify step gets 1 + depth tokens,
         # and its counters are upper bounds until ``apply`` reconciles them.
@@ -119,8 +120,9 @@ class Scheduler:
         self._free_rows: list[int] = list(range(self.max_num_seqs - 1, -1, -1))
         self._step_id = 0
         self.num_releases = 0  # token rows given back so far
+        self.by_priority = priority  # the priority scheduling policy (``EngineConfig.scheduling_policy``)
         self.preemptor = Preemptor(self.rows, block_manager, self.waiting, self.running, self._owners,
-                                   self._release_now, self.settle_released)
+                                   self._release_now, self.settle_released, priority)
         self.applier = StepApplier(self.rows, self._owners, self._off_row, self.finish, eos_token_id)
         self.prefix = PrefixSharer(block_manager, self.rows)
         self.admitter = Admitter(self.rows, block_manager, self.prefix, self.decode, self.waiting, self.running,
@@ -138,7 +140,7 @@ class Scheduler:
                                  f"{self.blocks.num_usable_blocks} blocks")
         self.prefix.prepare(request)  # arrival-time work, so that admitting a burst only looks things up
         request.row_constants = RowState.constants_of(request)
-        self.waiting.append(request)
+        enqueue(self.waiting, request, self.by_priority)
 
     @property
     def num_preemptions(self) -> int:

@@ -73,6 +73,16 @@ def unpack_prompt(prompt: object, params: SamplingParams | None) -> tuple[object
     return inner, dataclasses.replace(params, cache_salt=salt)  # SamplingParams checks the salt
 
 
+def with_priority(params: SamplingParams | None, priority: int) -> SamplingParams:
+    """``params`` (None: the defaults) copied with ``priority`` (``LLM.generate``'s per-prompt argument, vLLM's);
+    a different nonzero priority already in them is refused."""
+    params = SamplingParams() if params is None else params
+    if params.priority not in (0, priority):
+        raise ValueError(f"priority is given twice, {priority} in generate(priority=...) and {params.priority} in "
+                         "SamplingParams: give it once")
+    return dataclasses.replace(params, priority=priority)  # SamplingParams checks it
+
+
 @dataclass(frozen=True, slots=True)
 class ProcessedRequest:
     """A validated request: what ``EngineClient.submit`` takes as it is. Built by ``InputProcessor.request``;
@@ -92,13 +102,15 @@ class InputProcessor:
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, max_model_len: int,
-                 usable_tokens: int, eos_token_id: int | None = None, grammar_backend: str = "auto") -> None:
+                 usable_tokens: int, eos_token_id: int | None = None, grammar_backend: str = "auto",
+                 scheduling_policy: str = "fcfs") -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.usable_tokens = usable_tokens  # tokens the whole KV cache holds
         self.eos_token_id = eos_token_id
         self.grammar_backend = grammar_backend
+        self.scheduling_policy = scheduling_policy
         self._grammar = None  # the GrammarCompiler that validates structured_outputs, built on first use
         self._grammar_lock = threading.Lock()
         self._warmup: threading.Thread | None = None
@@ -199,6 +211,9 @@ class InputProcessor:
             check_needs_no_tokenizer(params)
         elif params.bad_words:
             params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words, self.vocab_size)
+        if params.priority and self.scheduling_policy != "priority":
+            raise ValueError(f"SamplingParams.priority must be 0 unless the engine's scheduling_policy is 'priority' "
+                             f"(it is {self.scheduling_policy!r}), got {params.priority}")
         check_token_ids(params, self.vocab_size)
         self.check_structured_outputs(params)
         check_fits(len(prompt_ids), params, self.max_model_len, self.usable_tokens)

@@ -57,6 +57,7 @@ class SamplingFields(_Body):
     allowed_token_ids: list[int] | None = None  # only these ids may be sampled
     bad_words: list[str] | None = None  # words the output never contains (``token_constraints``)
     cache_salt: str | None = None  # prefix-cache blocks shared only with requests of the same salt
+    priority: int = 0  # lower first under --scheduling-policy priority; must be 0 otherwise
     # vLLM's: the choice also carries its token ids (and the prompt's); on by default without a tokenizer.
     return_token_ids: bool | None = None
     prompt_logprobs: int | None = None

@@ -196,6 +196,7 @@ def sampling_params(body: SamplingFields, max_tokens: int, *, logprobs: int | No
                 allowed_token_ids=body.allowed_token_ids,
                 bad_words=body.bad_words,
                 cache_salt=body.cache_salt,
+                priority=body.priority,
             ))
         except (ValueError, TypeError) as exc:
             field = _FIELD.match(str(exc))
