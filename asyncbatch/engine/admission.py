@@ -1,10 +1,11 @@
-"""Admitting waiting requests: FIFO, decided one by one, applied to the row and block arrays in one batch.
+"""Admitting waiting requests: in queue order, decided one by one, applied to the row and block arrays in one batch.
 
 A burst (a batch job, a retry storm, a replica restart) puts hundreds of
 requests in the queue at once, and the step that admits them is planned while
 the device runs the step before it: its planning is device idle time if it
 outlasts that step. So admission is cheap per request: a short Python pass
-decides who goes in (FIFO, while a token row, the token budget and KV blocks
+decides who goes in (the queue's order, FIFO unless the priority policy
+orders it, while a token row, the token budget and KV blocks
 allow, reusing cached prefix blocks) and works out, as plain integers, every
 number the admission sets: one row of an int64 table per request (its chunk,
 ``RowState``'s counters, where its blocks go). Everything that writes per-row
@@ -103,7 +104,7 @@ class Admitter:
         self._tables: list[np.ndarray] = []
 
     def admit(self, prefill: list[ScheduledRow], budget: int, drained: list[Request]) -> int:
-        """Admit waiting requests in FIFO order while a row, the budget and blocks allow; append their first
+        """Admit waiting requests in queue order while a row, the budget and blocks allow; append their first
         chunks to ``prefill`` and the ones whose only output is scheduled now to ``drained``. Returns the budget
         left."""
         waiting = self.waiting

@@ -5,10 +5,12 @@ step:
 
 1. running requests in the decode phase, one token each (admission order);
 2. running requests still prefilling, one chunk each within the token budget;
-3. waiting requests in FIFO order, while a token row, the budget and KV
-   blocks allow. A preempted request waits until every token sampled for it
-   by launched steps has reached the host (``num_pending == 0``); the queue
-   does not overtake it, so admission stays FIFO. Admissions are decided one
+3. waiting requests in queue order (arrival; with ``priority``, vLLM's
+   priority policy, priority then arrival: ``preemption.enqueue``), while a
+   token row, the budget and KV blocks allow. A preempted request waits until
+   every token sampled for it by launched steps has reached the host
+   (``num_pending == 0``); the queue does not overtake it, so admission keeps
+   the queue's order. Admissions are decided one
    by one and applied to the arrays in one batch (``admission``), so a burst
    of hundreds costs a few microseconds per request; what can be done on
    arrival (prefix chain keys, the row constants) is done in ``add``.
