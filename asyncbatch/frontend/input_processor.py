@@ -45,8 +45,8 @@ logger = logging.getLogger(__name__)
 def unpack_prompt(prompt: object, params: SamplingParams | None) -> tuple[object, SamplingParams | None]:
     """vLLM's prompt dicts as a plain prompt and the params that carry their ``cache_salt``: ``TextPrompt``
     (``{"prompt": text}``) and ``TokensPrompt`` (``{"prompt_token_ids": ids}``), each with an optional
-    ``cache_salt``. Other prompts come back as they are. The params are copied, never changed: one
-    ``SamplingParams`` may serve many prompts with different salts."""
+    ``cache_salt``. Other prompts come back as they are; params with the dict's salt are a copy
+    (``_params_with``)."""
     if not isinstance(prompt, Mapping):
         return prompt, params
     unknown = sorted(str(key) for key in prompt if key not in PROMPT_DICT_KEYS)
@@ -66,21 +66,24 @@ def unpack_prompt(prompt: object, params: SamplingParams | None) -> tuple[object
     salt = prompt.get("cache_salt")
     if salt is None:
         return inner, params
-    params = SamplingParams() if params is None else params
-    if params.cache_salt is not None and params.cache_salt != salt:
-        raise ValueError(f"cache_salt is given twice, {salt!r} in the prompt dict and {params.cache_salt!r} in "
-                         "SamplingParams: give it once")
-    return inner, dataclasses.replace(params, cache_salt=salt)  # SamplingParams checks the salt
+    return inner, _params_with(params, "cache_salt", salt, "the prompt dict")
 
 
 def with_priority(params: SamplingParams | None, priority: int) -> SamplingParams:
-    """``params`` (None: the defaults) copied with ``priority`` (``LLM.generate``'s per-prompt argument, vLLM's);
-    a different nonzero priority already in them is refused."""
+    """``params`` copied with ``priority`` (``LLM.generate``'s per-prompt argument, vLLM's)."""
+    return _params_with(params, "priority", priority, "generate(priority=...)")
+
+
+def _params_with(params: SamplingParams | None, name: str, value: object, source: str) -> SamplingParams:
+    """``params`` (None: the defaults) copied with field ``name`` set to ``value`` from ``source`` (the caller's
+    ``SamplingParams`` is never changed: one may serve many prompts); a different value already set there (not the
+    field's default) is refused. ``SamplingParams`` checks the value."""
     params = SamplingParams() if params is None else params
-    if params.priority not in (0, priority):
-        raise ValueError(f"priority is given twice, {priority} in generate(priority=...) and {params.priority} in "
-                         "SamplingParams: give it once")
-    return dataclasses.replace(params, priority=priority)  # SamplingParams checks it
+    current = getattr(params, name)
+    if current not in (SamplingParams.__dataclass_fields__[name].default, value):
+        raise ValueError(f"{name} is given twice, {value!r} in {source} and {current!r} in SamplingParams: "
+                         "give it once")
+    return dataclasses.replace(params, **{name: value})
 
 
 @dataclass(frozen=True, slots=True)
