@@ -153,7 +153,9 @@ def test_constrained_greedy_tokens_obey_and_agree_in_every_mode(make_llm, tiny_m
         for out, p, before in zip(outs, params, plain * 2 + plain[:2]):
             assert out.finish_reason in ("length", "stop"), (p, out.finish_reason, out.error)
             if p.bad_words:
-                assert not any(_contains(out.token_ids, phrase) for phrase in p.bad_words_token_ids)
+                phrases = bad_words_token_ids(tokenizer, p.bad_words, 10**6)
+                assert phrases and not any(_contains(out.token_ids, phrase) for phrase in phrases)
+                assert p.bad_words_token_ids is None  # the caller's params are left as they were
             if p.allowed_token_ids:
                 assert set(out.token_ids) <= set(p.allowed_token_ids)
         changed = [out.token_ids != before.token_ids for out, before in zip(outs[:len(PROMPTS)], plain)]

@@ -17,6 +17,7 @@ other requests are untouched (DESIGN invariant 6). Should the engine core still 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import threading
@@ -212,7 +213,8 @@ class InputProcessor:
             prompt = self.tokenizer.decode(kept) if self.tokenizer is not None and prompt is not None else None
         if self.tokenizer is None:
             check_needs_no_tokenizer(params)
-        elif params.bad_words:
+        elif params.bad_words:  # the words' tokens travel on a copy: the caller's params may serve other engines
+            params = copy.copy(params)
             params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words, self.vocab_size)
         if params.priority and self.scheduling_policy != "priority":
             raise ValueError(f"SamplingParams.priority must be 0 unless the engine's scheduling_policy is 'priority' "
