@@ -46,11 +46,7 @@ from asyncbatch.engine.step_plan import (
     CHUNK_BLOCKS,
     CHUNK_COLUMNS,
     CHUNK_END,
-    CHUNK_N,
     CHUNK_ROW,
-    CHUNK_SAMPLES,
-    CHUNK_START,
-    CHUNK_STEP,
     ScheduledRow,
 )
 
@@ -59,11 +55,11 @@ _RUNNING, _DRAINING = RequestStatus.RUNNING, RequestStatus.DRAINING
 # last two columns, the chunk's end and the request's seq, are also the first two of ``RowState``'s counters
 # (``ROW_COUNTERS``: num_computed, seq, ...); then what the blocks need (the blocks the row gets fresh, the index
 # of its last one among those the batch pops, and where its first goes in the flattened block table less its
-# index among them), and whether it decodes or drains after this step.
+# index among them), and whether it decodes after this step.
 _COUNTERS = slice(CHUNK_END, CHUNK_END + len(ROW_COUNTERS))
 _ADMIT_KEY = CHUNK_END + ROW_COUNTERS.index("admit_key")
-_FRESH, _LAST, _FLAT, _DECODES, _DRAINS = range(_COUNTERS.stop, _COUNTERS.stop + 5)
-_TABLE_WIDTH = _DRAINS + 1
+_FRESH, _LAST, _FLAT, _DECODES = range(_COUNTERS.stop, _COUNTERS.stop + 4)
+_TABLE_WIDTH = _DECODES + 1
 
 
 class Admitter:
@@ -100,6 +96,7 @@ class Admitter:
         self.seconds = 0.0
         self.cpu_seconds = 0.0
         self.table: np.ndarray | None = None
+        self.num_sampling = 0  # of the last ``admit``'s chunks, those that end their prefill and sample
         self.short_of_blocks = False  # the last ``admit`` stopped at a request its free blocks could not hold
         self._tables: list[np.ndarray] = []
 
@@ -109,11 +106,13 @@ class Admitter:
         left."""
         waiting = self.waiting
         self.table = None
+        self.num_sampling = 0
         self.short_of_blocks = False
         if not waiting or budget <= 0 or len(self.running) >= self.max_num_seqs:
             return budget
         started, started_cpu = time.perf_counter(), time.thread_time()
         blocks, prefix, free_rows = self.blocks, self.prefix, self.free_rows
+        owners, running, prefilling = self.owners, self.running, self.prefilling
         caching = blocks.caching
         rows_left = self.max_num_seqs - len(self.running)
         available = blocks.num_free_blocks  # fresh + reclaimable: what the admissions may take
@@ -128,6 +127,7 @@ class Admitter:
         key = self.num_admissions  # the last admission's key
         max_blocks, bs = self.max_blocks_per_seq, blocks.block_size
         prompt_tokens = cached_tokens = 0
+        num_sampling = 0
         while waiting and budget > 0 and rows_left > 0:
             request = waiting[0]
             if request.num_pending:  # a preempted request waits for its in-flight tokens; nobody overtakes it
@@ -147,7 +147,7 @@ class Admitter:
                 self.short_of_blocks = True
                 break
             if fresh > unused and batch:  # it evicts: apply the batch first, so its hit saw no eviction
-                self._apply(batch, records, popped, prefill, drained)
+                self._apply(batch, records, popped)
                 batch, records, popped = [], [], 0
                 unused = blocks.num_unused_blocks
             waiting.popleft()
@@ -161,20 +161,33 @@ class Admitter:
             samples = end == target  # the chunk ends the prefill, and samples
             max_tokens = request.params.max_tokens
             drains = samples and outputs >= max_tokens - 1  # its only output left is scheduled now
+            # The request's own side, in the same pass (nothing before ``_apply`` reads it; the arrays wait for it).
+            owners[row] = request
+            request.token_row = row
+            running[request.arrival_seq] = request
+            if drains:
+                request.status = _DRAINING
+                drained.append(request)
+            else:
+                request.status = _RUNNING
+                if not samples:
+                    prefilling.append(request)
+            num_sampling += samples
+            step = outputs if samples else 0  # the sample step: outputs scheduled before this one
+            prefill.append(ScheduledRow(request, row, start, n, samples, step, True, start))
             key += 1
             popped += fresh
             batch.append(request)
-            records.append((row, start, n, prompt_len, outputs if samples else 0, samples, 1, start, num_tokens,
+            records.append((row, start, n, prompt_len, step, samples, 1, start, num_tokens,
                             shared + fresh,
                             # RowState's counters (ROW_COUNTERS): num_computed (the chunk's end) and seq, the chunk
                             # table's last two columns, then admit_key, prefill_len, num_scheduled, num_outputs,
                             # token_cap, spec_over
                             end, request.arrival_seq, key, target, outputs + samples, outputs, prompt_len + max_tokens,
-                            0, fresh, popped - 1, row * max_blocks + shared + fresh - popped, samples and not drains,
-                            drains))
+                            0, fresh, popped - 1, row * max_blocks + shared + fresh - popped, samples and not drains))
             num_tokens += n
             if fresh > unused or not self.batch:  # an evicting request alone: later hits must see what it evicted
-                self._apply(batch, records, popped, prefill, drained)
+                self._apply(batch, records, popped)
                 batch, records, popped = [], [], 0
                 available = blocks.num_free_blocks
                 unused = blocks.num_unused_blocks
@@ -184,8 +197,9 @@ class Admitter:
             budget -= n
             rows_left -= 1
         self.num_admissions = key
+        self.num_sampling = num_sampling
         if batch:
-            self._apply(batch, records, popped, prefill, drained)
+            self._apply(batch, records, popped)
         tables = self._tables
         if tables:
             self.table = tables[0] if len(tables) == 1 else np.concatenate(tables)
@@ -196,10 +210,10 @@ class Admitter:
         self.cpu_seconds += time.thread_time() - started_cpu
         return budget
 
-    def _apply(self, requests: list[Request], records: list[tuple[int, ...]], popped: int,
-               prefill: list[ScheduledRow], drained: list[Request]) -> None:
-        """Rows, blocks and first chunks of the decided admissions ``requests`` (in FIFO order), with their
-        admission table rows ``records`` (``admit``) and the fresh blocks they take (``popped``)."""
+    def _apply(self, requests: list[Request], records: list[tuple[int, ...]], popped: int) -> None:
+        """Rows and blocks of the decided admissions ``requests`` (in queue order), with their admission table
+        rows ``records`` (``admit``) and the fresh blocks they take (``popped``): the array side of admitting
+        them, a few operations whatever their number (``admit`` did each one's Python side as it decided it)."""
         a = len(requests)
         table = np.fromiter(chain.from_iterable(records), dtype=np.int64, count=_TABLE_WIDTH * a)
         table = table.reshape(a, _TABLE_WIDTH)  # [A, _TABLE_WIDTH]
@@ -208,22 +222,11 @@ class Admitter:
                                       popped)
         decodes = table[:, _DECODES]  # [A]
         self.rows.admit_many(rows, requests, table[:, _COUNTERS], decodes)
-        if decodes.any():
+        num_decoding = sum(record[_DECODES] for record in records)
+        if num_decoding == a:  # the usual burst: every prompt fits its first chunk
+            self.decode.add_many(rows, table[:, _ADMIT_KEY])
+        elif num_decoding:
             completed = decodes != 0  # [A]
             self.decode.add_many(rows[completed], table[completed, _ADMIT_KEY])
         self.prefix.note_prefills(requests)
         self._tables.append(table[:, :CHUNK_COLUMNS])  # [A, CHUNK_COLUMNS] the chunk table
-        owners, running = self.owners, self.running
-        for request, record in zip(requests, records):
-            row, start, samples = record[CHUNK_ROW], record[CHUNK_START], record[CHUNK_SAMPLES]
-            owners[row] = request
-            request.token_row = row
-            running[request.arrival_seq] = request
-            if record[_DRAINS]:
-                request.status = _DRAINING
-                drained.append(request)
-            else:
-                request.status = _RUNNING
-                if not samples:
-                    self.prefilling.append(request)
-            prefill.append(ScheduledRow(request, row, start, record[CHUNK_N], samples, record[CHUNK_STEP], True, start))

@@ -88,8 +88,11 @@ def write_prefill(plan: StepPlan, staging: StagingBuffer, rows: RowState, blocks
         if spec:
             c = np.concatenate([np.array(spec, dtype=np.int64), c])
             c[len(spec):, CHUNK_OFFSET] += offset  # the admitted chunks' tokens come after the running ones'
-        for row in plan.prefill[len(spec):]:  # the admitted chunks: their tokens are slices of their prompts
-            parts.append(_tokens(row.request, row.start, row.start + row.num_tokens))
+        # The admitted chunks: their tokens are slices of their prompts (one pass, no call per chunk unless it
+        # reaches outputs to recompute).
+        parts += [row.request.prompt_array[row.start:row.start + row.num_tokens]
+                  if row.start + row.num_tokens <= len(row.request.prompt_token_ids)
+                  else _tokens(row.request, row.start, row.start + row.num_tokens) for row in plan.prefill[len(spec):]]
     token_rows, starts, ns, ends = c[:, CHUNK_ROW], c[:, CHUNK_START], c[:, CHUNK_N], c[:, CHUNK_END]  # [P]
     offsets = c[:, CHUNK_OFFSET]  # [P] each chunk's first index among the step's prefill tokens
     total = int(c[-1, CHUNK_OFFSET] + c[-1, CHUNK_N])
@@ -106,18 +109,18 @@ def write_prefill(plan: StepPlan, staging: StagingBuffer, rows: RowState, blocks
     widest = int(block_counts.max())
     staging.prefill_block_tables[:p, :widest] = table[token_rows, :widest]
     token_starts = offsets + nd  # [P] each chunk's first index in the step's tokens
-    spans = staging.prefill_row_spans[:p]  # [P, 3]
-    spans[:, 0], spans[:, 1], spans[:, 2] = token_starts, ns, ends
-    meta = PrefillRows(np.stack([token_starts, ns, ends, token_rows, block_counts], axis=1))
+    meta = PrefillRows(np.stack([token_starts, ns, ends, token_rows, block_counts], axis=1))  # [P, 5]
+    staging.prefill_row_spans[:p] = meta.columns[:, :3]  # [P, 3] token start, count, end
     first = token_rows[c[:, CHUNK_FIRST] != 0]  # [F]
     staging.first_chunk_token_rows[:len(first)] = first
     penalised = rows.uses_penalty[token_rows]  # [P]
+    any_penalty = bool(penalised.any())
     # Non-sampling chunks of a penalised request must still feed its penalty state; a reused cached prefix
     # is not computed, so its tokens travel in the CachedContext.
-    reused = (penalised & (c[:, CHUNK_CACHED] > 0)).nonzero()[0]
+    reused = (penalised & (c[:, CHUNK_CACHED] > 0)).nonzero()[0] if any_penalty else NO_ROWS
     samples = c[:, CHUNK_SAMPLES] != 0  # [P]
     cached = (c[:, CHUNK_CACHED] > 0).nonzero()[0] if history else NO_ROWS
-    return PrefillWrite(total, int(ends.sum()), bool(penalised.any()), meta, first.tolist(),
+    return PrefillWrite(total, int(ends.sum()), any_penalty, meta, first.tolist(),
                         _cached_context(plan, reused.tolist()) if len(reused) else None,
                         _cached_context(plan, cached.tolist()) if len(cached) else None, token_rows[samples],
                         c[samples, CHUNK_STEP], (token_starts + ns - 1)[samples])

@@ -132,6 +132,10 @@ class PrefixCache:
         return self._by_block[block]
 
     # -- lookups and registration ----------------------------------------------------------
+    def holds(self, key: int) -> bool:
+        """Whether a record has chain key ``key`` (a run of cached blocks can only start at such a key)."""
+        return key in self._by_key
+
     def match(self, keys: Sequence[int], contents: Sequence[tuple[int, ...]], limit: int,
               root_serial: int = ROOT_SERIAL) -> list[CachedBlock]:
         """The cached records of the longest run of the first ``limit`` full blocks with these keys and token

@@ -118,6 +118,9 @@ class PrefixSharer:
         # outputs to recompute need hashing here (an admission burst skips building the token list).
         if len(keys) < prefill_len // bs:
             chain_keys(self._prefill_tokens(request), bs, keys, request.block_contents, request.cache_root[0])
+        # A burst of distinct prompts misses at the first block: one lookup decides it, before any other check.
+        if not keys or not cache.holds(keys[0]):
+            return NO_HIT
         limit = (prefill_len - 1) // bs
         if not limit or (request.params.prompt_logprobs is not None and _scores_prompt(request)):
             return NO_HIT  # no full block before the last token; or its prompt is scored (registered once computed)

@@ -204,7 +204,8 @@ class Scheduler:
             row_parts.append(np.fromiter((p.token_row for p in sampling), np.int64, count=len(sampling)))
             seq_parts.append(np.fromiter((p.request.arrival_seq for p in sampling), np.int64, count=len(sampling)))
         if admitted is not None:
-            samples = admitted[admitted[:, CHUNK_SAMPLES] != 0]
+            samples = admitted if self.admitter.num_sampling == num_admitted else \
+                admitted[admitted[:, CHUNK_SAMPLES] != 0]
             row_parts.append(samples[:, CHUNK_ROW])
             seq_parts.append(samples[:, CHUNK_SEQ])
         sample_rows, sample_seqs = (decode.rows, decode.seqs) if len(row_parts) == 1 else (
