@@ -310,3 +310,23 @@ def test_the_ingress_counts_requests_without_a_token_as_waiting():
         return seen
 
     assert asyncio.run(run()) == [(2, 2), (2, 1), (1, 1), (0, 0)]
+
+
+def test_constraints_that_exclude_each_other_are_the_callers_error_through_the_ingress(cluster):
+    """A request whose ``allowed_token_ids`` and ``bad_words`` leave no token fails on its replica with
+    ``ConstraintConflictError``; through Ray's stream the ingress still answers it as the single server does
+    (400 ``constraints_conflict``, or that error event when streamed) and serves the next request."""
+    url, _handle = cluster
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(base_url=url.removesuffix("/v1"), timeout=30, headers=auth) as http:
+        allowed = http.post("/tokenize", json={"prompt": "x", "add_special_tokens": False}).json()["tokens"]
+        assert len(allowed) == 1  # the word's one token, which bad_words then bans
+        conflict = {"model": "sim", "prompt": [1, 2, 3], "max_tokens": 4, "allowed_token_ids": allowed,
+                    "bad_words": ["x"]}
+        response = http.post("/v1/completions", json=conflict)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["code"] == "constraints_conflict"
+        streamed = http.post("/v1/completions", json={**conflict, "stream": True})
+        assert streamed.status_code == 200 and '"constraints_conflict"' in streamed.text
+        ok = http.post("/v1/completions", json={**conflict, "bad_words": [], "return_token_ids": True})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["token_ids"] == allowed * 4
