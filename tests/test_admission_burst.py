@@ -4,7 +4,8 @@ through the engine on ``sim``.
 The batched path decides admissions one by one but writes rows, blocks and
 staging for all of them at once; its risky parts are the deferred block
 allocation (the same block ids as single pops), cache hits that reclaim
-evictable blocks, and the fallback for an admission that evicts a cached block.
+evictable blocks, and admissions that evict cached blocks (evicted as each is
+decided, handed out with the batch's pop).
 The lockstep test drives two schedulers over the same bursts, one with
 ``Admitter.batch = False`` (each admission applied as it is decided, as the
 per-request planner did), with a KV cache small enough that admissions evict
@@ -120,7 +121,7 @@ def test_batched_admission_equals_one_at_a_time(seed: int) -> None:
             break
     assert not single.sched.has_work() and seq == sum(waves.values())
     stats = batched.sched.prefix_cache_stats()
-    # The workload reached the paths under test: cache hits, evictions (the fallback), preemptions.
+    # The workload reached the paths under test: cache hits, evictions within a batch, preemptions.
     assert stats["cached_tokens"] > 0 and stats["evictions"] > 0 and batched.sched.num_preemptions > 0
     assert batched.blocks.num_free_blocks == batched.blocks.num_usable_blocks
 
@@ -207,3 +208,37 @@ def _run_until_idle(planner: Planner) -> None:
         meta = planner.writer.write(plan, planner.staging.next_buffer())
         planner.sched.release_drained(plan)
         planner.sched.apply(plan, *_fake_tokens(meta.staging, meta.num_sampled))
+
+
+def test_a_burst_into_a_full_cache_is_one_batch_with_the_blocks_single_pops_would_take(monkeypatch) -> None:
+    """Every block cached (a first wave ended), then a burst that hits nothing: each admission evicts. The batched
+    admission decides them all in one batch (one array pass), evicting as it decides, and ends with the same rows,
+    block tables, free stack, cache records and counters as admitting them one at a time."""
+    from asyncbatch.engine import admission
+
+    rng = random.Random(5)
+    burst = 12
+    waves = [[[rng.randrange(4, VOCAB) for _ in range(2 * BLOCK)] for _ in range(burst)] for _ in range(2)]
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    planners = [Planner(True, 2 * burst + 1), Planner(False, 2 * burst + 1)]
+    for p in planners:
+        for i, prompt in enumerate(waves[0]):
+            p.add(i, prompt, one)
+        _run_until_idle(p)
+        p.sched.settle_released()
+        assert p.blocks.num_unused_blocks == 0 and p.sched.prefix_cache_stats()["cached_blocks"] == 2 * burst
+        for i, prompt in enumerate(waves[1]):
+            p.add(burst + i, prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    batches = []
+    apply = admission.Admitter._apply
+    monkeypatch.setattr(admission.Admitter, "_apply", lambda self, requests, *rest: (
+        batches.append((self.batch, len(requests))), apply(self, requests, *rest))[1])
+    plans = [p.sched.schedule() for p in planners]
+    assert _plan_view(plans[0]) == _plan_view(plans[1]) and plans[0].num_admitted == burst
+    assert [n for batch, n in batches if batch] == [burst]  # one batch, not one per evicting request
+    assert _held_tables(planners[0]) == _held_tables(planners[1])
+    assert planners[0].blocks.free_blocks() == planners[1].blocks.free_blocks()
+    stats = [p.sched.prefix_cache_stats() for p in planners]
+    assert stats[0] == stats[1] and stats[0]["evictions"] == 2 * burst
+    for p in planners:
+        p.sched.check_integrity()

@@ -105,6 +105,9 @@ class BlockManager:
         self.chains: list[list[int]] = [[] for _ in range(max_num_seqs)]
         self._parked: dict[int, ParkedBlocks] = {}  # id(record) -> record
         self.num_parked_blocks = 0
+        # Cached blocks taken out of the cache for the admission batch being decided (``evict_for_admission``),
+        # in eviction order: its ``allocate_admitted`` pops them after the free stack. Empty between plans.
+        self._evicted: list[int] = []
 
     @property
     def caching(self) -> bool:
@@ -130,16 +133,26 @@ class BlockManager:
 
     def _pop(self, k: int) -> np.ndarray:
         """The next ``k`` fresh blocks ([k] int64): off the free stack in the order k single pops would give
-        them, then, if the stack runs out, evicted cached blocks, least recently released first."""
-        top = self._num_free
-        if k > self.num_free_blocks:
+        them, then, if the stack runs out, the blocks ``evict_for_admission`` took out of the cache, then evicted
+        cached blocks, least recently released first."""
+        top, early = self._num_free, self._evicted
+        if k > self.num_free_blocks + len(early):
             raise IntegrityError(f"allocate({k}) with {self.num_free_blocks} free: the scheduler must check first")
         if k <= top:
             self._num_free = top - k
             return self._free[top - k:top][::-1].copy()
         self._num_free = 0
-        evicted = np.asarray(self.prefix.evict(k - top), dtype=np.int64)
+        taken = early[:k - top]
+        del early[:k - top]
+        evicted = np.asarray(taken + self.prefix.evict(k - top - len(taken)), dtype=np.int64)
         return np.concatenate([self._free[:top][::-1], evicted])
+
+    def evict_for_admission(self, k: int) -> None:
+        """Take the ``k`` least recently released evictable blocks out of the cache now, for fresh blocks of the
+        admission batch being decided (``Admitter.admit``) once the free stack cannot hold them: the cache lookups
+        of the requests decided after it no longer find them, as if its blocks had been popped already; the
+        batch's ``allocate_admitted`` hands them out after the free stack, in this order."""
+        self._evicted += self.prefix.evict(k)
 
     def blocks_for(self, num_tokens: int) -> int:
         return blocks_for_tokens(num_tokens, self.block_size)
@@ -319,6 +332,8 @@ class BlockManager:
     def check_integrity(self, held_rows: np.ndarray) -> None:
         """Raise ``IntegrityError`` unless free, evictable and held blocks partition the usable blocks, every
         reference count matches the held rows' tables, and the prefix cache agrees with itself."""
+        if self._evicted:
+            raise IntegrityError(f"{len(self._evicted)} blocks evicted for an admission batch were never allocated")
         free = self._free[:self._num_free]  # [F]
         if len(np.unique(free)) != len(free):
             raise IntegrityError("a block is on the free list twice")
