@@ -108,6 +108,12 @@ class BlockManager:
         # Cached blocks taken out of the cache for the admission batch being decided (``evict_for_admission``),
         # in eviction order: its ``allocate_admitted`` pops them after the free stack. Empty between plans.
         self._evicted: list[int] = []
+        # What ``share`` listed for the admission batch being decided, written with its ``allocate_admitted``: the
+        # flat table slots and ids of the shared blocks, and the ids that were held already (their reference
+        # counts rise then; evictable ones are reclaimed and counted at once). Empty between plans.
+        self._shared_slots: list[int] = []
+        self._shared_ids: list[int] = []
+        self._shared_held: list[int] = []
 
     @property
     def caching(self) -> bool:
@@ -164,20 +170,32 @@ class BlockManager:
     def can_allocate(self, num_blocks: int) -> bool:
         return num_blocks <= self.num_free_blocks
 
-    def share(self, row: int, cached: Sequence[CachedBlock], blocks: np.ndarray, num_idle: int) -> None:
-        """List ``cached`` (a verified chain from ``PrefixCache.match``; ``blocks`` [k] their ids, ``num_idle`` of
-        them evictable) as the first blocks of empty ``row``. The evictable ones no longer count as free."""
+    def share(self, row: int, cached: Sequence[CachedBlock], blocks: list[int], num_idle: int) -> None:
+        """List ``cached`` (a verified chain from ``PrefixCache.match``; ``blocks`` their ids, ``num_idle`` of them
+        evictable) as the first blocks of empty ``row``, which is being admitted: the evictable ones are reclaimed
+        now (held, no longer free, so a later hit or eviction in the batch sees them taken); the row's table
+        entries and the held ones' reference counts are written with the batch's ``allocate_admitted``, which
+        also sets the row's block count. A burst that shares one prefix thus costs a few list appends a request."""
         k = len(cached)
         if not k:
             return
         if self.num_row_blocks[row]:
             raise IntegrityError(f"row {row} shares cached blocks after holding blocks of its own")
+        ref = self.ref
         if num_idle:
-            for block in blocks[self.ref[blocks] == 0].tolist():
-                self.prefix.reclaim(block)
-        self.ref[blocks] += 1
-        self.block_table[row, :k] = blocks
-        self.num_row_blocks[row] = k
+            held = []
+            for block in blocks:
+                if ref[block] == 0:
+                    self.prefix.reclaim(block)
+                    ref[block] = 1
+                else:
+                    held.append(block)
+        else:
+            held = blocks
+        base = row * self.max_blocks_per_seq
+        self._shared_slots += range(base, base + k)
+        self._shared_ids += blocks
+        self._shared_held += held
         self.chains[row] = [rec.serial for rec in cached]
 
     def allocate(self, row: int, num_tokens: int) -> None:
@@ -215,6 +233,10 @@ class BlockManager:
         max_blocks_per_seq``; its last is the ``lasts[i]``-th block popped (``cumsum(counts) - 1``), and the
         ``k``-th block popped goes to ``block_table.flat[k + flat[i]]`` (``flat = rows * max_blocks_per_seq +
         grown - 1 - lasts``). No reduction over the batch, so a burst pays for a few scatters."""
+        if self._shared_slots:  # the batch's cache hits (``share``), listed first in their rows
+            self._table_flat[self._shared_slots] = self._shared_ids
+            np.add.at(self.ref, self._shared_held, 1)  # a block shared by several rows counts each
+            self._shared_slots, self._shared_ids, self._shared_held = [], [], []
         new = self._pop(total)  # [N] rows[0]'s blocks first
         self._table_flat[np.arange(total, dtype=np.int64) + np.repeat(flat, counts)] = new
         self.num_row_blocks[rows] = grown
@@ -332,8 +354,8 @@ class BlockManager:
     def check_integrity(self, held_rows: np.ndarray) -> None:
         """Raise ``IntegrityError`` unless free, evictable and held blocks partition the usable blocks, every
         reference count matches the held rows' tables, and the prefix cache agrees with itself."""
-        if self._evicted:
-            raise IntegrityError(f"{len(self._evicted)} blocks evicted for an admission batch were never allocated")
+        if self._evicted or self._shared_slots:
+            raise IntegrityError("blocks evicted or shared for an admission batch were never allocated")
         free = self._free[:self._num_free]  # [F]
         if len(np.unique(free)) != len(free):
             raise IntegrityError("a block is on the free list twice")

@@ -64,12 +64,12 @@ from asyncbatch.engine.row_state import RowState
 
 class PrefixHit(NamedTuple):
     cached: list[CachedBlock]  # verified chain of cached blocks the request's row lists first
-    blocks: np.ndarray  # [k] int64 their block ids
+    blocks: list[int]  # their block ids
     num_tokens: int  # tokens they hold: the first chunk starts here
     num_reclaimed: int  # of them, evictable blocks (counted as free until shared)
 
 
-NO_HIT = PrefixHit([], np.zeros(0, dtype=np.int64), 0, 0)
+NO_HIT = PrefixHit([], [], 0, 0)
 _NONE = np.zeros(0, dtype=np.int64)
 
 
@@ -127,9 +127,11 @@ class PrefixSharer:
         cached = cache.match(keys, request.block_contents, limit, request.cache_root[1])
         if not cached:
             return NO_HIT
-        blocks = np.fromiter((rec.block for rec in cached), dtype=np.int64, count=len(cached))  # [k]
-        reclaimed = len(cached) - int(np.count_nonzero(self.blocks.ref[blocks]))
-        return PrefixHit(cached, blocks, len(cached) * self.blocks.block_size, reclaimed)
+        ids = [rec.block for rec in cached]
+        ref = self.blocks.ref
+        # A few blocks a hit: scalar reads cost less than gathering them into an array and counting there.
+        reclaimed = sum(1 for block in ids if ref[block] == 0)
+        return PrefixHit(cached, ids, len(cached) * self.blocks.block_size, reclaimed)
 
     def prepare(self, request: Request) -> None:
         """Hash ``request``'s prompt blocks (``Scheduler.add``, on arrival): admission then only looks them up."""
