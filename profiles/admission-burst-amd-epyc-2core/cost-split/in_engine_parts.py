@@ -51,7 +51,7 @@ admission.Admitter.admit = _wrap_admit(admission.Admitter.admit)
 admission.Admitter._apply = _wrap_apply(admission.Admitter._apply)
 step_metadata.write_prefill = _wrap_write(step_metadata.write_prefill)
 
-from asyncbatch import LLM, SamplingParams, SimConfig  # noqa: E402  (after the wrappers are installed)
+from asyncbatch import LLM, SamplingParams, SimConfig
 
 
 def main() -> None:
