@@ -544,3 +544,34 @@ def test_engine_on_sim_checks_integrity_after_every_step(make_llm):
     assert on == off
     assert cache["hit_rate"] > 0.2 and cache["evictions"] > 0, cache
     assert on_stats["preemptions"] > 0 and off_stats["preemptions"] > 0
+
+
+def test_an_admission_batch_shares_and_evicts_as_it_decides_and_writes_both_with_its_allocation():
+    """What ``Admitter.admit`` does to the blocks of one batch: ``share`` reclaims an evictable block at once (a
+    second sharer counts it held, no eviction can take it), ``evict_for_admission`` takes the oldest cached block
+    out of the cache at once once the free stack is spoken for; table entries, reference counts and fresh blocks
+    (the stack's, then the evicted) land with the batch's ``allocate_admitted``, and a batch left unallocated is an
+    integrity error."""
+    blocks = BlockManager(7, 2, 3, 4, prefix_caching=True)
+    keys, contents = [], []
+    chain_keys([1, 2, 3, 4], 2, keys, contents)
+    blocks.allocate(0, 4)  # blocks 1, 2, cached, then released: both evictable, 1 the older
+    blocks.register(0, keys, contents, 2)
+    blocks.free(0)
+    blocks.allocate(2, 6)  # blocks 3, 4, 5: block 6 is the free stack's last
+    assert blocks.num_unused_blocks == 1 and blocks.prefix.num_evictable == 2
+    cached = blocks.prefix.match(keys, contents, 1)  # block 1
+    blocks.share(0, cached, [1], num_idle=1)
+    assert blocks.ref[1] == 1 and blocks.prefix.num_evictable == 1  # reclaimed now
+    blocks.share(1, cached, [1], num_idle=0)  # the second sharer sees it held
+    assert blocks.ref[1] == 1 and blocks.block_table[1, 0] == 0  # its count and table entry wait for the batch
+    # Row 0's fresh block is the stack's; row 1's needs an eviction: block 2, the only evictable one left.
+    blocks.evict_for_admission(1)
+    assert blocks.prefix.num_cached == 1 and blocks.prefix.num_evictable == 0
+    with pytest.raises(IntegrityError, match="never allocated"):
+        blocks.check_integrity(np.array([0, 1, 2]))
+    rows, counts, grown, lasts = np.array([0, 1]), np.array([1, 1]), np.array([2, 2]), np.array([0, 1])
+    blocks.allocate_admitted(rows, counts, grown, lasts, rows * 4 + grown - 1 - lasts, 2)
+    assert blocks.block_table[0, :2].tolist() == [1, 6] and blocks.block_table[1, :2].tolist() == [1, 2]
+    assert blocks.ref[[1, 2, 6]].tolist() == [2, 1, 1] and blocks.num_row_blocks[:2].tolist() == [2, 2]
+    blocks.check_integrity(np.array([0, 1, 2]))
