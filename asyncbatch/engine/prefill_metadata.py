@@ -88,11 +88,8 @@ def write_prefill(plan: StepPlan, staging: StagingBuffer, rows: RowState, blocks
         if spec:
             c = np.concatenate([np.array(spec, dtype=np.int64), c])
             c[len(spec):, CHUNK_OFFSET] += offset  # the admitted chunks' tokens come after the running ones'
-        # The admitted chunks: their tokens are slices of their prompts (one pass, no call per chunk unless it
-        # reaches outputs to recompute).
-        parts += [row.request.prompt_array[row.start:row.start + row.num_tokens]
-                  if row.start + row.num_tokens <= len(row.request.prompt_token_ids)
-                  else _tokens(row.request, row.start, row.start + row.num_tokens) for row in plan.prefill[len(spec):]]
+        # The admitted chunks: their tokens are slices of their prompts.
+        parts += [_tokens(row.request, row.start, row.start + row.num_tokens) for row in plan.prefill[len(spec):]]
     token_rows, starts, ns, ends = c[:, CHUNK_ROW], c[:, CHUNK_START], c[:, CHUNK_N], c[:, CHUNK_END]  # [P]
     offsets = c[:, CHUNK_OFFSET]  # [P] each chunk's first index among the step's prefill tokens
     total = int(c[-1, CHUNK_OFFSET] + c[-1, CHUNK_N])
