@@ -31,6 +31,11 @@ the machine hits both alike; medians are shown, with every repeat in the JSON (`
   ``stats()`` where the tree has it.
 - ``running``: the same with 1,024 requests and ``max_num_seqs`` 1,024 (1,024 running at 1 ms), with a
   tokenizer and with ``skip_tokenizer_init`` (token ids only: no detokenizer runs).
+- ``cache``: the planner's admission step where the prefix cache matters, launch-path CPU per request, warm, best
+  of 7: ``full_cache``, ``--burst`` new prompts into a cache whose every block a first wave left cached (each
+  admission evicts: what a server that has run a while sees), with the array batches it took; ``shared_prefix``,
+  96 prompts of a cached 64-token prefix and 16 tokens of their own (each admission a hit on 4 blocks), and
+  ``no_shared_prefix``, the same prompts sharing nothing (the cache full enough that part of them evict).
 """
 
 from __future__ import annotations
@@ -155,6 +160,80 @@ def _admission_step(burst: int, decoding: int, seed: int) -> tuple[float, float,
     return elapsed / 1e3 / burst, cpu / 1e3 / burst, launch_path / 1e3 / burst, (launch_path - decode_ns) / 1e3 / burst
 
 
+def cache_burst(seed: int, burst: int, prompt_len: int, num_blocks: int, shared_prefix: int = 0,
+                cold: bool = False) -> tuple[float, int, int, int]:
+    """One admission step of the ``cache`` case: a first wave of ``burst`` requests (one output each; with
+    ``shared_prefix``, the first carries that many tokens of the prefix the second wave shares) runs to its end in a
+    ``num_blocks`` cache, leaving its blocks cached; then ``burst`` prompts of ``prompt_len`` tokens arrive at the
+    idle scheduler. Returns (launch-path CPU us a request, array batches (``Admitter._apply`` calls), blocks
+    evicted, tokens reused from the cache) of the step that admits them; ``cold``: after ``gc.collect()``."""
+    import numpy as np
+
+    from asyncbatch.engine import admission
+    from asyncbatch.engine.block_manager import BlockManager
+    from asyncbatch.engine.host_staging import StagingPair
+    from asyncbatch.engine.request import Request
+    from asyncbatch.engine.scheduler import Scheduler
+    from asyncbatch.engine.step_metadata import StepMetadataWriter
+    from asyncbatch.sampling_params import SamplingParams
+
+    rng = np.random.default_rng(seed)
+    blocks = BlockManager(num_blocks, 16, burst, 32, prefix_caching=True)
+    sched = Scheduler(blocks, 8192, eos_token_id=2)
+    writer = StepMetadataWriter(sched.rows, blocks)
+    staging = StagingPair(8192, burst, 32, pinned=False)
+    prefix = rng.integers(256, 30000, shared_prefix).tolist()
+
+    def add(i: int, head: list[int], max_tokens: int) -> None:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        tail = rng.integers(256, 30000, prompt_len - len(head)).tolist()
+        sched.add(Request(str(i), i, head + tail, params, i, 0.0))
+
+    for i in range(burst):
+        add(10**6 + i, prefix if i == 0 else [], 1)
+    while sched.has_work():
+        plan = sched.schedule()
+        meta = writer.write(plan, staging.next_buffer())
+        sched.release_drained(plan)
+        sched.apply(plan, np.full(meta.num_sampled, 7, dtype=np.int64), np.ones(meta.num_sampled, dtype=bool))
+    sched.settle_released()
+    for i in range(burst):
+        add(i, prefix, 400)
+    evictions = sched.prefix_cache_stats()["evictions"]
+    batches = [0]
+    apply = admission.Admitter._apply
+
+    def counted(self, *args, **kwargs):
+        batches[0] += 1
+        return apply(self, *args, **kwargs)
+
+    admission.Admitter._apply = counted
+    try:
+        if cold:
+            gc.collect()
+        gc.freeze()
+        start = time.thread_time_ns()
+        plan = sched.schedule()
+        writer.write(plan, staging.next_buffer())
+        cpu = time.thread_time_ns() - start
+        gc.unfreeze()
+    finally:
+        admission.Admitter._apply = apply
+    if plan.num_admitted != burst:
+        raise RuntimeError(f"admitted {plan.num_admitted} of {burst}")
+    return (cpu / 1e3 / burst, batches[0], sched.prefix_cache_stats()["evictions"] - evictions,
+            sum(row.num_cached for row in plan.prefill))
+
+
+def cache_case(burst: int) -> dict:
+    full = [cache_burst(seed, burst, PROMPT_LEN, 2 * burst + 1) for seed in range(7)]
+    shared = [cache_burst(seed, 96, 80, 96 * 8 + 64, shared_prefix=64) for seed in range(7)]
+    distinct = [cache_burst(seed, 96, 80, 96 * 8 + 64) for seed in range(7)]
+    return {"full_cache_launch_cpu_us": min(r[0] for r in full), "full_cache_array_batches": full[0][1],
+            "shared_prefix_launch_cpu_us": min(r[0] for r in shared),
+            "no_shared_prefix_launch_cpu_us": min(r[0] for r in distinct)}
+
+
 def engine_case(num_requests: int, output_len: int, skip_tokenizer_init: bool) -> dict:
     from asyncbatch.config import SimConfig
     from asyncbatch.llm import LLM
@@ -212,12 +291,14 @@ def child(args: argparse.Namespace) -> dict:
                 "metered_burst_us": metered, "metered_burst_cpu_us": metered_cpu,
                 "metered_burst_launch_cpu_us": metered_launch,
                 "metered_burst_marginal_launch_cpu_us": metered_marginal}
+    if args.child == "cache":
+        return cache_case(args.burst)
     if args.child == "burst":
         return engine_case(256, 400, False)
     return engine_case(1024, 400, args.child == "running-ids")
 
 
-CASES = ("planner", "burst", "running", "running-ids")
+CASES = ("planner", "cache", "burst", "running", "running-ids")
 
 
 def main() -> None:
