@@ -66,12 +66,13 @@ def planner_case(burst: int, decoding: int) -> tuple[float, ...]:
     return tuple(min(r[k] for r in runs) for k in range(4))
 
 
-def _timed_step(scheduler, writer, staging) -> tuple[object, object, int, int, int]:
+def _timed_step(scheduler, writer, staging, collect: bool = True) -> tuple[object, object, int, int, int]:
     """Plan, write and release one step, GC frozen as in the engine after warm-up: (plan, meta, wall ns, thread
     CPU ns before the launch, thread CPU ns in all). What delays the launch: trees whose core releases drained
     requests after the launch (it has ``settle_released``) launch after schedule + write; older ones after
-    release_drained too."""
-    gc.collect()
+    release_drained too. ``collect``: a ``gc.collect()`` first (the caches colder than the engine finds them)."""
+    if collect:
+        gc.collect()
     gc.freeze()
     t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
     plan = scheduler.schedule()
@@ -98,36 +99,48 @@ class PlannerRig:
     def apply(self, plan, meta) -> None:
         self.scheduler.apply(plan, self.tokens[:meta.num_sampled], self.finite[:meta.num_sampled])
 
+    def step(self):
+        """Plan, write, release and apply one step (untimed); returns its plan."""
+        plan = self.scheduler.schedule()
+        meta = self.writer.write(plan, self.staging.next_buffer())
+        self.scheduler.release_drained(plan)
+        self.apply(plan, meta)
+        return plan
+
+
+def _rig(num_blocks: int, rows: int) -> PlannerRig:
+    """A scheduler with prefix caching on (16-token blocks, 32 a row) over ``num_blocks`` blocks and ``rows`` token
+    rows, its metadata writer and staging pair; no requests yet."""
+    import numpy as np
+
+    from asyncbatch.engine.block_manager import BlockManager
+    from asyncbatch.engine.host_staging import StagingPair
+    from asyncbatch.engine.scheduler import Scheduler
+    from asyncbatch.engine.step_metadata import StepMetadataWriter
+
+    blocks = BlockManager(num_blocks, 16, rows, 32, prefix_caching=True)
+    scheduler = Scheduler(blocks, max(8192, rows), eos_token_id=2)
+    return PlannerRig(scheduler, StepMetadataWriter(scheduler.rows, blocks),
+                      StagingPair(max(8192, rows), rows, 32, pinned=False), [], np.full(rows, 7, dtype=np.int64),
+                      np.ones(rows, dtype=bool))
+
 
 def planner_rig(burst: int, decoding: int, seed: int) -> PlannerRig:
     """The planner case's set-up (also ``profiles/admission-burst-intel-xeon-2core/admission-table/planner_parts.py``):
     32-token prompts, prefix caching on, every row, block and staging page touched once by a warm-up."""
     import numpy as np
 
-    from asyncbatch.engine.block_manager import BlockManager
-    from asyncbatch.engine.host_staging import StagingPair
     from asyncbatch.engine.request import Request
-    from asyncbatch.engine.scheduler import Scheduler
-    from asyncbatch.engine.step_metadata import StepMetadataWriter
     from asyncbatch.sampling_params import SamplingParams
 
     rng = np.random.default_rng(seed)
     n = burst + decoding
-    blocks = BlockManager(n * 32 + 1, 16, n, 32, prefix_caching=True)
-    scheduler = Scheduler(blocks, max(8192, n), eos_token_id=2)
-    rig = PlannerRig(scheduler, StepMetadataWriter(scheduler.rows, blocks), StagingPair(max(8192, n), n, 32, pinned=False),
-                     [], np.full(n, 7, dtype=np.int64), np.ones(n, dtype=bool))
+    rig = _rig(n * 32 + 1, n)
+    scheduler = rig.scheduler
 
     def request(i: int) -> Request:
         params = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True, seed=i)
         return Request(str(i), i, rng.integers(256, 30000, PROMPT_LEN).tolist(), params, i, 0.0)
-
-    def step():
-        plan = scheduler.schedule()
-        meta = rig.writer.write(plan, rig.staging.next_buffer())
-        scheduler.release_drained(plan)
-        rig.apply(plan, meta)
-        return plan
 
     # Warm-up: every row, block and staging page touched once, as in an engine that has served before.
     for i in range(n):
@@ -135,10 +148,10 @@ def planner_rig(burst: int, decoding: int, seed: int) -> PlannerRig:
                        SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), i, 0.0)
         scheduler.add(warm)
     while scheduler.has_work():
-        step()
+        rig.step()
     for i in range(decoding):
         scheduler.add(request(i))
-    while decoding and step().num_prefill:  # prefill them, then one decode step
+    while decoding and rig.step().num_prefill:  # prefill them, then one decode step
         pass
     rig.burst = [request(decoding + i) for i in range(burst)]
     return rig
@@ -170,18 +183,12 @@ def cache_burst(seed: int, burst: int, prompt_len: int, num_blocks: int, shared_
     import numpy as np
 
     from asyncbatch.engine import admission
-    from asyncbatch.engine.block_manager import BlockManager
-    from asyncbatch.engine.host_staging import StagingPair
     from asyncbatch.engine.request import Request
-    from asyncbatch.engine.scheduler import Scheduler
-    from asyncbatch.engine.step_metadata import StepMetadataWriter
     from asyncbatch.sampling_params import SamplingParams
 
     rng = np.random.default_rng(seed)
-    blocks = BlockManager(num_blocks, 16, burst, 32, prefix_caching=True)
-    sched = Scheduler(blocks, 8192, eos_token_id=2)
-    writer = StepMetadataWriter(sched.rows, blocks)
-    staging = StagingPair(8192, burst, 32, pinned=False)
+    rig = _rig(num_blocks, burst)
+    sched = rig.scheduler
     prefix = rng.integers(256, 30000, shared_prefix).tolist()
 
     def add(i: int, head: list[int], max_tokens: int) -> None:
@@ -192,10 +199,7 @@ def cache_burst(seed: int, burst: int, prompt_len: int, num_blocks: int, shared_
     for i in range(burst):
         add(10**6 + i, prefix if i == 0 else [], 1)
     while sched.has_work():
-        plan = sched.schedule()
-        meta = writer.write(plan, staging.next_buffer())
-        sched.release_drained(plan)
-        sched.apply(plan, np.full(meta.num_sampled, 7, dtype=np.int64), np.ones(meta.num_sampled, dtype=bool))
+        rig.step()
     sched.settle_released()
     for i in range(burst):
         add(i, prefix, 400)
@@ -209,19 +213,12 @@ def cache_burst(seed: int, burst: int, prompt_len: int, num_blocks: int, shared_
 
     admission.Admitter._apply = counted
     try:
-        if cold:
-            gc.collect()
-        gc.freeze()
-        start = time.thread_time_ns()
-        plan = sched.schedule()
-        writer.write(plan, staging.next_buffer())
-        cpu = time.thread_time_ns() - start
-        gc.unfreeze()
+        plan, _, _, launch_path, _ = _timed_step(sched, rig.writer, rig.staging, collect=cold)
     finally:
         admission.Admitter._apply = apply
     if plan.num_admitted != burst:
         raise RuntimeError(f"admitted {plan.num_admitted} of {burst}")
-    return (cpu / 1e3 / burst, batches[0], sched.prefix_cache_stats()["evictions"] - evictions,
+    return (launch_path / 1e3 / burst, batches[0], sched.prefix_cache_stats()["evictions"] - evictions,
             sum(row.num_cached for row in plan.prefill))
 
 
