@@ -179,7 +179,9 @@ class EngineCore:
 
         Step N+1's grammar masks are filled right after N is applied (``_finish_step``), while N+1's forward
         runs; with ``grammar_mask_overlap=False`` (the naive way) N is finished before N+1 is launched
-        whenever a grammar request is live.
+        whenever a grammar request is live. N+1's release (``_release``: its drained requests, its prefill
+        blocks' registration) waits until then when N+1 has masks to fill: the sampling of N+1 waits on
+        them, and releasing a step's drained requests can take longer than a step (256 at once: ~2 ms).
         """
         last: InFlight | None = None
         while self._serve_inbox(block=last is None and not self.scheduler.has_work()):
@@ -188,16 +190,23 @@ class EngineCore:
                 last = None
             current = self._launch_next(in_flight=last is not None)
             self._flush_held()
-            if current is not None:
+            release_after = last is not None and current is not None and self._fills_after(current)
+            if current is not None and not release_after:
                 self._release(current, awaited=last if last is not None else current)
             if last is not None:
                 self._finish_step(last, fill=current, hold=current is not None)
             elif current is None:
                 self._check_not_stalled()
+            if release_after:
+                self._release(current, awaited=current)
             last = current
         if last is not None:
             self._finish_step(last)
         self._flush_held()
+
+    def _fills_after(self, step: InFlight) -> bool:
+        """Whether ``step``'s grammar masks wait for the step before it to be applied (``_fill_launched``)."""
+        return step.meta.extras is not None and step.meta.extras.grammar in self._unfilled
 
     def _masks_before_launch(self) -> bool:
         return not self.config.grammar_mask_overlap and self.grammar is not None and self.grammar.active
@@ -323,7 +332,7 @@ class EngineCore:
             if result.grammar_drafts is not None:  # what the grammar rows' next verify checks
                 self.grammar.note_drafts(step.meta.extras.grammar.seqs, result.grammar_drafts,
                                          result.grammar_num_drafts)
-        if fill is not None and fill.meta.extras is not None and fill.meta.extras.grammar in self._unfilled:
+        if fill is not None and self._fills_after(fill):
             self._fill_launched(fill)
         step_end(step.nvtx)
         if self.config.debug_check_integrity:
