@@ -46,6 +46,10 @@ from asyncbatch.engine.step_plan import (
     StepPlan,
 )
 
+# The chunk table's columns that make a ``PrefillRows`` row (``PrefillRowMeta``: token start, count, end, token row,
+# block count), in that order.
+_ROW_META = np.array([CHUNK_OFFSET, CHUNK_N, CHUNK_END, CHUNK_ROW, CHUNK_BLOCKS])
+
 
 class PrefillWrite(NamedTuple):
     """What the prefill chunks add to a ``StepMeta`` (sampled rows in plan order, after the decode rows)."""
@@ -99,15 +103,21 @@ def write_prefill(plan: StepPlan, staging: StagingBuffer, rows: RowState, blocks
     np.concatenate(parts, out=staging.input_ids[nd:t])
     staging.positions[nd:t] = pos
     staging.slot_mapping[nd:t] = _slots(table, owner, pos, bs)
-    staging.token_is_output[nd:t] = pos >= np.repeat(c[:, CHUNK_PROMPT], ns)
+    prompts = c[:, CHUNK_PROMPT]  # [P]
+    if (ends > prompts).any():  # a recompute after a preemption reaches its outputs
+        staging.token_is_output[nd:t] = pos >= np.repeat(prompts, ns)
+    else:
+        staging.token_is_output[nd:t] = False
     staging.token_owner_row[nd:t] = owner
     block_counts = c[:, CHUNK_BLOCKS]  # [P]
     p = len(c)
     widest = int(block_counts.max())
     staging.prefill_block_tables[:p, :widest] = table[token_rows, :widest]
-    token_starts = offsets + nd  # [P] each chunk's first index in the step's tokens
-    meta = PrefillRows(np.stack([token_starts, ns, ends, token_rows, block_counts], axis=1))  # [P, 5]
-    staging.prefill_row_spans[:p] = meta.columns[:, :3]  # [P, 3] token start, count, end
+    columns = c[:, _ROW_META]  # [P, 5] in PrefillRowMeta's order, the token start still among the prefill tokens
+    columns[:, 0] += nd
+    token_starts = columns[:, 0]  # [P] each chunk's first index in the step's tokens
+    meta = PrefillRows(columns)
+    staging.prefill_row_spans[:p] = columns[:, :3]  # [P, 3] token start, count, end
     first = token_rows[c[:, CHUNK_FIRST] != 0]  # [F]
     staging.first_chunk_token_rows[:len(first)] = first
     penalised = rows.uses_penalty[token_rows]  # [P]
@@ -115,12 +125,15 @@ def write_prefill(plan: StepPlan, staging: StagingBuffer, rows: RowState, blocks
     # Non-sampling chunks of a penalised request must still feed its penalty state; a reused cached prefix
     # is not computed, so its tokens travel in the CachedContext.
     reused = (penalised & (c[:, CHUNK_CACHED] > 0)).nonzero()[0] if any_penalty else NO_ROWS
-    samples = c[:, CHUNK_SAMPLES] != 0  # [P]
+    sample_rows, sample_steps, logits_indices = token_rows, c[:, CHUNK_STEP], token_starts + ns - 1  # [P]
+    if len(plan.sample_rows) - plan.num_decode != p:  # not every chunk samples (the plan lists those that do)
+        samples = c[:, CHUNK_SAMPLES] != 0  # [P]
+        sample_rows, sample_steps, logits_indices = sample_rows[samples], sample_steps[samples], logits_indices[samples]
     cached = (c[:, CHUNK_CACHED] > 0).nonzero()[0] if history else NO_ROWS
     return PrefillWrite(total, int(ends.sum()), any_penalty, meta, first.tolist(),
                         _cached_context(plan, reused.tolist()) if len(reused) else None,
-                        _cached_context(plan, cached.tolist()) if len(cached) else None, token_rows[samples],
-                        c[samples, CHUNK_STEP], (token_starts + ns - 1)[samples])
+                        _cached_context(plan, cached.tolist()) if len(cached) else None, sample_rows, sample_steps,
+                        logits_indices)
 
 
 def _tokens(request: Request, start: int, end: int) -> np.ndarray:

@@ -183,18 +183,20 @@ class DecodeSet:
         self.seqs = NO_ROWS  # [D] int64 their requests' seqs
         self.keys = NO_ROWS  # [D] int64 their admission keys, ascending
         self.version = 0
-        self._added: list[tuple[int, int]] = []  # (row, admit key) that completed their prefill
+        # Members that completed their prefill since the last refresh: ([n] rows, [n] admit keys) pairs, an
+        # admission batch's as the arrays it came with (keys ascending), a running prefill's as one-element lists.
+        self._added: list[tuple[np.ndarray | list[int], np.ndarray | list[int]]] = []
         self._dirty = False
 
     def add(self, row: int, admit_key: int) -> None:
         """``row`` completed its prefill; the caller has set ``RowState.decoding[row]``."""
-        self._added.append((row, admit_key))
+        self._added.append(([row], [admit_key]))
         self._dirty = True
 
     def add_many(self, rows: np.ndarray, admit_keys: np.ndarray) -> None:
-        """``add`` for each of ``rows`` ([A] int64) with its admission key."""
+        """``add`` for each of ``rows`` ([A] int64) with its admission key, ``admit_keys`` ascending."""
         if len(rows):
-            self._added.extend(zip(rows.tolist(), admit_keys.tolist()))
+            self._added.append((rows, admit_keys))
             self._dirty = True
 
     def mark_removed(self) -> None:
@@ -214,18 +216,29 @@ class DecodeSet:
         keep = state.decoding[rows] & (state.admit_key[rows] == keys)  # [D]
         rows, keys = rows[keep], keys[keep]
         if self._added:
-            new = np.asarray(self._added, dtype=np.int64)  # [A, 2] (row, key)
-            new = new[state.decoding[new[:, 0]] & (state.admit_key[new[:, 0]] == new[:, 1])]
-            new = new[np.argsort(new[:, 1], kind="stable")]
-            self._added.clear()
-            # Merge two key-sorted lists: the i-th new member lands after the i members before it.
-            at = np.searchsorted(keys, new[:, 1]) + np.arange(len(new))  # [A]
-            old = np.ones(len(rows) + len(new), dtype=bool)  # [D']
-            old[at] = False
-            merged_rows, merged_keys = np.empty(len(old), dtype=np.int64), np.empty(len(old), dtype=np.int64)
-            merged_rows[old], merged_rows[at] = rows, new[:, 0]
-            merged_keys[old], merged_keys[at] = keys, new[:, 1]
-            rows, keys = merged_rows, merged_keys
+            added = self._added
+            if len(added) == 1:  # one admission batch (or one prefill): in key order already
+                new_rows, new_keys = np.asarray(added[0][0], dtype=np.int64), np.asarray(added[0][1], dtype=np.int64)
+            else:
+                new_rows = np.concatenate([part[0] for part in added]).astype(np.int64, copy=False)
+                new_keys = np.concatenate([part[1] for part in added]).astype(np.int64, copy=False)
+                order = np.argsort(new_keys, kind="stable")
+                new_rows, new_keys = new_rows[order], new_keys[order]
+            added.clear()
+            current = state.decoding[new_rows] & (state.admit_key[new_rows] == new_keys)  # [A]
+            new_rows, new_keys = new_rows[current], new_keys[current]
+            if len(new_keys) and (not len(keys) or new_keys[0] > keys[-1]):
+                # The usual case: every new member was admitted after every member (admission keys grow).
+                rows, keys = np.concatenate([rows, new_rows]), np.concatenate([keys, new_keys])
+            elif len(new_keys):
+                # Merge two key-sorted lists: the i-th new member lands after the i members before it.
+                at = np.searchsorted(keys, new_keys) + np.arange(len(new_keys))  # [A]
+                old = np.ones(len(rows) + len(new_keys), dtype=bool)  # [D']
+                old[at] = False
+                merged_rows, merged_keys = np.empty(len(old), dtype=np.int64), np.empty(len(old), dtype=np.int64)
+                merged_rows[old], merged_rows[at] = rows, new_rows
+                merged_keys[old], merged_keys[at] = keys, new_keys
+                rows, keys = merged_rows, merged_keys
         seqs = state.seq[rows]
         for array in (rows, keys, seqs):
             array.flags.writeable = False
