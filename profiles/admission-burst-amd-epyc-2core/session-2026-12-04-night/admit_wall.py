@@ -1,0 +1,54 @@
+"""Per admission step: wall and CPU of schedule, write (metadata), release, in a live engine (sim 1 ms)."""
+import sys, time
+import numpy as np
+from asyncbatch.engine import scheduler as sched_mod, step_metadata, core, admission
+
+rec = []
+cur = {}
+
+def wrap(cls, name, key):
+    f = getattr(cls, name)
+    def w(self, *a, **k):
+        t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+        r = f(self, *a, **k)
+        cur[key] = (cur.get(key, (0, 0))[0] + time.perf_counter_ns() - t0, cur.get(key, (0, 0))[1] + time.thread_time_ns() - c0)
+        if key == "release":
+            if cur.get("n"):
+                rec.append(dict(cur))
+            cur.clear()
+        return r
+    setattr(cls, name, w)
+
+orig_schedule = sched_mod.Scheduler.schedule
+def sched(self):
+    t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+    plan = orig_schedule(self)
+    cur["schedule"] = (time.perf_counter_ns() - t0, time.thread_time_ns() - c0)
+    cur["n"] = plan.num_admitted if plan is not None else 0
+    cur["admit_cpu"] = plan.admit_cpu_s * 1e9 if plan is not None else 0
+    return plan
+sched_mod.Scheduler.schedule = sched
+wrap(step_metadata.StepMetadataWriter, "write", "write")
+wrap(core.EngineCore, "_release", "release")
+
+from asyncbatch import LLM, SamplingParams, SimConfig
+spec = None
+if len(sys.argv) > 1 and sys.argv[1] == "spec":
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": None}
+sim = SimConfig(step_fixed_ms=1.0, per_token_us=0.0, per_context_token_ns=0.0)
+for run in range(3):
+    kw = dict(speculative_config=spec) if spec else {}
+    with LLM(device="sim", sim=sim, max_num_seqs=256, seed=0, engine_process=False, skip_tokenizer_init=True, **kw) as llm:
+        rng = np.random.default_rng(run)
+        prompts = [rng.integers(256, 30000, 32).tolist() for _ in range(256)]
+        llm.generate(prompts[:4], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        llm.wait_settled(5.0)
+        rec.clear()
+        params = [SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True, seed=i) for i in range(256)]
+        llm.generate(prompts, params, use_tqdm=False)
+        st = llm.stats()
+    for s in rec:
+        n = s["n"]
+        f = lambda k: f"{s[k][0]/1e3:6.0f}/{s[k][1]/1e3:4.0f}"
+        print(f"run {run} n {n:3} schedule {f('schedule')} write {f('write')} release {f('release')} us wall/cpu; admit_cpu+wp {s['admit_cpu']/1e3:5.0f}")
+    print("stats admission_cpu_us_per_request", round(st.get("admission_cpu_us_per_request", -1), 2), "busy", round(st.get("device_busy_fraction", -1), 4))
