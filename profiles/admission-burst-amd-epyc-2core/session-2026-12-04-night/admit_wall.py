@@ -1,7 +1,13 @@
-"""Per admission step: wall and CPU of schedule, write (metadata), release, in a live engine (sim 1 ms)."""
+"""Per admission step of a live engine (sim 1 ms, in-process core, 256 x 32-token prompts at once, default token
+budget): wall and thread CPU us of ``Scheduler.schedule``, ``StepMetadataWriter.write`` and ``EngineCore._release``,
+and the plan's admission CPU; then ``stats()``'s admission figure. Three engines.
+
+    PYTHONPATH=<tree> python admit_wall.py [spec]     # spec: ngram speculation on (k = 4)
+"""
 import sys, time
 import numpy as np
-from asyncbatch.engine import scheduler as sched_mod, step_metadata, core, admission
+from asyncbatch.engine import core, step_metadata
+from asyncbatch.engine import scheduler as sched_mod
 
 rec = []
 cur = {}
