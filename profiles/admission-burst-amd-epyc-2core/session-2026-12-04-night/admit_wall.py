@@ -4,8 +4,11 @@ and the plan's admission CPU; then ``stats()``'s admission figure. Three engines
 
     PYTHONPATH=<tree> python admit_wall.py [spec]     # spec: ngram speculation on (k = 4)
 """
-import sys, time
+import sys
+import time
+
 import numpy as np
+
 from asyncbatch.engine import core, step_metadata
 from asyncbatch.engine import scheduler as sched_mod
 
@@ -38,12 +41,13 @@ wrap(step_metadata.StepMetadataWriter, "write", "write")
 wrap(core.EngineCore, "_release", "release")
 
 from asyncbatch import LLM, SamplingParams, SimConfig
+
 spec = None
 if len(sys.argv) > 1 and sys.argv[1] == "spec":
     spec = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": None}
 sim = SimConfig(step_fixed_ms=1.0, per_token_us=0.0, per_context_token_ns=0.0)
 for run in range(3):
-    kw = dict(speculative_config=spec) if spec else {}
+    kw = {"speculative_config": spec} if spec else {}
     with LLM(device="sim", sim=sim, max_num_seqs=256, seed=0, engine_process=False, skip_tokenizer_init=True, **kw) as llm:
         rng = np.random.default_rng(run)
         prompts = [rng.integers(256, 30000, 32).tolist() for _ in range(256)]
@@ -55,6 +59,6 @@ for run in range(3):
         st = llm.stats()
     for s in rec:
         n = s["n"]
-        f = lambda k: f"{s[k][0]/1e3:6.0f}/{s[k][1]/1e3:4.0f}"
+        f = lambda k, s=s: f"{s[k][0] / 1e3:6.0f}/{s[k][1] / 1e3:4.0f}"
         print(f"run {run} n {n:3} schedule {f('schedule')} write {f('write')} release {f('release')} us wall/cpu; admit_cpu+wp {s['admit_cpu']/1e3:5.0f}")
     print("stats admission_cpu_us_per_request", round(st.get("admission_cpu_us_per_request", -1), 2), "busy", round(st.get("device_busy_fraction", -1), 4))
