@@ -133,7 +133,9 @@ def slowest_steps(window: list, report: GapReport) -> dict:
     """Where the idle sits: each step's idle (the gap before it, from ``report``'s gaps over ``window``, plus its
     wait for masks), the share of all idle in the ``WORST`` idlest steps, and those steps' links (milliseconds):
     whether the idle is the chain's median or a few slow steps, and in those whether the fill was the grammar
-    library's CPU work or the planner off the CPU (fill wall well above its CPU)."""
+    library's CPU work or the planner off the CPU (fill wall well above its CPU); ``result_ms``: how late the step
+    before's tokens reached the planner (its device end to the end of the planner's wait; on ``sim`` the device
+    thread must run to deliver them, so a long one beside a short fill and apply is the host's scheduler)."""
     gap_before = {g.step_after: g.gap_ms for g in report.gaps}
     steps = []
     for before, r in itertools.pairwise(window):
@@ -141,6 +143,7 @@ def slowest_steps(window: list, report: GapReport) -> dict:
         # A step's masks are filled right after the step before it is applied (both in the chain it waits on).
         steps.append({"step": r.step_id, "idle_ms": idle, "mask_wait_ms": r.mask_wait_ms,
                       "fill_ms": r.mask_fill_ms, "fill_cpu_ms": r.mask_fill_cpu_ms,
+                      "result_ms": max(0.0, before.wait_end - max(before.wait_start, before.device_end)) * 1e3,
                       "apply_ms": (before.apply_end - before.wait_end) * 1e3})
     total = sum(s["idle_ms"] for s in steps)
     worst = sorted(steps, key=lambda s: -s["idle_ms"])[:WORST]
@@ -190,18 +193,19 @@ def markdown(results: list[dict], args: argparse.Namespace) -> str:
 
 
 def _worst_table(run: dict, step_ms: float) -> list[str]:
-    """The overlap run's idlest steps: the step, its idle, the fill of its masks and the apply of the step before
-    it (the chain it waited on)."""
+    """The overlap run's idlest steps: the step, its idle, the fill of its masks, and the result and apply of the
+    step before it (the chain it waited on)."""
     worst = [s for s in run["worst_steps"] if s["idle_ms"] > 0]
     if not worst:
         return []
     lines = [(f"`overlap` at {step_ms:g} ms: the {len(worst)} idlest steps hold "
              f"{100 * run['idle_share_worst_steps']:.0f} % of its idle (fill wall against its CPU time: the "
-             "grammar library's work, or the planner off the CPU)."), "",
-             "| step | idle ms | mask wait ms | its masks' fill ms (wall / CPU) | apply ms of the step before |",
-             "| ---: | ---: | ---: | ---: | ---: |"]
+             "grammar library's work, or the planner off the CPU; a late result: the host's scheduler)."), "",
+             ("| step | idle ms | mask wait ms | its masks' fill ms (wall / CPU) | result ms of the step before "
+              "| apply ms of the step before |"),
+             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
     lines += [f"| {s['step']} | {s['idle_ms']:.3f} | {s['mask_wait_ms']:.3f} | {s['fill_ms']:.3f} / "
-              f"{s['fill_cpu_ms']:.3f} | {s['apply_ms']:.3f} |" for s in worst]
+              f"{s['fill_cpu_ms']:.3f} | {s['result_ms']:.3f} | {s['apply_ms']:.3f} |" for s in worst]
     return lines + [""]
 
 

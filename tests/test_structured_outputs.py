@@ -189,6 +189,7 @@ def test_the_structured_output_benchmark_runs_and_reports_every_configuration(tm
         assert 0.0 <= r["idle_share_worst_steps"] <= 1.0 + 1e-9
         assert len(worst) == min(10, r["steady_steps"] - 1)
         assert any(s["fill_cpu_ms"] > 0.0 for s in worst) == (r["config"] != "none")
+        assert all(s["result_ms"] >= 0.0 and s["apply_ms"] > 0.0 for s in worst)
     assert "simulated" in (tmp_path / "report.md").read_text()
 
 
