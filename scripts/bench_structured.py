@@ -88,7 +88,7 @@ def run_one(config: str, step_ms: float, running: int, max_tokens: int, grammar_
     # The host's part of the grammar chain that must fit in one step: the device's end of step N to the
     # planner holding N's tokens (the sim's sampling, the wake-up), then applying them with the matchers'
     # advance, then the fill of N+1 (``mask_fill``).
-    result_ms = [max(0.0, r.wait_end - max(r.wait_start, r.device_end)) * 1e3 for r in window]
+    result_ms = [_result_ms(r) for r in window]
     apply_ms = [(r.apply_end - r.wait_end) * 1e3 for r in window]
     return {
         **slowest_steps(window, report),
@@ -129,6 +129,12 @@ def submit_staggered(llm: LLM, prompts: list[str], params: list[SamplingParams],
     return [handles[i].wait() for i in range(len(prompts))]
 
 
+def _result_ms(record) -> float:
+    """The first link of the grammar chain: the step's device end to the planner holding its tokens (the sim's
+    sampling, the wake-up), in ms."""
+    return max(0.0, record.wait_end - max(record.wait_start, record.device_end)) * 1e3
+
+
 def slowest_steps(window: list, report: GapReport) -> dict:
     """Where the idle sits: each step's idle (the gap before it, from ``report``'s gaps over ``window``, plus its
     wait for masks), the share of all idle in the ``WORST`` idlest steps, and those steps' links (milliseconds):
@@ -143,7 +149,7 @@ def slowest_steps(window: list, report: GapReport) -> dict:
         # A step's masks are filled right after the step before it is applied (both in the chain it waits on).
         steps.append({"step": r.step_id, "idle_ms": idle, "mask_wait_ms": r.mask_wait_ms,
                       "fill_ms": r.mask_fill_ms, "fill_cpu_ms": r.mask_fill_cpu_ms,
-                      "result_ms": max(0.0, before.wait_end - max(before.wait_start, before.device_end)) * 1e3,
+                      "result_ms": _result_ms(before),
                       "apply_ms": (before.apply_end - before.wait_end) * 1e3})
     total = sum(s["idle_ms"] for s in steps)
     worst = sorted(steps, key=lambda s: -s["idle_ms"])[:WORST]
