@@ -1,6 +1,6 @@
 """Where a live engine's admission steps spend the planner's CPU: 256 requests of 32-token prompts at once, 100-token
 outputs, ``sim`` at 1 ms steps, the default token budget (so ~60 are admitted a step), the engine core in this
-process (``engine_process=False``, ``skip_tokenizer_init``) so that its functions can be wrapped. Per admission
+process so that its functions can be wrapped (``burst_workload.py``). Per admission
 step: requests admitted, and per request the decision pass (``Admitter.admit`` less ``_apply``), ``_apply`` (the
 array side) and ``write_prefill`` (the staging rows), in the planner thread's CPU time. Three runs.
 
@@ -8,8 +8,6 @@ array side) and ``write_prefill`` (the staging rows), in the planner thread's CP
 """
 
 import time
-
-import numpy as np
 
 from asyncbatch.engine import admission, step_metadata
 
@@ -51,21 +49,12 @@ admission.Admitter.admit = _wrap_admit(admission.Admitter.admit)
 admission.Admitter._apply = _wrap_apply(admission.Admitter._apply)
 step_metadata.write_prefill = _wrap_write(step_metadata.write_prefill)
 
-from asyncbatch import LLM, SamplingParams, SimConfig
+from burst_workload import run_burst
 
 
 def main() -> None:
-    sim = SimConfig(step_fixed_ms=1.0, per_token_us=0.0, per_context_token_ns=0.0)
     for run in range(3):
-        with LLM(device="sim", sim=sim, max_num_seqs=256, seed=0, engine_process=False,
-                 skip_tokenizer_init=True) as llm:
-            rng = np.random.default_rng(run)
-            prompts = [rng.integers(256, 30000, 32).tolist() for _ in range(256)]
-            llm.generate(prompts[:4], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
-            llm.wait_settled(5.0)
-            steps.clear()
-            params = [SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True, seed=i) for i in range(256)]
-            llm.generate(prompts, params, use_tqdm=False)
+        run_burst(run, steps.clear)
         for s in steps:
             n = s["n"]
             print(f"run {run}: admitted {n:3}  us a request: decide {(s['admit'] - s['apply']) / 1e3 / n:5.2f}  "

@@ -6,8 +6,7 @@ and the plan's admission CPU; then ``stats()``'s admission figure. Three engines
 """
 import sys
 import time
-
-import numpy as np
+from pathlib import Path
 
 from asyncbatch.engine import core, step_metadata
 from asyncbatch.engine import scheduler as sched_mod
@@ -40,23 +39,14 @@ sched_mod.Scheduler.schedule = sched
 wrap(step_metadata.StepMetadataWriter, "write", "write")
 wrap(core.EngineCore, "_release", "release")
 
-from asyncbatch import LLM, SamplingParams, SimConfig
+# The shared workload (``cost-split/burst_workload.py``), as ``cost-split/in_engine_parts.py`` runs it.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cost-split"))
+from burst_workload import run_burst
 
-spec = None
-if len(sys.argv) > 1 and sys.argv[1] == "spec":
-    spec = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": None}
-sim = SimConfig(step_fixed_ms=1.0, per_token_us=0.0, per_context_token_ns=0.0)
+spec = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": None} if sys.argv[1:] == ["spec"] \
+    else None
 for run in range(3):
-    kw = {"speculative_config": spec} if spec else {}
-    with LLM(device="sim", sim=sim, max_num_seqs=256, seed=0, engine_process=False, skip_tokenizer_init=True, **kw) as llm:
-        rng = np.random.default_rng(run)
-        prompts = [rng.integers(256, 30000, 32).tolist() for _ in range(256)]
-        llm.generate(prompts[:4], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
-        llm.wait_settled(5.0)
-        rec.clear()
-        params = [SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True, seed=i) for i in range(256)]
-        llm.generate(prompts, params, use_tqdm=False)
-        st = llm.stats()
+    st = run_burst(run, rec.clear, **({"speculative_config": spec} if spec else {}))
     for s in rec:
         n = s["n"]
         f = lambda k, s=s: f"{s[k][0] / 1e3:6.0f}/{s[k][1] / 1e3:4.0f}"
