@@ -46,7 +46,6 @@ from asyncbatch.engine.block_manager import BlockManager, IntegrityError
 from asyncbatch.engine.prefix_sharing import NO_HIT, PrefixSharer
 from asyncbatch.engine.request import Request, RequestStatus
 from asyncbatch.engine.row_state import ROW_COUNTERS, DecodeSet, RowState
-from asyncbatch.engine.step_contract import blocks_for_tokens
 from asyncbatch.engine.step_plan import (
     CHUNK_BLOCKS,
     CHUNK_COLUMNS,
@@ -119,6 +118,7 @@ class Admitter:
         blocks, prefix, free_rows = self.blocks, self.prefix, self.free_rows
         owners, running, prefilling = self.owners, self.running, self.prefilling
         caching = blocks.caching
+        cached = prefix.cached_keys() if caching else ()  # live: evictions below leave it
         rows_left = self.max_num_seqs - len(self.running)
         available = blocks.num_free_blocks  # fresh + reclaimable: what the admissions may take
         unused = blocks.num_unused_blocks  # on the free stack: fresh blocks popped without evicting
@@ -139,12 +139,17 @@ class Admitter:
                 break
             prompt_len = len(request.prompt_token_ids)
             target = prompt_len + request.num_outputs
-            hit = prefix.hit(request, target) if caching else NO_HIT
+            # A new prompt whose first block is not cached misses (``PrefixSharer.hit``'s first check), decided
+            # here without a call: a burst of distinct prompts is all misses. Recomputes after a preemption
+            # (outputs to hash) and possible hits take the full lookup.
+            keys = request.block_keys
+            hit = prefix.hit(request, target) if caching and (request.num_outputs or keys and keys[0] in cached) \
+                else NO_HIT
             start = hit.num_tokens
             n = min(target - start, budget)
             end = start + n
             shared = len(hit.cached)
-            fresh = blocks_for_tokens(end, bs) - shared  # at least one: the chunk starts at a block boundary
+            fresh = (end + bs - 1) // bs - shared  # at least one: the chunk starts at a block boundary
             if fresh < 1 or shared + fresh > max_blocks:  # Scheduler.add refuses what the table cannot hold
                 raise IntegrityError(f"{request.request_id} would hold {shared} + {fresh} blocks; 1 <= fresh and "
                                      f"the table's {max_blocks} allowed")

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, KeysView, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -132,6 +132,11 @@ class PrefixCache:
         return self._by_block[block]
 
     # -- lookups and registration ----------------------------------------------------------
+    @property
+    def chain_keys(self) -> KeysView[int]:
+        """The keys of the cached records, a live read-only view (``key in chain_keys`` is ``holds(key)``)."""
+        return self._by_key.keys()
+
     def holds(self, key: int) -> bool:
         """Whether a record has chain key ``key`` (a run of cached blocks can only start at such a key)."""
         return key in self._by_key

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -132,6 +132,11 @@ class PrefixSharer:
         # A few blocks a hit: scalar reads cost less than gathering them into an array and counting there.
         reclaimed = sum(1 for block in ids if ref[block] == 0)
         return PrefixHit(cached, ids, len(cached) * self.blocks.block_size, reclaimed)
+
+    def cached_keys(self) -> Collection[int]:
+        """The chain keys the cache holds, live (``PrefixCache.chain_keys``): a prompt whose first block's key is
+        not among them misses (``hit``'s first check), which admission decides without calling ``hit``."""
+        return self.blocks.prefix.chain_keys
 
     def prepare(self, request: Request) -> None:
         """Hash ``request``'s prompt blocks (``Scheduler.add``, on arrival): admission then only looks them up."""

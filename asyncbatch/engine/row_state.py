@@ -32,6 +32,10 @@ ROW_CONSTANTS = np.dtype([("ints", np.int64, 5), ("floats", np.float32, 6), ("fl
 # (``admit_many`` takes them as one ``[A, 8]`` block) and planning and ``apply`` update.
 ROW_COUNTERS = ("num_computed", "seq", "admit_key", "prefill_len", "num_scheduled", "num_outputs", "token_cap",
                 "spec_over")
+# The flags' names, in ROW_CONSTANTS' "flags" order (``RowState``'s arrays of the same names).
+ROW_FLAGS = ("ignore_eos", "has_stop_ids", "uses_penalty", "has_bias", "has_grammar", "needs_extras")
+_HAS_BIAS = ROW_FLAGS.index("has_bias")
+_NUM_OUTPUTS = ROW_COUNTERS.index("num_outputs")
 _RUN_PADDING = MAX_SPECULATIVE_TOKENS + 1  # history columns past max_outputs: a verify step's widest run
 
 NO_ROWS = np.zeros(0, dtype=np.int64)  # an empty, read-only set of token rows
@@ -96,7 +100,8 @@ class RowState:
         (self.ignore_eos, self.has_stop_ids, self.uses_penalty, self.has_bias, self.has_grammar,
          self.needs_extras) = self._flags  # [S] each
         self.decoding = np.zeros(s, dtype=bool)  # [S] running and past its prefill: a member of the DecodeSet
-        self.params: list[SamplingParams | None] = [None] * s  # read for the few rows with a bias
+        # Set at admission for the rows with a bias (or min_tokens), the only ones that read them; stale elsewhere.
+        self.params: list[SamplingParams | None] = [None] * s
         # Each biased row's logit_bias as ([B] int64 token ids, [B] float32 values), built once at admission.
         self.bias: list[tuple[np.ndarray, np.ndarray]] = [_NO_BIAS] * s
         # Output ids by output index, kept for the recompute after a preemption. The padding columns take
@@ -141,13 +146,16 @@ class RowState:
         self.int_constants[:, rows] = constants["ints"].T
         self.float_constants[:, rows] = constants["floats"].T
         self._flags[:, rows] = constants["flags"].T
-        params, bias = self.params, self.bias
-        for row, request in zip(rows.tolist(), requests):
-            p = request.params
-            params[row] = p
-            bias[row] = _bias_arrays(p.logit_bias) if p.logit_bias else _NO_BIAS
-            if request.num_outputs:  # a preempted request's outputs, to recompute
-                self.history[row, :request.num_outputs] = request.output_token_ids
+        # Per request in Python only where needed: the rows with a bias (or min_tokens), the only readers of
+        # ``params`` and ``bias`` (``step_extras``), and recomputes after a preemption, whose outputs go back
+        # into the history. A burst of plain requests has neither.
+        for i in constants["flags"][:, _HAS_BIAS].nonzero()[0].tolist():
+            row, p = int(rows[i]), requests[i].params
+            self.params[row] = p
+            self.bias[row] = _bias_arrays(p.logit_bias)
+        for i in counters[:, _NUM_OUTPUTS].nonzero()[0].tolist():
+            request = requests[i]
+            self.history[int(rows[i]), :request.num_outputs] = request.output_token_ids
 
     def append_outputs(self, rows: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
         """Append one output to each of ``rows`` (distinct); returns their new output counts ``[R]``."""
