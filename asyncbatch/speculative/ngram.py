@@ -15,7 +15,7 @@ row's last tokens, counted back from ``e - 1`` and the row's end and capped at `
 ``n``-gram matches at ``e`` exactly when ``run >= n``. So the longest matching ``n`` is the largest ``run``,
 and its earliest occurrence the first ``e`` that reaches it. ``prompt_lookup_max`` comparisons of the
 ``[R, L]`` history with a column, ~25 tensor operations whatever the window sizes (the loop over each ``n``
-and each of its tokens took ~45 for ``n`` = 2..4): 0.27 -> 0.16 ms for one row and 1.3 -> 0.57 ms for 64
+and each of its tokens took ~45 for ``n`` = 2..4): 0.27 -> 0.17 ms for one row and 1.3 -> 0.57 ms for 64
 rows of 2,048 tokens on two Zen 4 cores, fewer kernels in a captured step on a GPU.
 """
 
@@ -39,19 +39,19 @@ def ngram_propose(history: torch.Tensor, lengths: torch.Tensor, k: int, min_n: i
     if top < min_n:
         return (torch.zeros(rows, k, dtype=torch.int64, device=device),
                 torch.zeros(rows, dtype=torch.int64, device=device))
-    ends = width - 1  # window ends e = 1 .. L - 1, at column e - 1 below
+    num_ends = width - 1  # window ends e = 1 .. L - 1, at column e - 1 below
     # The row's i-th token from its end, history[r, length - 1 - i]; -1 (no token id) where the row is shorter.
     tail_at = lengths[:, None] - torch.arange(top, device=device)[None, :] - 1  # [R, T]
     tail = torch.where(tail_at >= 0, history.gather(1, tail_at.clamp(min=0)), -1)  # [R, T]
-    alive = torch.ones(rows, ends, dtype=torch.bool, device=device)  # [R, E] tokens 0 .. i before e all equal
-    run = torch.zeros(rows, ends, dtype=torch.uint8, device=device)  # [R, E] <= top <= 64
+    alive = torch.ones(rows, num_ends, dtype=torch.bool, device=device)  # [R, E] tokens 0 .. i before e all equal
+    run = torch.zeros(rows, num_ends, dtype=torch.uint8, device=device)  # [R, E] <= top <= 64
     for i in range(top):
         if i:
             alive[:, i - 1] = False  # e = i: no token i places before it
-        alive[:, i:] &= history[:, :ends - i] == tail[:, i:i + 1]  # history[r, e - 1 - i] for e = i + 1 ..
+        alive[:, i:] &= history[:, :num_ends - i] == tail[:, i:i + 1]  # history[r, e - 1 - i] for e = i + 1 ..
         run += alive
-    end = torch.arange(1, width, device=device)  # [E]
-    run.masked_fill_(end[None, :] > lengths[:, None] - 1, 0)  # at least one token must follow the window
+    ends = torch.arange(1, width, device=device)  # [E]
+    run.masked_fill_(ends[None, :] > lengths[:, None] - 1, 0)  # at least one token must follow the window
     best = run.amax(dim=1)  # [R] the longest n that matches
     found = best >= min_n
     # The earliest end reaching it (argmax: the first maximal value), i.e. the first token after the match.
