@@ -28,7 +28,9 @@ the machine hits both alike; medians are shown, with every repeat in the JSON (`
   busy fraction from the gap report (first device start to last device end), its largest gap, the idle
   time's planning and output shares, output ms per step, and ``admission_us_per_request`` (wall) and
   ``admission_cpu_us_per_request`` (the planner thread's CPU time) from
-  ``stats()`` where the tree has it.
+  ``stats()`` where the tree has it: the first burst of a fresh engine process (after a four-request warm-up);
+  ``later_admission_cpu_us_per_request``, the median of ``LATER_BURSTS`` more bursts of new prompts through the
+  same engine (each evicting the one before from the prefix cache), is that engine once it has served.
 - ``running``: the same with 1,024 requests and ``max_num_seqs`` 1,024 (1,024 running at 1 ms), with a
   tokenizer and with ``skip_tokenizer_init`` (token ids only: no detokenizer runs).
 - ``cache``: the planner's admission step where the prefix cache matters, launch-path CPU per request, warm, best
@@ -57,6 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness.common import COMMON, ROOT, cpu_seconds, ref_worktree, run_in_tree
 
 PROMPT_LEN = 32
+LATER_BURSTS = 2  # the engine cases' bursts after the measured one (``later_admission_cpu_us_per_request``)
 
 
 def planner_case(burst: int, decoding: int) -> tuple[float, ...]:
@@ -259,6 +262,7 @@ def engine_case(num_requests: int, output_len: int, skip_tokenizer_init: bool) -
         llm.wait_settled(5.0)
         report = gap_report(llm, lifetimes_of(outputs))
         stats = llm.stats()
+        later = [_later_burst(llm, rng, params) for _ in range(LATER_BURSTS)]
         shares = report.shares()
         largest = max((g.gap_ms for g in report.gaps), default=0.0)
         return {"busy": report.busy_fraction, "steps": stats["steps"], "wall_s": wall,
@@ -275,9 +279,22 @@ def engine_case(num_requests: int, output_len: int, skip_tokenizer_init: bool) -
                 # what the machine's other work took from the planner meanwhile.
                 "admission_cpu_us_per_request": stats.get("admission_cpu_us_per_request"),
                 "detok_ms_per_step": stats.get("detok_ms_per_step"),
+                # The same engine's later bursts (new prompts; each evicts the burst before from the prefix
+                # cache): the admission cost of an engine that has served, without the first burst's cold start.
+                "later_admission_cpu_us_per_request": statistics.median(later),
                 # What the two processes asked of the machine during generate(): CPU seconds per wall second
                 # (2.0 = both cores), and the load average (other users included) when the run began.
                 "frontend_cores": cpu / wall, "core_cores": core_cpu / wall, "load_avg": load}
+
+
+def _later_burst(llm, rng, params: list) -> float:
+    """One more burst of ``len(params)`` new prompts through ``llm`` after the measured one: its
+    ``admission_cpu_us_per_request`` alone (0.0 for a tree without it)."""
+    prompts = [rng.integers(256, 30000, PROMPT_LEN).tolist() for _ in range(len(params))]
+    llm.reset_stats()
+    llm.generate(prompts, params, use_tqdm=False)
+    llm.wait_settled(5.0)
+    return llm.stats().get("admission_cpu_us_per_request", 0.0)
 
 
 def child(args: argparse.Namespace) -> dict:
