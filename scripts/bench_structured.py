@@ -89,7 +89,7 @@ def run_one(config: str, step_ms: float, running: int, max_tokens: int, grammar_
     # planner holding N's tokens (the sim's sampling, the wake-up), then applying them with the matchers'
     # advance, then the fill of N+1 (``mask_fill``).
     result_ms = [_result_ms(r) for r in window]
-    apply_ms = [(r.apply_end - r.wait_end) * 1e3 for r in window]
+    apply_ms = [_apply_ms(r) for r in window]
     return {
         **slowest_steps(window, report),
         "config": config, "step_ms": step_ms, "running": running, "grammar_rows": num_grammar,
@@ -135,6 +135,11 @@ def _result_ms(record) -> float:
     return max(0.0, record.wait_end - max(record.wait_start, record.device_end)) * 1e3
 
 
+def _apply_ms(record) -> float:
+    """The second link: applying the step's tokens (the grammar matchers' advance included), in ms."""
+    return (record.apply_end - record.wait_end) * 1e3
+
+
 def slowest_steps(window: list, report: GapReport) -> dict:
     """Where the idle sits: each step's idle (the gap before it, from ``report``'s gaps over ``window``, plus its
     wait for masks), the share of all idle in the ``WORST`` idlest steps, and those steps' links (milliseconds):
@@ -150,7 +155,7 @@ def slowest_steps(window: list, report: GapReport) -> dict:
         steps.append({"step": r.step_id, "idle_ms": idle, "mask_wait_ms": r.mask_wait_ms,
                       "fill_ms": r.mask_fill_ms, "fill_cpu_ms": r.mask_fill_cpu_ms,
                       "result_ms": _result_ms(before),
-                      "apply_ms": (before.apply_end - before.wait_end) * 1e3})
+                      "apply_ms": _apply_ms(before)})
     total = sum(s["idle_ms"] for s in steps)
     worst = sorted(steps, key=lambda s: -s["idle_ms"])[:WORST]
     return {"idle_share_worst_steps": sum(s["idle_ms"] for s in worst) / total if total > 0 else 0.0,
