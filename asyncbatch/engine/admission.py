@@ -78,7 +78,8 @@ class Admitter:
     admission as soon as it is decided, as the per-request planner did: the reference that tests hold the
     batched path to. ``short_of_blocks``: the last ``admit`` stopped at a request the free blocks could not
     hold. ``table`` is the chunk table (``step_plan``'s ``CHUNK_*`` columns) of the first chunks the last
-    ``admit`` appended, one row each, in order (None when it admitted none): ``StepPlan.admitted``.
+    ``admit`` appended, one row each, in order (None when it admitted none): ``StepPlan.admitted``; ``tokens``
+    their tokens, one int64 array each in the same order (``StepPlan.admitted_tokens``).
     """
 
     def __init__(self, rows: RowState, blocks: BlockManager, prefix: PrefixSharer, decode: DecodeSet,
@@ -100,6 +101,7 @@ class Admitter:
         self.seconds = 0.0
         self.cpu_seconds = 0.0
         self.table: np.ndarray | None = None
+        self.tokens: list[np.ndarray] = []
         self.num_sampling = 0  # of the last ``admit``'s chunks, those that end their prefill and sample
         self.short_of_blocks = False  # the last ``admit`` stopped at a request its free blocks could not hold
         self._tables: list[np.ndarray] = []
@@ -110,6 +112,7 @@ class Admitter:
         left."""
         waiting = self.waiting
         self.table = None
+        self.tokens = tokens = []  # a new list: the last plan keeps the one before
         self.num_sampling = 0
         self.short_of_blocks = False
         if not waiting or budget <= 0 or len(self.running) >= self.max_num_seqs:
@@ -133,6 +136,7 @@ class Admitter:
         max_blocks, bs = self.max_blocks_per_seq, blocks.block_size
         prompt_tokens = cached_tokens = 0
         num_sampling = 0
+        num_decoding = 0  # of the chunks not applied yet, those that decode after this step
         while waiting and budget > 0 and rows_left > 0:
             request = waiting[0]
             if request.num_pending:  # a preempted request waits for its in-flight tokens; nobody overtakes it
@@ -179,8 +183,13 @@ class Admitter:
                 if not samples:
                     prefilling.append(request)
             num_sampling += samples
+            decodes = samples and not drains
+            num_decoding += decodes
             step = outputs if samples else 0  # the sample step: outputs scheduled before this one
             prefill.append(ScheduledRow(request, row, start, n, samples, step, True, start))
+            # Its tokens for the metadata writer, here where start and end are at hand: a burst's whole prompts
+            # are their arrays as made on arrival (``Request.chunk_tokens`` without the call).
+            tokens.append(request.prompt_array if end == prompt_len and not start else request.chunk_tokens(start, end))
             key += 1
             popped += fresh
             batch.append(request)
@@ -190,11 +199,11 @@ class Admitter:
                             # table's last two columns, then admit_key, prefill_len, num_scheduled, num_outputs,
                             # token_cap, spec_over
                             end, request.arrival_seq, key, target, outputs + samples, outputs, prompt_len + max_tokens,
-                            0, fresh, popped - 1, row * max_blocks + shared + fresh - popped, samples and not drains))
+                            0, fresh, popped - 1, row * max_blocks + shared + fresh - popped, decodes))
             num_tokens += n
             if not self.batch:  # the one-at-a-time reference: applied as decided
-                self._apply(batch, records, popped)
-                batch, records, popped = [], [], 0
+                self._apply(batch, records, popped, num_decoding)
+                batch, records, popped, num_decoding = [], [], 0, 0
                 available = blocks.num_free_blocks
                 unused = blocks.num_unused_blocks
             else:
@@ -209,7 +218,7 @@ class Admitter:
         self.num_admissions = key
         self.num_sampling = num_sampling
         if batch:
-            self._apply(batch, records, popped)
+            self._apply(batch, records, popped, num_decoding)
         tables = self._tables
         if tables:
             self.table = tables[0] if len(tables) == 1 else np.concatenate(tables)
@@ -220,10 +229,11 @@ class Admitter:
         self.cpu_seconds += time.thread_time() - started_cpu
         return budget
 
-    def _apply(self, requests: list[Request], records: list[tuple[int, ...]], popped: int) -> None:
+    def _apply(self, requests: list[Request], records: list[tuple[int, ...]], popped: int, num_decoding: int) -> None:
         """Rows and blocks of the decided admissions ``requests`` (in queue order), with their admission table
-        rows ``records`` (``admit``) and the fresh blocks they take (``popped``): the array side of admitting
-        them, a few operations whatever their number (``admit`` did each one's Python side as it decided it)."""
+        rows ``records`` (``admit``), the fresh blocks they take (``popped``) and how many of them decode after
+        this step (``num_decoding``): the array side of admitting them, a few operations whatever their number
+        (``admit`` did each one's Python side as it decided it)."""
         a = len(requests)
         table = np.fromiter(chain.from_iterable(records), dtype=np.int64, count=_TABLE_WIDTH * a)
         table = table.reshape(a, _TABLE_WIDTH)  # [A, _TABLE_WIDTH]
@@ -232,7 +242,6 @@ class Admitter:
                                       popped)
         decodes = table[:, _DECODES]  # [A]
         self.rows.admit_many(rows, requests, table[:, _COUNTERS], decodes)
-        num_decoding = sum(record[_DECODES] for record in records)
         if num_decoding == a:  # the usual burst: every prompt fits its first chunk
             self.decode.add_many(rows, table[:, _ADMIT_KEY])
         elif num_decoding:

@@ -5,9 +5,10 @@ buffer; this module writes the prefill chunks after them. A burst of
 admissions is hundreds of chunks in one plan, so no step here is per chunk
 for them: the scheduler hands over the admitted chunks' table
 (``StepPlan.admitted``, with each chunk's token offset, end and block count
-worked out in the Python pass that admitted it), their tokens are views of
-the requests' prompt arrays (made on arrival) joined into the staging buffer
-by one concatenate, and the rows' metadata stays an array (``PrefillRows``).
+worked out in the Python pass that admitted it), their tokens are the
+requests' prompt arrays (made on arrival; a view for part of one), listed by
+that same pass (``StepPlan.admitted_tokens``) and joined into the staging
+buffer by one concatenate, and the rows' metadata stays an array (``PrefillRows``).
 The chunks of running prefills (a few per step) take one Python pass that
 reads each ``ScheduledRow`` once. Positions, slot mappings, owner rows,
 output flags, block tables and row spans are computed for all chunks at
@@ -28,7 +29,6 @@ from typing import NamedTuple
 import numpy as np
 
 from asyncbatch.engine.block_manager import BlockManager
-from asyncbatch.engine.request import Request
 from asyncbatch.engine.row_state import NO_ROWS, RowState
 from asyncbatch.engine.step_contract import CachedContext, PrefillRowMeta, PrefillRows, StagingBuffer
 from asyncbatch.engine.step_plan import (
@@ -81,7 +81,7 @@ def write_prefill(plan: StepPlan, staging: StagingBuffer, rows: RowState, blocks
     offset = 0
     for row in running:  # the one Python pass per chunk of a running prefill
         request, start, n = row.request, row.start, row.num_tokens
-        parts.append(_tokens(request, start, start + n))
+        parts.append(request.chunk_tokens(start, start + n))
         spec.append((row.token_row, start, n, len(request.prompt_token_ids), row.sample_step, row.samples, row.first,
                      row.num_cached, offset, blocks.blocks_for(start + n), start + n, request.arrival_seq))
         offset += n
@@ -92,8 +92,7 @@ def write_prefill(plan: StepPlan, staging: StagingBuffer, rows: RowState, blocks
         if spec:
             c = np.concatenate([np.array(spec, dtype=np.int64), c])
             c[len(spec):, CHUNK_OFFSET] += offset  # the admitted chunks' tokens come after the running ones'
-        # The admitted chunks: their tokens are slices of their prompts.
-        parts += [_tokens(row.request, row.start, row.start + row.num_tokens) for row in plan.prefill[len(spec):]]
+        parts += plan.admitted_tokens  # the admitted chunks' tokens, listed by the admission loop
     token_rows, starts, ns, ends = c[:, CHUNK_ROW], c[:, CHUNK_START], c[:, CHUNK_N], c[:, CHUNK_END]  # [P]
     offsets = c[:, CHUNK_OFFSET]  # [P] each chunk's first index among the step's prefill tokens
     total = int(c[-1, CHUNK_OFFSET] + c[-1, CHUNK_N])
@@ -134,14 +133,6 @@ def write_prefill(plan: StepPlan, staging: StagingBuffer, rows: RowState, blocks
                         _cached_context(plan, reused.tolist()) if len(reused) else None,
                         _cached_context(plan, cached.tolist()) if len(cached) else None, sample_rows, sample_steps,
                         logits_indices)
-
-
-def _tokens(request: Request, start: int, end: int) -> np.ndarray:
-    """Tokens ``start .. end - 1`` of ``request`` as int64: a view of its prompt array, or converted where the
-    chunk reaches outputs to recompute after a preemption."""
-    if end <= len(request.prompt_token_ids):
-        return request.prompt_array[start:end]
-    return np.asarray(request.all_token_ids()[start:end], dtype=np.int64)
 
 
 def _slots(table: np.ndarray, owner: np.ndarray, pos: np.ndarray, bs: int) -> np.ndarray:

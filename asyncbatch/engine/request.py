@@ -80,3 +80,11 @@ class Request:
     def all_token_ids(self) -> list[int]:
         """Prompt and outputs to recompute after a preemption."""
         return self.prompt_token_ids + self.output_token_ids
+
+    def chunk_tokens(self, start: int, end: int) -> np.ndarray:
+        """Tokens ``start .. end - 1`` as int64: the prompt array itself for the whole prompt, else a view of it,
+        or converted where the chunk reaches outputs to recompute after a preemption."""
+        prompt = self.prompt_array
+        if end <= len(prompt):
+            return prompt if start == 0 and end == len(prompt) else prompt[start:end]
+        return np.asarray(self.all_token_ids()[start:end], dtype=np.int64)

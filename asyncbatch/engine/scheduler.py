@@ -213,7 +213,8 @@ class Scheduler:
         return StepPlan(self._step_id, decode.rows, decode.seqs, decode.positions, decode.steps, decode.grew,
                         decode.version, prefill, self.max_num_batched_tokens - budget, sample_rows, sample_seqs,
                         self.num_releases, preempted, drained, num_admitted, admit_s if num_admitted else 0.0,
-                        decode.depth, admitted, admit_cpu_s if num_admitted else 0.0)
+                        decode.depth, admitted, admit_cpu_s if num_admitted else 0.0,
+                        self.admitter.tokens if num_admitted else [])
 
     def _schedule_decode(self, preempted: list[Request], drained: list[Request]) -> _DecodePart:
         """One token for every request in the decode phase (1 + depth in a verify step): array operations over

@@ -74,6 +74,8 @@ class StepPlan:
     # The planner thread's CPU seconds in ``admit_s`` (``admission_cpu_us_per_request``): wall time less what
     # the machine's other threads and processes took from it.
     admit_cpu_s: float = 0.0
+    # Their tokens, one int64 array per admitted chunk in the same order (``Admitter.tokens``).
+    admitted_tokens: list[np.ndarray] = field(default_factory=list)
 
     @property
     def num_decode(self) -> int:
