@@ -226,6 +226,9 @@ def format_table(runs: list[ModeRun]) -> str:
         row(f"  {label}", [f"{rep.kinds[key].idle_ms:.1f} ({rep.kinds[key].steps})" for rep in reports])
         row(f"  {label}: busy", [f"{100 * rep.kind_busy_fraction(key):.1f}%" for rep in reports])
     row("planner ms per step (timeline)", [f"{r.stats['planner_ms_per_step']:.3f}" for r in runs])
+    # Schedule and prefill metadata of the steps that admitted requests, over the requests they admitted.
+    row("admission us per admitted request: wall / CPU", [f"{rep.admission_us_per_request:.2f} / "
+                                                         f"{rep.admission_cpu_us_per_request:.2f}" for rep in reports])
     row("output ms per step (timeline)", [f"{r.stats['output_ms_per_step']:.3f}" for r in runs])
     row("generate's texts decoded after its outputs, ms (texts)",
         [f"{r.stats['generate_detok_ms']:.1f} ({r.stats['generate_detok_texts']})" for r in runs])
