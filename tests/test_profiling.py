@@ -8,6 +8,7 @@ never about speed: the machine may be small and busy.
 from __future__ import annotations
 
 import json
+import re
 import sys
 import threading
 import time
@@ -378,6 +379,12 @@ def test_profile_command_writes_report_trace_and_plot(tmp_path, capsys):
         assert sum(gaps["causes_ms"].values()) == pytest.approx(idle, rel=0.05, abs=1e-6)
         assert sum(k["idle_ms"] for k in gaps["step_kinds"].values()) == pytest.approx(gaps["idle_ms"])
     assert "idle ms (steps) and device busy by step kind:" in text
+    # The admission figure per mode, as the gap report holds it (every run admitted its six requests).
+    row = next(line for line in text.splitlines() if line.startswith("admission us per admitted request"))
+    shown = re.findall(r"(\d+\.\d+) / (\d+\.\d+)", row)
+    expected = [(f"{g['admission_us_per_request']:.2f}", f"{g['admission_cpu_us_per_request']:.2f}")
+                for g in (report["runs"][mode]["gap_report"] for mode in ("overlap", "sync"))]
+    assert shown == expected and all(float(wall) > 0 for wall, _ in shown)
     trace = json.loads((out / "trace.json").read_text())
     assert set(run_pids(trace)) == {"overlap", "sync"}
     assert_well_nested(trace)
