@@ -46,6 +46,13 @@ def check_plan(plan: StepPlan, sched: Scheduler, budget: int, max_seqs: int, blo
     for row in plan.prefill:
         assert owned[row.token_row] * block_size >= row.start + row.num_tokens
     assert plan.num_sampled == plan.num_decode + sum(row.samples for row in plan.prefill)
+    # The admitted chunks' tokens as the admission pass listed them: what the request holds there (prompt, and
+    # outputs to recompute after a preemption).
+    admitted = plan.prefill[plan.num_prefill - plan.num_admitted:]
+    assert len(plan.admitted_tokens) == len(admitted)
+    for row, tokens in zip(admitted, plan.admitted_tokens):
+        assert tokens.dtype == np.int64
+        assert tokens.tolist() == row.request.all_token_ids()[row.start:row.start + row.num_tokens]
 
 
 def drive(specs, block_size, num_blocks, max_seqs, budget, lag, caching=False):
@@ -147,6 +154,7 @@ def test_preemption_recomputes_and_frees_once():
         seen_preemption |= bool(plan.preempted)
         recomputed.extend(row.request.all_token_ids() for row in plan.prefill
                           if row.start == 0 and row.request.num_preemptions)
+        check_plan(plan, sched, 16, 2, 2)
         sched.release_drained(plan)
         n = plan.num_sampled
         applied = sched.apply(plan, np.full(n, 9, dtype=np.int64), np.ones(n, dtype=bool))
