@@ -46,6 +46,7 @@ from asyncbatch.engine.block_manager import BlockManager, IntegrityError
 from asyncbatch.engine.prefix_sharing import NO_HIT, PrefixSharer
 from asyncbatch.engine.request import Request, RequestStatus
 from asyncbatch.engine.row_state import ROW_COUNTERS, DecodeSet, RowState
+from asyncbatch.engine.step_contract import blocks_for_tokens
 from asyncbatch.engine.step_plan import (
     CHUNK_BLOCKS,
     CHUNK_COLUMNS,
@@ -153,7 +154,7 @@ class Admitter:
             n = min(target - start, budget)
             end = start + n
             shared = len(hit.cached)
-            fresh = (end + bs - 1) // bs - shared  # at least one: the chunk starts at a block boundary
+            fresh = blocks_for_tokens(end, bs) - shared  # at least one: the chunk starts at a block boundary
             if fresh < 1 or shared + fresh > max_blocks:  # Scheduler.add refuses what the table cannot hold
                 raise IntegrityError(f"{request.request_id} would hold {shared} + {fresh} blocks; 1 <= fresh and "
                                      f"the table's {max_blocks} allowed")
@@ -188,8 +189,8 @@ class Admitter:
             step = outputs if samples else 0  # the sample step: outputs scheduled before this one
             prefill.append(ScheduledRow(request, row, start, n, samples, step, True, start))
             # Its tokens for the metadata writer, here where start and end are at hand: a burst's whole prompts
-            # are their arrays as made on arrival (``Request.chunk_tokens`` without the call).
-            tokens.append(request.prompt_array if end == prompt_len and not start else request.chunk_tokens(start, end))
+            # are their arrays as made on arrival.
+            tokens.append(request.chunk_tokens(start, end))
             key += 1
             popped += fresh
             batch.append(request)
