@@ -4,10 +4,10 @@
 The one-request prompts of ``bench_speculative.py``'s workloads (``--single-prompts`` of each, one after the
 other, greedy, ``--max-tokens``, EOS honoured) through one engine per ``--configs`` entry (speculation against
 plain decoding at 1 and 32 requests is ``bench_speculative.py``'s subject), then llama.cpp on the same token
-ids when llama-cpp-python imports. A config is ``dtype[+quantization][+compiled][+ngram]``: ``float32``,
-``bfloat16``, ``float32+w8a8``, ``float32+w8a8+compiled`` (``compile_decode=True``); ``+ngram`` adds n-gram
-speculation with ``SpeculativeConfig``'s defaults (its tokens are checked against the same config without
-it, and its mean acceptance length is reported). Every engine is built and warmed up first and stays alive;
+ids when llama-cpp-python imports. A config is ``dtype[+quantization][+compiled][+ngram[K]]``:
+``float32``, ``bfloat16``, ``float32+w8a8``, ``float32+w8a8+compiled`` (``compile_decode=True``); ``+ngram`` adds
+n-gram speculation with ``SpeculativeConfig``'s defaults, ``+ngram6`` with ``num_speculative_tokens=6`` (its
+tokens are checked against the same config without it, and its mean acceptance length is reported). Every engine is built and warmed up first and stays alive;
 each repeat runs the configs in turn (the order reversed every other repeat). Figures: decode tok/s
 ((tokens - 1) / (finish - first token), summed over the prompts), medians of ``--repeats``, and whether each
 config's greedy tokens equal the first config's.
@@ -32,18 +32,29 @@ from harness.speculative_workloads import WORKLOADS, load_workload, prompt_ids, 
 from asyncbatch import LLM, SamplingParams
 from asyncbatch.profiling.host_info import cpu_name, git_commit
 
-SWITCHES = ("compiled", "ngram")  # config flags that are not a quantization
+
+def _is_ngram(flag: str) -> bool:
+    """``ngram`` or ``ngram<K>`` (K drafts a step)."""
+    return flag.startswith("ngram") and (flag == "ngram" or flag[5:].isdigit())
+
+
+def speculative_config(flags: list[str]) -> dict | None:
+    """The ``speculative_config`` of a config's flags: None without ``ngram[K]``."""
+    flag = next((f for f in flags if _is_ngram(f)), None)
+    if flag is None:
+        return None
+    return {"method": "ngram", **({"num_speculative_tokens": int(flag[5:])} if flag != "ngram" else {})}
 
 
 def engine(config: str, threads: int) -> LLM:
     dtype, *flags = config.split("+")
-    quantization = next((f for f in flags if f not in SWITCHES), None)
+    quantization = next((f for f in flags if f != "compiled" and not _is_ngram(f)), None)
     return LLM(None, device="cpu", dtype=dtype, quantization=quantization, compile_decode="compiled" in flags,
-               speculative_config={"method": "ngram"} if "ngram" in flags else None, num_threads=threads, seed=0)
+               speculative_config=speculative_config(flags), num_threads=threads, seed=0)
 
 
 def plain_twin(config: str) -> str:
-    return "+".join(f for f in config.split("+") if f != "ngram")
+    return "+".join(f for f in config.split("+") if not _is_ngram(f))
 
 
 def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -120,7 +131,7 @@ def main() -> None:
         lines.append(f"| {w} | " + " | ".join(cells) + (f" | {lc:.1f} |" if lc else " | -- |"))
     lines += ["", "Tokens equal to the first config's (per workload): " + "; ".join(
         f"{w}: " + ", ".join(f"{c} {results[w][c]['tokens_equal_first_config']}" for c in configs) for w in prompts),
-        "", "Speculative configs, against the same config without ``+ngram``: " + ("; ".join(
+        "", "Speculative configs, against the same config without ``+ngram[K]``: " + ("; ".join(
             f"{w} {c}: tokens equal {results[w][c]['tokens_equal_plain_twin']}, mean acceptance length "
             f"{results[w][c]['acceptance_length']:.2f}" for w in prompts for c in configs
             if results[w][c]['tokens_equal_plain_twin'] is not None and results[w][c]['acceptance_length'])

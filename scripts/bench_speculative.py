@@ -10,8 +10,9 @@ and ``open`` -- open-ended chat. Cases: one request at a time (``--single-prompt
 workload, one after the other; the figure people feel in a chat) and ``--batch-requests`` requests at
 once (the shipped prompts in turn). Systems: the same engine settings twice, once with
 ``speculative_config={"method": "ngram", ...}``; both engines stay alive across the repeats and are
-warmed up once. Runs interleave (plain, ngram, then ngram, plain on the next repeat, so drift on a shared
-machine hits both); figures are medians over ``--repeats``.
+warmed up once (one request, and one batch when there is a batch case). Runs interleave (plain, ngram,
+then ngram, plain on the next repeat, so drift on a shared machine hits both); figures are medians over
+``--repeats``.
 
 Greedy, EOS honoured, ``--max-tokens`` (``--batch-max-tokens`` for the many-request case); float32 by
 default, where the engine promises speculation's tokens are identical to plain decoding's: every run
@@ -62,7 +63,7 @@ def build_engines(args) -> dict[str, LLM]:
             "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max,
             "disable_by_batch_size": args.disable_by_batch_size}
     common = {"device": "cpu", "dtype": args.dtype, "num_threads": args.threads, "seed": args.seed,
-              "quantization": args.quantization}
+              "quantization": args.quantization, "compile_decode": args.compile_decode}
     return {name: LLM(args.model, **common, speculative_config=spec if name == "ngram" else None)
             for name in SYSTEMS}
 
@@ -184,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                    help="weight quantization of both engines (default: none; llama.cpp always runs the GGUF's own)")
+    p.add_argument("--compile-decode", action="store_true",
+                   help="both engines run pure decode steps through torch.compile (compile_decode=True; with w8a8 the "
+                        "fastest one-request setting measured, docs/cpu-precision.md); minutes of compiling at start")
     p.add_argument("--threads", type=int, default=1, help="torch threads (and llama.cpp's); 1 as in the "
                    "earlier llama.cpp figure, and steadier on a shared machine")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
@@ -221,6 +225,11 @@ def main(argv: list[str] | None = None) -> int:
         warm = ids[workloads[0]][0]
         for llm in engines.values():
             llm.generate([warm], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+            if args.batch_requests > 0:
+                # The first batch through an engine builds the kernels of its prefill shapes (a third slower
+                # than the next with compile_decode and w8a8): untimed, so the first timed repeat is not.
+                llm.generate(prompts["batch"][workloads[0]], SamplingParams(max_tokens=8, temperature=0.0),
+                             use_tqdm=False)
         doc["results"] = measure(args, engines, prompts)
     finally:
         for llm in engines.values():

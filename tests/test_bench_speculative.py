@@ -52,6 +52,20 @@ def test_bench_speculative_script_end_to_end(tmp_path):
     assert [g["target"] for g in doc["goals"]] == [2.0, 1.0, 0.5, 1.0, 1.0]
     report = (out / "report.md").read_text()
     assert "| greedy tokens identical |" in report and "| goal |" in report and "float32" in report
-    assert "quantization" not in report.split("\n\n")[3]  # the set-up paragraph names one only when asked
+    setup = report.split("\n\n")[3]
+    assert "quantization" not in setup and "compile_decode" not in setup  # named only when asked for
     if doc["llamacpp"].get("available") is False:  # not installed (or the tiny model has no GGUF)
         assert str(LLAMACPP_REFERENCE["decode_tok_s"]) in report
+
+
+def test_bench_one_request_config_names():
+    """``bench_one_request.py``'s ``+ngram[K]`` flag: the speculative config it builds and its plain twin."""
+    from bench_one_request import plain_twin, speculative_config
+
+    assert speculative_config(["w8a8", "compiled", "ngram6"]) == {"method": "ngram", "num_speculative_tokens": 6}
+    assert speculative_config(["ngram"]) == {"method": "ngram"}
+    assert speculative_config(["w8a8", "compiled"]) is None
+    assert speculative_config(["ngramx"]) is None  # not a draft count: not a speculative flag either
+    assert plain_twin("float32+w8a8+compiled+ngram6") == "float32+w8a8+compiled"
+    assert plain_twin("bfloat16+int4+ngram") == "bfloat16+int4"
+

@@ -75,7 +75,8 @@ def markdown(doc: dict) -> str:
              f"Commit {doc['git_commit']}; Python {doc['python']}, torch {doc['torch']}; took {doc['took_s']:.0f} s.",
              "", f"Command: `{doc['command']}`", "",
              (f"Model: {a['model'] or 'SmolLM2-135M-Instruct (default)'}, dtype **{a['dtype']}**"
-              f"{', quantization **' + a['quantization'] + '**' if a.get('quantization') else ''}, {a['threads']} torch "
+              f"{', quantization **' + a['quantization'] + '**' if a.get('quantization') else ''}"
+              f"{', **compile_decode**' if a.get('compile_decode') else ''}, {a['threads']} torch "
               f"thread(s), overlap mode, greedy, EOS honoured; max_tokens {a['max_tokens']} (one request) / "
               f"{a['batch_max_tokens']} (many). ngram: num_speculative_tokens {a['num_speculative_tokens']}, "
               f"prompt_lookup {a['prompt_lookup_min']}-{a['prompt_lookup_max']}, disable_by_batch_size "
