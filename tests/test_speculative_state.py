@@ -62,6 +62,24 @@ def test_accept_keeps_the_confirmed_run_and_advances_the_row():
     assert int(verified.num_emitted[0]) == 1
 
 
+def test_a_step_without_drafts_advances_each_row_by_its_one_token():
+    """A one-position step (no row verifies a draft) takes ``accept``'s short path: the same state as the general
+    path gives a row that verified no draft in a wider step, and nothing counted."""
+    tokens = [7, 8, 9, 7, 8]
+    short, wide = (started(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1), tokens) for _ in range(2))
+    row = torch.tensor([0])
+    for finite in (True, False):  # non-finite logits: the row errs, its one token still lands (as before)
+        verified = short.accept(row, torch.tensor([[5]]), torch.tensor([[finite]]), torch.tensor([0]))
+        general = wide.accept(row, torch.tensor([[5, 6]]), torch.tensor([[finite, True]]), torch.tensor([0]))
+        assert verified.tokens.tolist() == [[5]] and verified.num_emitted.tolist() == [1] == general.num_emitted.tolist()
+        assert bool(verified.finite[0]) is finite is bool(general.finite[0])
+        assert (verified.num_drafts, verified.num_draft_tokens, verified.num_accepted) == (0, 0, 0)
+        for name in ("length", "num_outputs", "history", "acceptance"):
+            assert torch.equal(getattr(short, name), getattr(wide, name)), name
+    assert int(short.length[0]) == 6 and int(short.num_outputs[0]) == 3
+    assert short.history[0, :7].tolist() == [7, 8, 9, 7, 8, 5, 5] and float(short.acceptance[0]) == 1.0
+
+
 def test_a_row_that_keeps_rejecting_stops_drafting_and_retries():
     config = SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_min=1, min_acceptance=0.5, retry_every=4)
     state = started(config, [3, 4, 5, 3, 4])
