@@ -69,3 +69,18 @@ def test_bench_one_request_config_names():
     assert plain_twin("float32+w8a8+compiled+ngram6") == "float32+w8a8+compiled"
     assert plain_twin("bfloat16+int4+ngram") == "bfloat16+int4"
 
+
+def test_a_batch_goal_without_drafts_says_both_engines_ran_the_same_steps():
+    """At 32 requests ``disable_by_batch_size`` turns drafting off: the goal's basis says the ratio compares equal
+    work (the machine's spread), and a batch that did verify drafts keeps the plain basis."""
+    from harness.speculative_report import goals
+
+    def batch(drafts: int) -> dict:
+        return {"num_requests": 32, "plain": {"output_tok_s": 100.0, "runs": [{"spec_decode_num_drafts": 0}]},
+                "ngram": {"output_tok_s": 93.0, "runs": [{"spec_decode_num_drafts": 0}, {"spec_decode_num_drafts": drafts}]}}
+
+    (idle,) = goals({"results": {"batch": {"open": batch(0)}}})
+    (busy,) = goals({"results": {"batch": {"open": batch(5)}}})
+    assert idle["met"] is False and busy["met"] is False and idle["value"] == pytest.approx(0.93)
+    assert "no drafts verified" in idle["basis"] and busy["basis"] == "this run"
+
