@@ -7,10 +7,10 @@ plain decoding at 1 and 32 requests is ``bench_speculative.py``'s subject), then
 ids when llama-cpp-python imports. A config is ``dtype[+quantization][+compiled][+ngram[K]]``:
 ``float32``, ``bfloat16``, ``float32+w8a8``, ``float32+w8a8+compiled`` (``compile_decode=True``); ``+ngram`` adds
 n-gram speculation with ``SpeculativeConfig``'s defaults, ``+ngram6`` with ``num_speculative_tokens=6`` (its
-tokens are checked against the same config without it, and its mean acceptance length is reported). Every engine is built and warmed up first and stays alive;
-each repeat runs the configs in turn (the order reversed every other repeat). Figures: decode tok/s
-((tokens - 1) / (finish - first token), summed over the prompts), medians of ``--repeats``, and whether each
-config's greedy tokens equal the first config's.
+tokens are checked against the same config without it, and its mean acceptance length is reported). Every
+engine is built and warmed up first and stays alive; each repeat runs the configs in turn (the order reversed
+every other repeat). Figures: decode tok/s ((tokens - 1) / (finish - first token), summed over the prompts),
+medians of ``--repeats``, and whether each config's greedy tokens equal the first config's.
 
     python scripts/bench_one_request.py --out /tmp/one_request
 """

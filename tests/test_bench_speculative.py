@@ -76,11 +76,11 @@ def test_a_batch_goal_without_drafts_says_both_engines_ran_the_same_steps():
     from harness.speculative_report import goals
 
     def batch(drafts: int) -> dict:
+        ngram_runs = [{"spec_decode_num_drafts": 0}, {"spec_decode_num_drafts": drafts}]
         return {"num_requests": 32, "plain": {"output_tok_s": 100.0, "runs": [{"spec_decode_num_drafts": 0}]},
-                "ngram": {"output_tok_s": 93.0, "runs": [{"spec_decode_num_drafts": 0}, {"spec_decode_num_drafts": drafts}]}}
+                "ngram": {"output_tok_s": 93.0, "runs": ngram_runs}}
 
     (idle,) = goals({"results": {"batch": {"open": batch(0)}}})
     (busy,) = goals({"results": {"batch": {"open": batch(5)}}})
     assert idle["met"] is False and busy["met"] is False and idle["value"] == pytest.approx(0.93)
     assert "no drafts verified" in idle["basis"] and busy["basis"] == "this run"
-

@@ -132,9 +132,9 @@ class SpeculativeState:
         if not depth:
             # No row verified a draft (a step is one position wide only then, so ``usable`` is all 0): one token
             # a row, emitted even where its logits were not finite (the row errs), and nothing to count.
-            self._advance_one(rows, samples[:, 0])
-            return Verified(samples, torch.ones(len(rows), dtype=torch.int64, device=rows.device), finite[:, 0],
-                            0, 0, 0)
+            one = torch.ones_like(rows)  # [D] tokens emitted
+            self._advance_one(rows, samples[:, 0], one)
+            return Verified(samples, one, finite[:, 0], 0, 0, 0)
         accepted = accept_drafts(samples, self.drafts.index_select(0, rows)[:, :depth], usable)
         tokens, emitted = accepted.tokens, accepted.num_emitted
         # A position with non-finite logits emits nothing from there on; at position 0 the row errs.
@@ -162,12 +162,11 @@ class SpeculativeState:
         self.length.index_add_(0, rows, emitted)
         self.num_outputs.index_add_(0, rows, emitted)
 
-    def _advance_one(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
-        """``_advance`` with one token a row (``tokens`` ``[D]``), in about half its operations: the step of every
-        row while none has a draft."""
+    def _advance_one(self, rows: torch.Tensor, tokens: torch.Tensor, one: torch.Tensor) -> None:
+        """``_advance`` with one token a row (``tokens`` ``[D]``; ``one``: ``[D]`` ones), in about half its
+        operations: the step of every row while none has a draft."""
         column = (self.length.index_select(0, rows) + 1).clamp(max=self.history.shape[1] - 1)  # [D]
         self.history.index_put_((rows, column), tokens)
-        one = torch.ones_like(rows)
         self.length.index_add_(0, rows, one)
         self.num_outputs.index_add_(0, rows, one)
 
