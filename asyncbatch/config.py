@@ -146,6 +146,10 @@ class EngineConfig:
     # False: the naive way, for the side-by-side benchmark: a step with grammar rows is launched only once
     # every earlier step was applied and its masks were filled (the device idles meanwhile).
     grammar_mask_overlap: bool = True
+    # Before serving, the planner thread rehearses a few admission rounds on throwaway planner objects, so the
+    # first burst of arrivals is admitted at the cost of later ones (~15-30 ms of the start;
+    # ``engine/planner_warmup.py``). False: the first steps that admit anything pay that themselves.
+    planner_warmup: bool = True
     # In-process mode only (engine_process=False): the caller's thread switch interval while the engine
     # runs. The device thread waits for the GIL up to this long after each step, and CPython's 5 ms
     # default is longer than a decode step. Process-wide; None leaves it alone. The core process leaves
@@ -201,6 +205,8 @@ class EngineConfig:
         if self.structured_outputs_backend not in GRAMMAR_BACKENDS + ("auto",):
             raise ValueError(f"structured_outputs_backend must be one of {('auto', *GRAMMAR_BACKENDS)}, got "
                              f"{self.structured_outputs_backend!r}")
+        if not isinstance(self.planner_warmup, bool):
+            raise TypeError(f"planner_warmup must be a bool, got {type(self.planner_warmup).__name__}")
         if not isinstance(self.structured_outputs_warmup, bool):
             raise TypeError(f"structured_outputs_warmup must be a bool, got "
                             f"{type(self.structured_outputs_warmup).__name__}")

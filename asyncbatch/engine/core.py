@@ -40,12 +40,14 @@ waiting caller with ``EngineDeadError``.
 from __future__ import annotations
 
 import gc
+import logging
 import queue
 import threading
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -67,6 +69,7 @@ from asyncbatch.engine.messages import (
     StepOutputs,
     ended_only,
 )
+from asyncbatch.engine.planner_warmup import PlannerWarmup, warm_up_planner
 from asyncbatch.engine.scheduler import SETTLE_STEP_SHARE, Scheduler, StepPlan
 from asyncbatch.engine.step_contract import GrammarMask
 from asyncbatch.engine.step_extras import StepExtrasWriter
@@ -78,6 +81,8 @@ from asyncbatch.profiling.marks import mark, step_begin, step_end
 from asyncbatch.profiling.timeline import StepRecord, stage
 from asyncbatch.sampling.token_bitmask import bitmask_words
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(slots=True)
 class InFlight:
@@ -88,6 +93,16 @@ class InFlight:
     handle: StepHandle
     record: StepRecord
     nvtx: object = None  # the step's NVTX range, closed once its results are applied
+
+
+def planner_writer(scheduler: Scheduler, vocab_size: int) -> StepMetadataWriter:
+    """The metadata writer of ``scheduler``'s planner (``EngineCore`` builds its own with this, and the planner
+    warm-up its throwaway one): extras (bias, grammar masks, logprobs) where the engine has a vocabulary."""
+    spec = scheduler.speculative
+    extras = StepExtrasWriter(scheduler.rows, scheduler.eos_token_id, bitmask_words(vocab_size),
+                              1 if spec is None else 1 + spec.num_speculative_tokens,
+                              spec is not None and spec.uses_draft_model) if vocab_size else None
+    return StepMetadataWriter(scheduler.rows, scheduler.blocks, extras, speculative=spec is not None)
 
 
 class EngineCore:
@@ -103,12 +118,10 @@ class EngineCore:
         self.config = config
         self.executor = executor
         self.scheduler = scheduler
-        spec = scheduler.speculative
-        extras = StepExtrasWriter(scheduler.rows, scheduler.eos_token_id, bitmask_words(vocab_size),
-                                  1 if spec is None else 1 + spec.num_speculative_tokens,
-                                  spec is not None and spec.uses_draft_model) if vocab_size else None
-        self.writer = StepMetadataWriter(scheduler.rows, scheduler.blocks, extras,
-                                         speculative=scheduler.speculative is not None)
+        self._vocab_size = vocab_size
+        self.writer = planner_writer(scheduler, vocab_size)
+        self.planner_warmup: PlannerWarmup | None = None  # what the warm-up ran (``config.planner_warmup``)
+        extras = self.writer.extras
         # Grammar rows need a compiler (a tokenizer); ``allowed_token_ids`` / ``bad_words`` rows only the masks.
         self.grammar = (GrammarState(make_grammar_compiler, scheduler.eos_token_id, vocab_size)
                         if extras is not None else None)
@@ -157,6 +170,8 @@ class EngineCore:
         if self.executor.name == "cpu":
             one_kernel_thread_here()  # the device thread's kernel pool stays the only one (``kernel_threads``)
         try:
+            if self.config.planner_warmup:  # on this thread: the heap it grows is the planner's
+                self._warm_up_planner()
             if self.config.overlap:
                 self.overlap_loop()
             else:
@@ -173,6 +188,17 @@ class EngineCore:
             if self.config.switch_interval_s is not None:
                 release_switch_interval(self.config.switch_interval_s)
             self.executor.close()
+
+    def _warm_up_planner(self) -> None:
+        """``planner_warmup``: rehearse admissions on throwaway planner objects before serving. It reads and writes
+        nothing of this engine's, so if it fails the engine serves without it (the failure is logged)."""
+        try:
+            self.planner_warmup = warm_up_planner(
+                self.config.block_size, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                self.config.enable_prefix_caching, partial(planner_writer, vocab_size=self._vocab_size),
+                self.scheduler.eos_token_id)
+        except Exception:  # a rehearsal: the engine's own planner is untouched
+            logger.warning("engine core: the planner warm-up failed; serving without it", exc_info=True)
 
     def overlap_loop(self) -> None:
         """Launch N+1, then finish N: the device always has the next step queued behind the current one.
