@@ -147,7 +147,7 @@ class EngineConfig:
     # every earlier step was applied and its masks were filled (the device idles meanwhile).
     grammar_mask_overlap: bool = True
     # Before serving, the planner thread rehearses a few admission rounds on throwaway planner objects, so the
-    # first burst of arrivals is admitted at the cost of later ones (~15-30 ms of the start;
+    # first burst of arrivals is admitted at the cost of later ones (~10-35 ms of the start;
     # ``engine/planner_warmup.py``). False: the first steps that admit anything pay that themselves.
     planner_warmup: bool = True
     # In-process mode only (engine_process=False): the caller's thread switch interval while the engine

@@ -3,7 +3,9 @@ interpreter to specialise them, on objects of its own, and leaves the engine it 
 
 from __future__ import annotations
 
+import gc
 import logging
+import weakref
 from collections import Counter
 
 import pytest
@@ -77,6 +79,28 @@ def test_an_engine_that_warmed_up_serves_as_one_that_did_not(make_llm) -> None:
         assert llm._core.scheduler.prefix_cache_stats()["prompt_tokens"] == sum(len(p) for p in prompts)
         assert sum(r.num_admitted for r in llm.timeline.window()) == len(prompts)
     assert tokens[True] == tokens[False]
+
+
+@pytest.mark.parametrize("collecting", [True, False])
+def test_the_warmup_frees_its_planner_and_restores_the_collector(monkeypatch, collecting: bool) -> None:
+    """The throwaway planner holds reference cycles; the warm-up frees them itself (one young-generation pass)
+    and leaves the collector as it found it, on or off."""
+    made: list[weakref.ref] = []
+
+    class Recorded(planner_warmup.Scheduler):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(weakref.ref(self))
+
+    monkeypatch.setattr(planner_warmup, "Scheduler", Recorded)
+    was = gc.isenabled()
+    (gc.enable if collecting else gc.disable)()
+    try:
+        planner_warmup.warm_up_planner(16, 64, 2048, True, lambda scheduler: planner_writer(scheduler, 1000))
+        assert gc.isenabled() is collecting
+    finally:
+        (gc.enable if was else gc.disable)()
+    assert len(made) == 1 and made[0]() is None
 
 
 def test_a_failed_warmup_leaves_the_engine_serving(make_llm, monkeypatch, caplog) -> None:

@@ -16,13 +16,16 @@ So the planner thread, before it serves anything, runs a few rounds of synthetic
 metadata writer and staging pair of its own, shaped like the engine's (its token budget, block size and prefix
 caching; fewer rows and blocks), on the same code: one burst as large as one step admits, then small rounds,
 half of their prompts sharing a cached first block (the cache-hit path). Nothing of the engine's own state is
-read or written, and the throwaway objects are dropped when it returns (no ``gc.collect``: in an in-process
-engine that would walk the caller's whole heap, ~0.1 s, for a few MB). It costs ~15-30 ms of the core's start
-(``PlannerWarmup.seconds``). ``EngineConfig.planner_warmup=False`` skips it.
+read or written. The throwaway objects hold reference cycles (~600 objects and a few MB of arrays), so the
+rehearsal runs with the collector paused and ends with a collection of the youngest generation, which holds
+them all: ~0.2 ms, where a full ``gc.collect`` walks an in-process engine's whole heap (~0.1 s with torch
+loaded). It costs ~10-35 ms of the core's start (``PlannerWarmup.seconds``). ``EngineConfig.planner_warmup=False``
+skips it.
 """
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,6 +64,22 @@ def warm_up_planner(block_size: int, max_num_seqs: int, max_num_batched_tokens: 
     the metadata writer as the engine does for its own scheduler. Run it on the thread that will plan (the
     heap it grows is that thread's)."""
     started = time.perf_counter()
+    collecting = gc.isenabled()
+    gc.disable()  # nothing of the rehearsal leaves the youngest generation: one cheap pass frees it below
+    try:
+        steps, admitting, admitted = _rehearse(block_size, max_num_seqs, max_num_batched_tokens, prefix_caching,
+                                               make_writer, eos_token_id, seed)
+    finally:
+        if collecting:
+            gc.enable()
+    gc.collect(0)
+    return PlannerWarmup(steps, admitting, admitted, time.perf_counter() - started)
+
+
+def _rehearse(block_size: int, max_num_seqs: int, max_num_batched_tokens: int, prefix_caching: bool,
+              make_writer: Callable[[Scheduler], StepMetadataWriter], eos_token_id: int | None,
+              seed: int) -> tuple[int, int, int]:
+    """``warm_up_planner``'s rounds: (planner steps, those that admitted, requests admitted)."""
     prompt_len = PROMPT_BLOCKS * block_size
     rows = max(1, min(max_num_seqs, MAX_ROWS))
     burst = max(1, min(rows, max_num_batched_tokens // prompt_len))  # requests one step admits whole
@@ -92,4 +111,4 @@ def warm_up_planner(block_size: int, max_num_seqs: int, max_num_batched_tokens: 
             admitting += plan.num_admitted > 0
             admitted += plan.num_admitted
         scheduler.settle_released()
-    return PlannerWarmup(steps, admitting, admitted, time.perf_counter() - started)
+    return steps, admitting, admitted
