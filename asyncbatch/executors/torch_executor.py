@@ -488,9 +488,12 @@ class TorchStep:
         nt = step.num_decode_tokens
         rows, expand = step.decode_rows, _expand_decode(nd, width)
         st = step.sampling
-        sampling = SamplingTensors(temperature=expand(st.temperature), top_k=expand(st.top_k), top_p=expand(st.top_p),
-                                   min_p=expand(st.min_p), seed=expand(st.seed),
-                                   step=torch.cat([verify.sample_steps, st.step[nd:]]))
+        steps = torch.cat([verify.sample_steps, st.step[nd:]])  # [T] each position's output index
+        # Every position gets its row's parameters; an all-greedy step's argmax reads none of them (``sample``), so
+        # there only the steps are laid out (the bias windows read them): ~16 tensor operations fewer a step.
+        sampling = st if meta.all_greedy else SamplingTensors(
+            temperature=expand(st.temperature), top_k=expand(st.top_k), top_p=expand(st.top_p), min_p=expand(st.min_p),
+            seed=expand(st.seed), step=steps)
         prompt = self._prompt_logprobs(meta, step, logits[nt + r - nd:])
         logits = logits[:nt + r - nd]
         extras = _ExtrasAt(meta, step, (nd, width, nt))
@@ -505,8 +508,7 @@ class TorchStep:
                                                      expand(penalty.frequency)[:nt], expand(penalty.repetition)[:nt]),
                     self.penalties.apply(logits[nt:], step.sample_rows[nd:], penalty.presence[nd:],
                                          penalty.frequency[nd:], penalty.repetition[nd:])])
-            logits = self._bias_and_mask(meta, logits, sampling.step, extras, copied=penalty is not None,
-                                         wait_for_mask=True)
+            logits = self._bias_and_mask(meta, logits, steps, extras, copied=penalty is not None, wait_for_mask=True)
             result = sample(logits, sampling, all_greedy=meta.all_greedy, any_top_k_top_p_min_p=meta.any_filter)
             chosen = extras.chosen_logprobs(raw_logprobs, result.token_ids)
             verified = spec.accept(rows, result.token_ids[:nt].view(nd, width), result.finite[:nt].view(nd, width),
