@@ -84,7 +84,8 @@ def _rehearse(block_size: int, max_num_seqs: int, max_num_batched_tokens: int, p
     rows = max(1, min(max_num_seqs, MAX_ROWS))
     burst = max(1, min(rows, max_num_batched_tokens // prompt_len))  # requests one step admits whole
     max_blocks = PROMPT_BLOCKS + 2  # a prompt and its two outputs (a block each where blocks hold one token)
-    # Room for the large round plus one small round (cached blocks of earlier rounds are reused or evicted).
+    # Room for the large round plus one small round: the small rounds reuse what the earlier ones left cached
+    # (and evict some where blocks are small or rows few; a fresh engine's first burst evicts nothing).
     blocks = BlockManager((burst + SMALL_BURST) * max_blocks + 1, block_size, rows, max_blocks,
                           prefix_caching=prefix_caching)
     scheduler = Scheduler(blocks, max_num_batched_tokens, eos_token_id=eos_token_id)
