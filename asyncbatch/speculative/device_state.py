@@ -143,12 +143,12 @@ class SpeculativeState:
         emitted = torch.minimum(emitted, first_bad).clamp(min=1)
         self._advance(rows, tokens, emitted)
         drafting = usable > 0
-        share = (emitted - 1).to(torch.float32) / usable.clamp(min=1).to(torch.float32)
+        kept = emitted - 1  # [D] drafts accepted
+        share = kept.to(torch.float32) / usable.clamp(min=1).to(torch.float32)
         old = self.acceptance.index_select(0, rows)
         self.acceptance.index_copy_(0, rows, torch.where(drafting, ACCEPTANCE_DECAY * old
                                                          + (1 - ACCEPTANCE_DECAY) * share, old))
-        return Verified(tokens, emitted, finite[:, 0], int((usable > 0).sum()), int(usable.sum()),
-                        int((emitted - 1).sum()))
+        return Verified(tokens, emitted, finite[:, 0], int(drafting.sum()), int(usable.sum()), int(kept.sum()))
 
     def _advance(self, rows: torch.Tensor, tokens: torch.Tensor, emitted: torch.Tensor) -> None:
         """Row ``i`` got ``tokens[i, :emitted[i]]``: they follow its input token in the history."""
