@@ -169,8 +169,13 @@ def test_burst_through_the_engine(make_llm) -> None:
         # clocks read around the same code; 1 % for their granularities). Per step, 50 us more: the two clocks
         # come from different sources, and on a 2-core VM a thread-CPU span exceeded the monotonic span around
         # it by up to 22 us in 5 of 20,000 samples (2026-12-04), which failed a 1 us slack once in a suite run.
-        assert 0 < stats["admission_cpu_us_per_request"] <= stats["admission_us_per_request"] * 1.01
+        # The total gets the sum of those bounds, not 1 % alone: this burst's steps admit a few requests each,
+        # and short spans read more CPU than wall time (7.5 us spans, quiet: 80 % of them, 0.2 % in total;
+        # 2026-12-05), so under a full suite's load the total once came to 1.4 % over (29.84 against 29.42 us).
         assert all(r.admit_cpu_ms <= r.admit_ms * 1.01 + 0.05 for r in records)
+        admitting = [r for r in records if r.num_admitted]
+        bound_us = sum(r.admit_ms * 1.01 + 0.05 for r in admitting) * 1e3 / sum(r.num_admitted for r in admitting)
+        assert 0 < stats["admission_cpu_us_per_request"] <= bound_us
         assert gap_report(llm).admission_cpu_us_per_request == pytest.approx(stats["admission_cpu_us_per_request"])
         llm.close()
     assert tokens[True] == tokens[False]
