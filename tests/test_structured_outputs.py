@@ -193,6 +193,28 @@ def test_the_structured_output_benchmark_runs_and_reports_every_configuration(tm
     assert "simulated" in (tmp_path / "report.md").read_text()
 
 
+def test_the_benchmarks_rounds_are_summarised_by_medians_of_paired_ratios():
+    """``bench_structured.py --rounds``: each figure's median over the rounds, the busy ratio the median of each
+    round's ratio to that same round's ``none`` (not the ratio of the medians), the idlest steps the median round's."""
+    from bench_structured import round_medians
+
+    def run(config, rnd, busy, fill):
+        return {"config": config, "step_ms": 1.0, "round": rnd, "device_busy_fraction": busy,
+                "mask_fill_us_per_row": fill, "worst_steps": [{"step": rnd}], "stagger_steps": 0}
+
+    results = [run("none", 0, 1.0, 0.0), run("overlap", 0, 0.90, 2.0),
+               run("overlap", 1, 0.76, 3.0), run("none", 1, 0.80, 0.0),
+               run("none", 2, 0.90, 0.0), run("overlap", 2, 0.88, 2.5)]
+    rows = round_medians(results)
+    assert [r["config"] for r in rows] == ["none", "overlap"]
+    none, overlap = rows
+    assert overlap["busy_ratios"] == pytest.approx([0.90, 0.95, 0.88 / 0.90])
+    assert overlap["busy_ratio"] == pytest.approx(0.95)  # the ratio of the medians would be 0.88 / 0.90
+    assert overlap["device_busy_fraction"] == pytest.approx(0.88) and overlap["mask_fill_us_per_row"] == 2.5
+    assert overlap["worst_steps"] == [{"step": 2}] and overlap["rounds"] == 3
+    assert none["busy_ratio"] == 1.0 and none["stagger_steps"] == 0
+
+
 def test_the_benchmark_can_stagger_the_grammar_rows_arrivals(make_llm):
     """``bench_structured.py --stagger-steps``: the first ``staggered`` requests arrive in waves a step time
     apart (the others with the first wave), every request runs to its end, and outputs come in input order."""
