@@ -147,11 +147,15 @@ def _apply_ms(record) -> float:
     return (record.apply_end - record.wait_end) * 1e3
 
 
+_ROUND_OWN = ("round", "idle_share_worst_steps")  # figures that stay the median round's, beside its idlest steps
+
+
 def round_medians(results: list[dict]) -> list[dict]:
     """One row per (step time, configuration) over the rounds of ``results`` (``run_one``'s dicts with a ``round``):
     each numeric figure's median over its rounds, ``busy_ratio`` the median of the rounds' own ratios of busy to
-    the same round's ``none`` (``busy_ratios``: every round's, in round order), and the idlest steps of the round
-    whose busy fraction is the median (the lower one for an even count). Rows keep the order of the first round."""
+    the same round's ``none`` (``busy_ratios``: every round's, in round order), and the idlest steps (with their
+    share of the idle) of the round whose busy fraction is the median (the lower one for an even count). Rows keep
+    the order of the first round."""
     by_key: dict[tuple[float, str], list[dict]] = {}
     for r in results:
         by_key.setdefault((r["step_ms"], r["config"]), []).append(r)
@@ -163,7 +167,7 @@ def round_medians(results: list[dict]) -> list[dict]:
         by_busy = sorted(runs, key=lambda r: r["device_busy_fraction"])
         row = dict(by_busy[(len(by_busy) - 1) // 2])
         for key, value in runs[0].items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and key != "round":
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and key not in _ROUND_OWN:
                 row[key] = statistics.median(r[key] for r in runs)
         row.update(rounds=len(runs), busy_ratio=statistics.median(ratios), busy_ratios=ratios)
         rows.append(row)

@@ -200,7 +200,8 @@ def test_the_benchmarks_rounds_are_summarised_by_medians_of_paired_ratios():
 
     def run(config, rnd, busy, fill):
         return {"config": config, "step_ms": 1.0, "round": rnd, "device_busy_fraction": busy,
-                "mask_fill_us_per_row": fill, "worst_steps": [{"step": rnd}], "stagger_steps": 0}
+                "mask_fill_us_per_row": fill, "worst_steps": [{"step": rnd}], "idle_share_worst_steps": rnd / 10,
+                "stagger_steps": 0}
 
     results = [run("none", 0, 1.0, 0.0), run("overlap", 0, 0.90, 2.0),
                run("overlap", 1, 0.76, 3.0), run("none", 1, 0.80, 0.0),
@@ -211,7 +212,8 @@ def test_the_benchmarks_rounds_are_summarised_by_medians_of_paired_ratios():
     assert overlap["busy_ratios"] == pytest.approx([0.90, 0.95, 0.88 / 0.90])
     assert overlap["busy_ratio"] == pytest.approx(0.95)  # the ratio of the medians would be 0.88 / 0.90
     assert overlap["device_busy_fraction"] == pytest.approx(0.88) and overlap["mask_fill_us_per_row"] == 2.5
-    assert overlap["worst_steps"] == [{"step": 2}] and overlap["rounds"] == 3
+    assert overlap["worst_steps"] == [{"step": 2}] and overlap["idle_share_worst_steps"] == 0.2
+    assert overlap["rounds"] == 3
     assert none["busy_ratio"] == 1.0 and none["stagger_steps"] == 0
 
 
