@@ -29,7 +29,7 @@ the machine hits both alike; medians are shown, with every repeat in the JSON (`
   time's planning and output shares, output ms per step, and ``admission_us_per_request`` (wall) and
   ``admission_cpu_us_per_request`` (the planner thread's CPU time) from
   ``stats()`` where the tree has it: the first burst of a fresh engine process (after a four-request warm-up);
-  ``later_admission_cpu_us_per_request``, the median of ``LATER_BURSTS`` more bursts of new prompts through the
+  ``later_admission_cpu_us_per_request``, the median of ``--later-bursts`` (2) more bursts of new prompts through the
   same engine (each evicting the one before from the prefix cache), is that engine once it has served.
 - ``running``: the same with 1,024 requests and ``max_num_seqs`` 1,024 (1,024 running at 1 ms), with a
   tokenizer and with ``skip_tokenizer_init`` (token ids only: no detokenizer runs).
@@ -59,7 +59,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness.common import COMMON, ROOT, cpu_seconds, ref_worktree, run_in_tree
 
 PROMPT_LEN = 32
-LATER_BURSTS = 2  # the engine cases' bursts after the measured one (``later_admission_cpu_us_per_request``)
 
 
 def planner_case(burst: int, decoding: int) -> tuple[float, ...]:
@@ -234,7 +233,7 @@ def cache_case(burst: int) -> dict:
             "no_shared_prefix_launch_cpu_us": min(r[0] for r in distinct)}
 
 
-def engine_case(num_requests: int, output_len: int, skip_tokenizer_init: bool) -> dict:
+def engine_case(num_requests: int, output_len: int, skip_tokenizer_init: bool, later_bursts: int = 2) -> dict:
     from asyncbatch.config import SimConfig
     from asyncbatch.llm import LLM
     from asyncbatch.profiling.gap_report import gap_report, lifetimes_of
@@ -262,7 +261,7 @@ def engine_case(num_requests: int, output_len: int, skip_tokenizer_init: bool) -
         llm.wait_settled(5.0)
         report = gap_report(llm, lifetimes_of(outputs))
         stats = llm.stats()
-        later = [_later_burst(llm, rng, params) for _ in range(LATER_BURSTS)]
+        later = [_later_burst(llm, rng, params) for _ in range(later_bursts)]
         shares = report.shares()
         largest = max((g.gap_ms for g in report.gaps), default=0.0)
         return {"busy": report.busy_fraction, "steps": stats["steps"], "wall_s": wall,
@@ -281,7 +280,8 @@ def engine_case(num_requests: int, output_len: int, skip_tokenizer_init: bool) -
                 "detok_ms_per_step": stats.get("detok_ms_per_step"),
                 # The same engine's later bursts (new prompts; each evicts the burst before from the prefix
                 # cache): the admission cost of an engine that has served, without the first burst's cold start.
-                "later_admission_cpu_us_per_request": statistics.median(later),
+                "later_admission_cpu_us_per_request": statistics.median(later) if later else None,
+                "later_admission_cpu_us_per_request_each": later,
                 # What the two processes asked of the machine during generate(): CPU seconds per wall second
                 # (2.0 = both cores), and the load average (other users included) when the run began.
                 "frontend_cores": cpu / wall, "core_cores": core_cpu / wall, "load_avg": load}
@@ -308,8 +308,8 @@ def child(args: argparse.Namespace) -> dict:
     if args.child == "cache":
         return cache_case(args.burst)
     if args.child == "burst":
-        return engine_case(256, 400, False)
-    return engine_case(1024, 400, args.child == "running-ids")
+        return engine_case(256, 400, False, args.later_bursts)
+    return engine_case(1024, 400, args.child == "running-ids", args.later_bursts)
 
 
 CASES = ("planner", "cache", "burst", "running", "running-ids")
@@ -322,6 +322,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--burst", type=int, default=256)
+    parser.add_argument("--later-bursts", type=int, default=2,
+                        help="bursts through each engine after the measured one (their median: later_admission_...)")
     parser.add_argument("--quick", action="store_true", help="one repeat, this tree only")
     parser.add_argument("--json", type=Path, help="write every repeat here")
     parser.add_argument("--child", choices=CASES, help=argparse.SUPPRESS)
@@ -342,8 +344,8 @@ def main() -> None:
         for case in runs:
             for _ in range(repeat):
                 for name, tree in trees.items():  # interleaved
-                    done = run_in_tree(tree, Path(__file__), ["--child", case, "--burst", str(args.burst)],
-                                       timeout_s=900)
+                    done = run_in_tree(tree, Path(__file__), ["--child", case, "--burst", str(args.burst),
+                                                              "--later-bursts", str(args.later_bursts)], timeout_s=900)
                     if done.returncode:
                         raise RuntimeError(f"{case} in {tree} failed:\n{done.stderr[-3000:]}")
                     runs[case][name].append(json.loads(done.stdout.strip().splitlines()[-1]))
