@@ -6,7 +6,7 @@ fresh processes each way, ``profiles/admission-burst-amd-epyc-2core``, session-2
 the first burst cost 6.0. Two things are new in a fresh process, and neither depends on which planner objects
 run:
 
-* CPython 3.10+ specialises a function's bytecode only after it has run a few times; the admission path's
+* CPython 3.11+ specialises a function's bytecode only after it has run a few times; the admission path's
   functions (``Admitter.admit``, ``write_prefill``, ``RowState.admit_many``, ...) run once a step, so the first
   steps that admit anything run them generic;
 * the burst-sized temporaries (2,048-token arrays, tables of 64 rows) grow the planner thread's heap the first
