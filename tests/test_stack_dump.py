@@ -36,7 +36,11 @@ assert dump_stacks_on_signal()
 for i in range(2):
     threading.Thread(target=churn, name=f"churn-{i}", daemon=True).start()
 print("ready", flush=True)
-time.sleep(120)
+# The main thread waits in bounded sleeps, as the processes that register the dump do (the engine core polls its
+# pipe every 0.5 s, uvicorn ticks every 0.1 s): a signal that lands just before the main thread enters a sleep
+# runs its handler only when that sleep ends (stack_dump's docstring), so one long sleep would hold a dump up.
+for _ in range(240):
+    time.sleep(0.5)
 """
 
 
@@ -46,26 +50,36 @@ def test_dumps_survive_threads_busy_in_python_and_name_every_thread() -> None:
                                 text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
         try:
             _wait_for(log, lambda text: "ready" in text, proc)
+            resent = 0
             for n in range(1, 31):  # one at a time: signals that arrive together are handled once
                 proc.send_signal(signal.SIGUSR1)
-                _wait_for(log, lambda text, n=n: text.count(DUMP_HEADER) == n, proc)
+                # CPython loses, now and then, a signal whose C handler ran on another thread (python/cpython#75302;
+                # stack_dump's docstring): a dump that has not come within seconds is asked for again, as an operator
+                # would, a few times at most.
+                while not _wait_for(log, lambda text, n=n: text.count(DUMP_HEADER) >= n, proc, within_s=5.0,
+                                    fail=resent >= 3):
+                    resent += 1
+                    proc.send_signal(signal.SIGUSR1)
             alive = proc.poll() is None
         finally:
             proc.kill()
             proc.wait(10)
         dumps = read_shared_log(log).split(DUMP_HEADER)[1:]
-    assert alive and len(dumps) == 30
+    assert alive and 30 <= len(dumps) <= 30 + resent
     for dump in dumps:
         assert '"churn-0" daemon' in dump and '"churn-1" daemon' in dump and '"MainThread"' in dump, dump
         assert dump.count(", in churn\n") == 2, dump  # both busy threads' own frames, read whole
 
 
-def _wait_for(log, done, proc: subprocess.Popen, within_s: float = 20.0) -> None:
+def _wait_for(log, done, proc: subprocess.Popen, within_s: float = 20.0, fail: bool = True) -> bool:
+    """Wait until ``done(log text)``; True then. Past ``within_s``: an AssertionError, or False if not ``fail``."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         if done(read_shared_log(log)):
-            return
+            return True
         if proc.poll() is not None:
             raise AssertionError(f"the process ended (status {proc.returncode}):\n{read_shared_log(log)[-3000:]}")
         time.sleep(0.02)
-    raise AssertionError(f"not within {within_s} s:\n{read_shared_log(log)[-3000:]}")
+    if fail:
+        raise AssertionError(f"not within {within_s} s:\n{read_shared_log(log)[-3000:]}")
+    return False
