@@ -55,6 +55,15 @@ def test_stop_token_ids_and_max_tokens(llm):
                        use_tqdm=False)[0]
     assert out.finish_reason == "stop" and out.stop_reason == target
     assert out.token_ids == base.token_ids[:first + 1]
+    # vLLM's rule: the stop token's text is in the output only with include_stop_str_in_output, whether the
+    # text is decoded at the end (generate) or token by token (stream).
+    kept_params = SamplingParams(max_tokens=16, temperature=0.0, stop_token_ids=[target],
+                                 include_stop_str_in_output=True)
+    kept = llm.generate([PROMPT], kept_params, use_tqdm=False)[0]
+    streamed = "".join(d.text for d in llm.stream(PROMPT, kept_params))
+    assert kept.token_ids == out.token_ids and kept.stop_reason == target
+    assert base.text.startswith(kept.text) and len(kept.text) > len(out.text) and base.text.startswith(out.text)
+    assert streamed == kept.text
 
 
 def test_eos_and_ignore_eos(llm):

@@ -215,7 +215,7 @@ class OutputProcessor:
         if logprobs is not None and handle.logprobs is not None:
             handle.logprobs.extend(logprobs)
         emitted = ""
-        if code != _STOP_TOKEN and handle.has_text and token not in self._hidden:
+        if (code != _STOP_TOKEN or handle.include_stop_token) and handle.has_text and token not in self._hidden:
             emitted = handle.detokenizer.push(token)
             if handle.stops.active:
                 feed = handle.stops.feed(emitted)

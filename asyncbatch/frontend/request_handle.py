@@ -59,6 +59,9 @@ class RequestHandle:
     deltas: DeltaSink = field(default_factory=queue.SimpleQueue)
     done: threading.Event = field(default_factory=threading.Event)
     text_by_caller: bool = False  # a token_only request's text is decoded by whoever collects it (module doc)
+    # include_stop_str_in_output: the text of a stop_token_ids token that ends the request is part of the output
+    # (vLLM's rule: its detokenizer leaves out the token that stopped a request only without this flag).
+    include_stop_token: bool = False
     token_only: bool = field(init=False)  # nothing per token but the id (see the module doc)
     has_text: bool = field(init=False)  # the engine has a tokenizer: outputs carry text
     text_ids: list[int] | None = field(init=False)  # token_only with text: the ids to decode at the end
