@@ -133,6 +133,38 @@ def test_stream_n_choices_and_usage(served) -> None:
     assert usage == {"prompt_tokens": 4, "completion_tokens": 18, "total_tokens": 22}
 
 
+def test_continuous_usage_counts_the_tokens_streamed_so_far(served) -> None:
+    """``continuous_usage_stats``: every chunk's usage counts the completion tokens sent up to it (vLLM's)."""
+    server, _engine = served
+    body = {**GOOD, "n": 2, "max_tokens": 5, "stream": True, "return_token_ids": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with client(server) as http, http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        events = sse_events(response)
+    sent, counts = 0, []
+    for event in events[:-2]:
+        sent += sum(len(choice["token_ids"]) for choice in event["choices"])
+        assert event["usage"] == {"prompt_tokens": 4, "completion_tokens": sent, "total_tokens": 4 + sent}, event
+        counts.append(sent)
+    assert counts[-1] == 10 and len(set(counts)) > 2  # counted up chunk by chunk, not only at the end
+    assert events[-2]["usage"]["completion_tokens"] == 10 and events[-1] == "[DONE]"
+
+
+def test_null_n_stream_and_echo_mean_their_defaults(served) -> None:
+    """OpenAI's schema lets ``n``, ``stream`` and ``echo`` be null, as clients that write out unset fields send."""
+    server, _engine = served
+    with client(server) as http:
+        response = http.post("/v1/completions", json={**GOOD, "n": None, "stream": None, "echo": None})
+        assert response.status_code == 200, response.text
+        assert len(response.json()["choices"]) == 1 and response.json()["usage"]["completion_tokens"] == 4
+        chat = http.post("/v1/chat/completions", json={"model": "test-model", "max_tokens": 2, "ignore_eos": True,
+                                                       "messages": [{"role": "user", "content": "hi"}],
+                                                       "n": None, "stream": None})
+        assert chat.status_code == 200, chat.text
+        assert len(chat.json()["choices"]) == 1
+        assert_error(http.post("/v1/completions", json={**GOOD, "n": "two"}), 422, "n")
+
+
 def test_disconnect_mid_stream_frees_blocks(served) -> None:
     server, engine = served
     body = {**GOOD, "max_tokens": 200, "stream": True}

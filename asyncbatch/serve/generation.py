@@ -50,9 +50,12 @@ class Generation:
     def __post_init__(self) -> None:
         self.created = int(time.time())
         self.outputs: list[RequestOutput | None] = [None] * len(self.requests)
+        self.streamed = [0] * len(self.requests)  # tokens each choice's stream has carried so far
 
     def usage(self) -> dict:
-        completion = sum(len(o.token_ids) for o in self.outputs if o is not None)
+        """Tokens so far: a finished choice's output, an unfinished one's streamed tokens (``continuous_usage``
+        chunks count up as the tokens go out, as vLLM's do)."""
+        completion = sum(len(o.token_ids) if o is not None else n for o, n in zip(self.outputs, self.streamed))
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.prompt_tokens + completion}
 
@@ -127,9 +130,10 @@ class Generation:
         last_token_time = [0.0] * len(self.requests)
         try:
             for body in first_chunks:
-                yield _event({**body, **usage_field})
+                yield _event({**body, **({"usage": self.usage()} if self.continuous_usage else usage_field)})
             async for index, delta in self.events():
                 if delta.token_ids:
+                    self.streamed[index] += len(delta.token_ids)
                     now = time.perf_counter()
                     if last_token_time[index]:
                         itl.observe((now - last_token_time[index]) / len(delta.token_ids))

@@ -2,7 +2,9 @@
 
 Unknown fields are refused (``extra="forbid"``: a misspelt ``max_token`` must
 not silently fall back to a default); wrong types and missing fields too. Both
-are 422 with the OpenAI error object (``openai_errors``). Values out of range
+are 422 with the OpenAI error object (``openai_errors``). An explicit ``null``
+is taken wherever OpenAI's schema allows one: as "unset" by the optional fields,
+and as the default by ``n``, ``stream`` and ``echo``. Values out of range
 are checked by ``sampling`` / ``SamplingParams`` / ``tool_calls`` and are 400
 naming the field. OpenAI fields the engine cannot honour (``suffix``,
 ``best_of`` > n) are accepted by the schema and refused by
@@ -17,11 +19,17 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+def _null_means_default(cls: type[BaseModel], value: Any, info: ValidationInfo) -> Any:
+    """OpenAI's "X or null" fields that have a default here: an explicit ``null`` (what clients that write out
+    every unset field send) is the default, as vLLM's ``Optional`` fields take it."""
+    return cls.model_fields[info.field_name].default if value is None else value
 
 
 class StreamOptions(_Body):
@@ -69,6 +77,8 @@ class SamplingFields(_Body):
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
 
+    _null_n_stream = field_validator("n", "stream", mode="before")(classmethod(_null_means_default))
+
 
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``: ``prompt`` is a string, a list of strings, token ids, or lists of token ids."""
@@ -80,6 +90,8 @@ class CompletionRequest(SamplingFields):
     add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS and the like around a text prompt
     best_of: int | None = None
     suffix: str | None = None
+
+    _null_echo = field_validator("echo", mode="before")(classmethod(_null_means_default))
 
 
 class TextPart(_Body):
