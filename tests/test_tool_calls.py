@@ -291,8 +291,10 @@ def test_required_and_named_are_enforced_on_any_model(served) -> None:
     out = api.chat.completions.create(tool_choice=named, **base)
     (call,) = out.choices[0].message.tool_calls
     assert call.function.name == "get_time" and json.loads(call.function.arguments) == {"zone": "UTC"}
+    assert out.choices[0].finish_reason == "stop"  # a forced named call, as OpenAI and vLLM answer it
     content, streamed, finishes = streamed_calls(api.chat.completions.create(tool_choice=named, stream=True, **base))
     assert streamed[0]["name"] == "get_time" and json.loads(streamed[0]["arguments"]) == {"zone": "UTC"}
+    assert finishes == ["stop"]
 
 
 def test_tool_choice_none_leaves_the_tools_out(served) -> None:

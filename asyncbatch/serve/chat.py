@@ -72,8 +72,10 @@ def chat_prompt_ids(state: ServerState, body: ChatCompletionRequest, plan: ToolP
                           param="chat_template" if body.chat_template is not None else "messages") from exc
 
 
-def _finish_reason(reason: str | None, called: bool) -> str | None:
-    return "tool_calls" if called and reason == "stop" else reason
+def _finish_reason(reason: str | None, called: bool, plan: ToolPlan | None) -> str | None:
+    """OpenAI's (and vLLM's): ``tool_calls`` where ``auto`` or ``required`` made calls and the output ended
+    normally; a named function's forced call ends in ``stop``; ``length`` stays."""
+    return "tool_calls" if called and reason == "stop" and plan is not None and plan.mode != "named" else reason
 
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request, state: ServerState) -> Response:
@@ -125,7 +127,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                 message["content"] = delta.text
             logprobs = format_logprobs(delta.logprobs, texts, top) if top is not None and delta.token_ids else None
             choice = {"index": index, "delta": message, "logprobs": logprobs,
-                      "finish_reason": _finish_reason(delta.finish_reason, called)}
+                      "finish_reason": _finish_reason(delta.finish_reason, called, plan)}
             if delta.finish_reason is not None:
                 choice["stop_reason"] = delta.stop_reason
             if return_ids:
@@ -153,7 +155,7 @@ def _choice(index: int, output: RequestOutput, plan: ToolPlan | None, top: int |
         message["content"] = content
         if calls:
             message["tool_calls"] = calls
-        finish_reason = _finish_reason(finish_reason, bool(calls))
+        finish_reason = _finish_reason(finish_reason, bool(calls), plan)
     choice = {"index": index, "message": message,
               "logprobs": format_logprobs(output.logprobs, texts, top) if top is not None else None,
               "finish_reason": finish_reason, "stop_reason": output.stop_reason}
