@@ -1,6 +1,6 @@
 """Random well-typed requests with extreme values against the server: no 5xx, the engine keeps serving.
 
-Each body is valid JSON of the right types (pydantic would refuse the rest with a 422 before any of our
+Each body is valid JSON of the right types (pydantic would refuse the rest with a 400 before any of our
 code runs), with values at and past every bound: ints up to 2**64, token ids past the vocabulary, schemas
 that no grammar can satisfy, regexes the libraries refuse, conflicting constraints, streams with usage.
 What must hold for every one: a status below 500; a refusal is an OpenAI error object naming a message;

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP application: routes, error handlers, and the guard in front.
 
 FastAPI on Starlette, served by uvicorn (``server.py``). FastAPI because the
-request bodies are pydantic models that validate the schema (422 naming the
+request bodies are pydantic models that validate the schema (a 400 naming the
 field) and document themselves at ``/docs``, as vLLM's and ``transformers
 serve``'s servers do; the per-token path does not go through pydantic (SSE
 chunks are plain dicts dumped to JSON), so validation costs once per request.
@@ -110,7 +110,7 @@ def build_app(engine: AsyncEngineClient, settings: ServeSettings, *,
         if tokenizer is None:
             raise OpenAIError(400, "the server has no tokenizer (skip_tokenizer_init)")
         if (body.prompt is None) == (body.messages is None):
-            raise OpenAIError(422, "give exactly one of 'prompt' and 'messages'", param="prompt")
+            raise OpenAIError(400, "give exactly one of 'prompt' and 'messages'", param="prompt")
         if body.messages is not None:
             # vLLM's default for messages is the chat route's (no special tokens around the template), for a
             # prompt the completions route's: the field decides only where the request sets it.

@@ -1,8 +1,10 @@
 """Errors as the OpenAI API returns them: ``{"error": {"message", "type", "param", "code"}}`` with a status.
 
-Status by cause: malformed JSON and values out of range 400; missing or bad
-API key 401; unknown model or route 404; body over the size limit 413; unknown
-fields, wrong types and missing fields 422 (the schema); queue full 503 with
+Status by cause: malformed JSON, values out of range, and bodies the schema
+refuses (unknown fields, wrong types, missing fields: 400, as vLLM and OpenAI
+answer them, not FastAPI's 422, so that clients get the ``BadRequestError`` they
+catch) 400; missing or bad API key 401; unknown model or route 404; body over
+the size limit 413; queue full 503 with
 ``Retry-After``; an engine that failed 503; anything else 500. A refused request
 never reaches the engine, so every other request keeps running.
 """
@@ -66,7 +68,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[int, str, str | No
             parts.append(f"missing field {name!r}")
         else:
             parts.append(f"{name}: {e.get('msg')} (got {e.get('input')!r})"[:300])
-    return 422, "; ".join(parts), param
+    return 400, "; ".join(parts), param
 
 
 def install_error_handlers(app: FastAPI) -> None:

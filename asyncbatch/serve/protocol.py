@@ -2,7 +2,7 @@
 
 Unknown fields are refused (``extra="forbid"``: a misspelt ``max_token`` must
 not silently fall back to a default); wrong types and missing fields too. Both
-are 422 with the OpenAI error object (``openai_errors``). An explicit ``null``
+are a 400 with the OpenAI error object naming the field (``openai_errors``). An explicit ``null``
 is taken wherever OpenAI's schema allows one: as "unset" by the optional fields,
 and as the default by ``n``, ``stream`` and ``echo``. Values out of range
 are checked by ``sampling`` / ``SamplingParams`` / ``tool_calls`` and are 400
