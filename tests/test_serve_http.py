@@ -165,6 +165,27 @@ def test_null_n_stream_and_echo_mean_their_defaults(served) -> None:
         assert_error(http.post("/v1/completions", json={**GOOD, "n": "two"}), 400, "n")
 
 
+def test_every_refusal_is_counted_by_status(served) -> None:
+    """``requests_rejected_total{status}`` counts each answer that refused a request: the schema's and the
+    values' 400s, an unknown model's and route's 404s (and the guard's 401 / 413, tested with it)."""
+    server, _engine = served
+
+    def rejected(http: httpx.Client, status: int) -> float:
+        try:
+            return metric(http.get("/metrics").text, "asyncbatch:requests_rejected_total", f'status="{status}"')
+        except AssertionError:  # no refusal of that status yet: no series
+            return 0.0
+
+    with client(server) as http:
+        before = {status: rejected(http, status) for status in (400, 404)}
+        assert_error(http.post("/v1/completions", json={**GOOD, "max_tokenz": 3}), 400, "max_tokenz")
+        assert_error(http.post("/v1/completions", json={**GOOD, "temperature": -1}), 400, "temperature")
+        assert_error(http.post("/v1/completions", json={**GOOD, "model": "nope"}), 404, "model")
+        assert http.get("/v1/nowhere").status_code == 404
+        assert_good(http)
+        assert rejected(http, 400) == before[400] + 2 and rejected(http, 404) == before[404] + 2
+
+
 def test_disconnect_mid_stream_frees_blocks(served) -> None:
     server, engine = served
     body = {**GOOD, "max_tokens": 200, "stream": True}

@@ -65,7 +65,7 @@ def build_app(engine: AsyncEngineClient, settings: ServeSettings, *,
                            prefix_stats or _prefix_stats(engine), engine_metrics)
     state = ServerState(engine, settings, metrics)
     app = FastAPI(title="asyncbatch", version=asyncbatch.__version__)
-    install_error_handlers(app)
+    install_error_handlers(app, metrics.rejected)
     started = int(time.time())
 
     @app.post("/v1/completions")

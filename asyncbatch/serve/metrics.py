@@ -120,8 +120,8 @@ class ServeMetrics:
                                          labels, registry=r).labels(model_name)
         self._success = Counter("asyncbatch:request_success", "Finished requests by finish reason.",
                                 ["model_name", "finished_reason"], registry=r)
-        self._rejected = Counter("asyncbatch:requests_rejected", "Requests refused before reaching the engine, "
-                                 "by HTTP status.", ["model_name", "status"], registry=r)
+        self._rejected = Counter("asyncbatch:requests_rejected", "Requests refused before reaching the engine "
+                                 "(every 4xx and 503 answer), by HTTP status.", ["model_name", "status"], registry=r)
         r.register(engine_collector or _EngineCollector(timeline, model_name, num_requests, prefix_stats))
 
     def observe(self, output: RequestOutput) -> None:

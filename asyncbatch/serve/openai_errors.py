@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -71,31 +72,39 @@ def _validation_message(exc: RequestValidationError) -> tuple[int, str, str | No
     return 400, "; ".join(parts), param
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, on_reject: Callable[[int], None] = lambda status: None) -> None:
+    """Answer every refusal with the OpenAI error object; ``on_reject(status)`` counts each one answered here
+    (a 4xx, or a 503: the request never reached the engine), not the 500s of internal errors."""
+
+    def refuse(status: int, message: str, param: str | None = None, code: str | None = None,
+               headers: dict[str, str] | None = None) -> JSONResponse:
+        if status < 500 or status == 503:
+            on_reject(status)
+        return error_response(status, message, param, code, headers)
+
     @app.exception_handler(OpenAIError)
     async def _openai(request: Request, exc: OpenAIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+        return refuse(exc.status, exc.message, exc.param, exc.code, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _schema(request: Request, exc: RequestValidationError) -> JSONResponse:
-        status, message, param = _validation_message(exc)
-        return error_response(status, message, param)
+        return refuse(*_validation_message(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+        return refuse(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
 
     @app.exception_handler(ValueError)
     async def _value(request: Request, exc: ValueError) -> JSONResponse:
-        return error_response(400, str(exc), _param_of(str(exc)))
+        return refuse(400, str(exc), _param_of(str(exc)))
 
     @app.exception_handler(TypeError)
     async def _type(request: Request, exc: TypeError) -> JSONResponse:
-        return error_response(400, str(exc), _param_of(str(exc)))
+        return refuse(400, str(exc), _param_of(str(exc)))
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, exc: EngineDeadError) -> JSONResponse:
-        return error_response(503, f"the engine is not running: {exc}", code="engine_dead")
+        return refuse(503, f"the engine is not running: {exc}", code="engine_dead")
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:

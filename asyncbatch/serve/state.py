@@ -29,14 +29,12 @@ class ServerState:
         """The name to answer with; an unknown model is a 404 like OpenAI's ``model_not_found``."""
         if requested is None or requested in self.settings.served_model_names:
             return self.model_name
-        self.metrics.rejected(404)
         raise OpenAIError(404, f"the model {requested!r} does not exist; this server serves "
                           f"{list(self.settings.served_model_names)}", param="model", code="model_not_found")
 
     def admit(self, count: int) -> None:
         """Refuse ``count`` new requests while draining, or when they would overfill the waiting queue."""
         if self.draining:
-            self.metrics.rejected(503)
             raise OpenAIError(503, "the server is shutting down", code="shutting_down",
                               headers={"Retry-After": str(self.settings.retry_after_s)})
         limit = self.settings.max_waiting
@@ -44,7 +42,6 @@ class ServerState:
             return
         _unfinished, waiting = self.engine.num_requests()
         if waiting + count > limit:
-            self.metrics.rejected(503)
             raise OpenAIError(503, f"the server is overloaded: {waiting} requests are waiting (max_waiting "
                               f"{limit}); retry later", code="overloaded",
                               headers={"Retry-After": str(self.settings.retry_after_s)})
