@@ -241,6 +241,8 @@ def streamed_calls(stream) -> tuple[str, dict[int, dict], list[str | None]]:
     for chunk in stream:
         for choice in chunk.choices:
             delta = choice.delta
+            # A chunk says something: held-back text (a call being parsed) sends no empty delta.
+            assert delta.role or delta.content or delta.tool_calls or choice.finish_reason or choice.logprobs, chunk
             content += delta.content or ""
             for call in delta.tool_calls or []:
                 if call.id is not None:

@@ -111,7 +111,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         head = gen.chunk_head(_OBJECT)
         parsers = [plan.parser() for _ in range(body.n)] if plan is not None else None
 
-        def chunk(index: int, delta: StreamDelta) -> dict:
+        def chunk(index: int, delta: StreamDelta) -> dict | None:
             message: dict = {}
             called = False
             if parsers is not None:
@@ -126,6 +126,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
             elif delta.text:
                 message["content"] = delta.text
             logprobs = format_logprobs(delta.logprobs, texts, top) if top is not None and delta.token_ids else None
+            if not message and logprobs is None and delta.finish_reason is None and not return_ids:
+                return None  # text held back (a tool call being parsed, a possible stop string): no empty chunk
             choice = {"index": index, "delta": message, "logprobs": logprobs,
                       "finish_reason": _finish_reason(delta.finish_reason, called, plan)}
             if delta.finish_reason is not None:

@@ -29,7 +29,7 @@ from asyncbatch.serve.openai_errors import OpenAIError, error_body
 from asyncbatch.serve.request_stream import RequestStream
 from asyncbatch.serve.state import ServerState
 
-ChunkBuilder = Callable[[int, StreamDelta], dict]
+ChunkBuilder = Callable[[int, StreamDelta], dict | None]  # None: the delta gives the client nothing to send
 _background: set[asyncio.Task] = set()  # tasks nobody awaits must be referenced until they finish
 log = logging.getLogger("asyncbatch.serve")
 ABORT_CONFIRM_S = 60.0  # how long an abandoned choice's final output is awaited (off the response's path)
@@ -141,6 +141,8 @@ class Generation:
                 if delta.finish_reason is not None:
                     self._finished(index, delta)
                 body = chunk(index, delta)
+                if body is None:
+                    continue
                 if self.continuous_usage:
                     body["usage"] = self.usage()
                 elif usage_field:
