@@ -119,6 +119,20 @@ def test_json_array_and_named_parsers_split_everywhere() -> None:
         assert got == (None, [("get_weather", '{"city": "Rome"}')])
     assert whole(JsonArrayParser(), "not an array") == ("not an array", [])
     assert whole(JsonArrayParser(), '[{"nom": 1}]') == ('[{"nom": 1}]', [])
+    # An object in another order is read when whole (its arguments serialised); one cut short as if it closed.
+    assert whole(JsonArrayParser(), '[{"arguments": {"x":1}, "name": "later"}]') == (None, [("later", '{"x": 1}')])
+    assert whole(JsonArrayParser(), '[{"name": "cut", "arguments": {"a": [1, 2') == (None, [("cut", '{"a": [1, 2')])
+
+
+def test_json_array_streams_arguments_before_the_object_closes() -> None:
+    parser = JsonArrayParser()
+    head = parser.feed('[{"name": "f", "arguments": {"city": "Pa')
+    assert [(p.name, p.arguments) for p in head.calls] == [("f", '{"city": "Pa')]
+    assert parser.feed('ris"}').calls[0].arguments == 'ris"'  # the '}' may close the outer object: held
+    second = parser.feed('}, {"name": "g", "arguments": {}')
+    assert [(p.index, p.name, p.arguments) for p in second.calls] == [(0, None, "}"), (1, "g", "{")]
+    tail = parser.feed("}]").add(parser.finish())
+    assert [(p.index, p.arguments) for p in tail.calls] == [(1, "}")] and tail.content == ""
 
 
 BAD_TOOLS = [

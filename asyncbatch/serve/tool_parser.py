@@ -15,7 +15,9 @@ Three shapes of output, one per ``tool_choice`` (``tool_calls`` builds the promp
   is parsed when it closes; a block that is not a JSON object with a ``name`` stays in the content as text.
   Whitespace around blocks is dropped; a reply without blocks is its text unchanged.
 * ``required``: the JSON array ``[{"name": ..., "arguments": {...}}, ...]`` the schema enforces;
-  ``JsonArrayParser`` emits each call when its object is complete.
+  ``JsonArrayParser`` streams each call as Hermes blocks are streamed: the call once its object's head
+  ``{"name": "...", "arguments":`` has arrived, then the raw text of its arguments (an object in another
+  order is emitted when it is complete, its arguments serialised).
 * a named function: the output is that function's arguments (``ArgumentsParser``), streamed as they come.
 
 ``feed`` returns what a chunk of text added; ``finish`` what is left when the output ends (an unclosed
@@ -82,6 +84,11 @@ class ToolCallParser(ABC):
 
     def __init__(self) -> None:
         self.calls = 0
+        # The call object being streamed (``_stream_object``): its call index once its head arrived, and where
+        # its arguments start and how far they were sent, as offsets into the object's text.
+        self._call: int | None = None
+        self._args_start = 0
+        self._args_sent = 0
 
     @abstractmethod
     def feed(self, text: str) -> Parsed: ...
@@ -94,6 +101,41 @@ class ToolCallParser(ABC):
         self.calls += 1
         out.call(CallDelta(index, new_call_id(), name, arguments))
         return index
+
+    def _stream_object(self, out: Parsed, region: str) -> None:
+        """``region``: a call object's text so far (``{"name": "...", "arguments": ...``): begin the call once its
+        head has arrived, then send the arguments' raw text, holding back what may be the object's closing
+        ``}`` (and the start of ``</tool_call>``). An object whose head is in another order sends nothing here."""
+        if self._call is None:
+            head = _HEAD.match(region)
+            if head is None:
+                return  # not (yet) an object this parser can stream: read it whole when it closes
+            try:
+                name = json.loads(f'"{head.group(1)}"')
+            except ValueError:
+                return
+            self._call = self._begin(out, name)
+            self._args_start, self._args_sent = head.end(), head.end()
+        if self._args_sent == self._args_start:  # whitespace before the arguments is not theirs
+            while self._args_start < len(region) and region[self._args_start].isspace():
+                self._args_start += 1
+            self._args_sent = self._args_start
+        end = self._args_start + _args_end(region[self._args_start:], closed=False)
+        if end > self._args_sent:
+            out.call(CallDelta(self._call, arguments=region[self._args_sent:end]))
+            self._args_sent = end
+
+    def _close_object(self, out: Parsed, region: str) -> bool:
+        """The call object ``region`` is whole: send the rest of its streamed arguments. False if it was not
+        streamed (its head is in another order): the caller parses it."""
+        self._stream_object(out, region)
+        if self._call is None:
+            return False
+        end = self._args_start + _args_end(region[self._args_start:], closed=True)
+        if end > self._args_sent:
+            out.call(CallDelta(self._call, arguments=region[self._args_sent:end]))
+        self._call = None
+        return True
 
 
 def parse_whole(parser: ToolCallParser, text: str) -> tuple[str | None, list[dict]]:
@@ -146,9 +188,6 @@ class HermesParser(ToolCallParser):
         self._space = ""  # content whitespace held back (dropped before a call and after the last one)
         self._after_call = False
         self._space_before_block = ""
-        self._call: int | None = None  # the open block's call, once its head arrived
-        self._args_start = 0
-        self._args_sent = 0
 
     def feed(self, text: str) -> Parsed:
         out = Parsed()
@@ -168,7 +207,7 @@ class HermesParser(ToolCallParser):
             else:
                 at = self._buf.find(CLOSE)
                 if at < 0:
-                    self._stream_block(out, self._buf)
+                    self._stream_object(out, self._buf)
                     return out
                 self._close_block(out, self._buf[:at], CLOSE)
                 self._buf = self._buf[at + len(CLOSE):]
@@ -196,33 +235,9 @@ class HermesParser(ToolCallParser):
         out.content += kept
         self._space = pending[len(kept):]
 
-    def _stream_block(self, out: Parsed, region: str) -> None:
-        if self._call is None:
-            head = _HEAD.match(region)
-            if head is None:
-                return  # not (yet) a block this parser can stream: read it whole when it closes
-            try:
-                name = json.loads(f'"{head.group(1)}"')
-            except ValueError:
-                return
-            self._call = self._begin(out, name)
-            self._args_start, self._args_sent = head.end(), head.end()
-        if self._args_sent == self._args_start:  # whitespace before the arguments is not theirs
-            while self._args_start < len(region) and region[self._args_start].isspace():
-                self._args_start += 1
-            self._args_sent = self._args_start
-        end = self._args_start + _args_end(region[self._args_start:], closed=False)
-        if end > self._args_sent:
-            out.call(CallDelta(self._call, arguments=region[self._args_sent:end]))
-            self._args_sent = end
-
     def _close_block(self, out: Parsed, region: str, close: str) -> None:
-        self._stream_block(out, region)
         self._in_block = False
-        if self._call is not None:
-            end = self._args_start + _args_end(region[self._args_start:], closed=True)
-            if end > self._args_sent:
-                out.call(CallDelta(self._call, arguments=region[self._args_sent:end]))
+        if self._close_object(out, region):
             self._after_call = True
             return
         try:
@@ -239,8 +254,8 @@ class HermesParser(ToolCallParser):
 
 
 class JsonArrayParser(ToolCallParser):
-    """``tool_choice="required"``: ``[{"name": ..., "arguments": {...}}, ...]``, each call emitted when its
-    object is complete. Output that is not such an array (no call in it) is returned as content."""
+    """``tool_choice="required"``: ``[{"name": ..., "arguments": {...}}, ...]``, each call streamed as its object
+    arrives (the module docstring). Output that is not such an array (no call in it) is returned as content."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -267,10 +282,16 @@ class JsonArrayParser(ToolCallParser):
                 pos += 1
             if pos >= len(self._buf) or self._buf[pos] == "]":
                 return out
+            self._pos = pos  # the object's start, until it is whole
             try:
                 obj, end = _DECODER.raw_decode(self._buf, pos)
-            except ValueError:
-                return out  # incomplete (or malformed: then finish tells)
+            except ValueError:  # incomplete (or malformed: then finish tells)
+                if self._buf[pos] == "{":
+                    self._stream_object(out, self._buf[pos:])
+                return out
+            if self._close_object(out, self._buf[pos:end]):
+                self._pos = end
+                continue
             arguments = _arguments_text(obj) if isinstance(obj, dict) and isinstance(obj.get("name"), str) \
                 else None
             if arguments is None:
@@ -280,7 +301,12 @@ class JsonArrayParser(ToolCallParser):
             self._pos = end
 
     def finish(self) -> Parsed:
-        return Parsed(content=self._buf) if not self.calls else Parsed()
+        if not self.calls:
+            return Parsed(content=self._buf)
+        out = Parsed()
+        if self._call is not None and self._pos is not None:  # cut short inside an object: read as if it closed
+            self._close_object(out, self._buf[self._pos:])
+        return out
 
 
 class ArgumentsParser(ToolCallParser):
