@@ -150,8 +150,9 @@ def test_continuous_usage_counts_the_tokens_streamed_so_far(served) -> None:
     assert events[-2]["usage"]["completion_tokens"] == 10 and events[-1] == "[DONE]"
 
 
-def test_null_n_stream_and_echo_mean_their_defaults(served) -> None:
-    """OpenAI's schema lets ``n``, ``stream`` and ``echo`` be null, as clients that write out unset fields send."""
+def test_openai_nulls_and_bookkeeping_fields_are_taken(served) -> None:
+    """OpenAI's schema lets ``n``, ``stream`` and ``echo`` be null, as clients that write out unset fields send;
+    its bookkeeping fields are accepted."""
     server, _engine = served
     with client(server) as http:
         response = http.post("/v1/completions", json={**GOOD, "n": None, "stream": None, "echo": None})
@@ -163,6 +164,11 @@ def test_null_n_stream_and_echo_mean_their_defaults(served) -> None:
         assert chat.status_code == 200, chat.text
         assert len(chat.json()["choices"]) == 1
         assert_error(http.post("/v1/completions", json={**GOOD, "n": "two"}), 400, "n")
+        # OpenAI's bookkeeping fields, which clients and frameworks send, are taken and change nothing.
+        kept = http.post("/v1/completions", json={**GOOD, "store": False, "metadata": {"job": "eval"}, "user": "u",
+                                                  "service_tier": "auto", "prompt_cache_key": "k",
+                                                  "safety_identifier": "s"})
+        assert kept.status_code == 200 and kept.json()["usage"]["completion_tokens"] == 4, kept.text
 
 
 def test_every_refusal_is_counted_by_status(served) -> None:

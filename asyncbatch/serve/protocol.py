@@ -2,9 +2,12 @@
 
 Unknown fields are refused (``extra="forbid"``: a misspelt ``max_token`` must
 not silently fall back to a default); wrong types and missing fields too. Both
-are a 400 with the OpenAI error object naming the field (``openai_errors``). An explicit ``null``
-is taken wherever OpenAI's schema allows one: as "unset" by the optional fields,
-and as the default by ``n``, ``stream`` and ``echo``. Values out of range
+are a 400 with the OpenAI error object naming the field (``openai_errors``).
+OpenAI's bookkeeping fields (``user``, ``store``, ``metadata``,
+``service_tier``, ``prompt_cache_key``, ``safety_identifier``) are accepted
+and have no effect. An explicit ``null`` is taken wherever OpenAI's schema
+allows one: as "unset" by the optional fields, and as the default by ``n``,
+``stream`` and ``echo``. Values out of range
 are checked by ``sampling`` / ``SamplingParams`` / ``tool_calls`` and are 400
 naming the field. OpenAI fields the engine cannot honour (``suffix``,
 ``best_of`` > n) are accepted by the schema and refused by
@@ -51,7 +54,14 @@ class SamplingFields(_Body):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # OpenAI's bookkeeping fields, about the caller or OpenAI's own storage and billing: accepted, no effect here
+    # (clients and frameworks send them; refusing them would break calls that work against OpenAI and vLLM).
     user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
     # vLLM's extras
     top_k: int | None = None
     min_p: float | None = None
