@@ -1,12 +1,12 @@
 """Errors as the OpenAI API returns them: ``{"error": {"message", "type", "param", "code"}}`` with a status.
 
-Status by cause: malformed JSON, values out of range, and bodies the schema
-refuses (unknown fields, wrong types, missing fields: 400, as vLLM and OpenAI
-answer them, not FastAPI's 422, so that clients get the ``BadRequestError`` they
-catch) 400; missing or bad API key 401; unknown model or route 404; body over
-the size limit 413; queue full 503 with
-``Retry-After``; an engine that failed 503; anything else 500. A refused request
-never reaches the engine, so every other request keeps running.
+Status by cause: 400 for malformed JSON, values out of range and bodies the
+schema refuses (unknown fields, wrong types, missing fields: vLLM and OpenAI
+answer these 400 too, not FastAPI's 422, so clients get the ``BadRequestError``
+they catch); missing or bad API key 401; unknown model or route 404; body over
+the size limit 413; queue full 503 with ``Retry-After``; an engine that failed
+503; anything else 500. A refused request never reaches the engine, so every
+other request keeps running.
 """
 
 from __future__ import annotations

@@ -7,9 +7,8 @@ OpenAI's bookkeeping fields (``user``, ``store``, ``metadata``,
 ``service_tier``, ``prompt_cache_key``, ``safety_identifier``) are accepted
 and have no effect. An explicit ``null`` is taken wherever OpenAI's schema
 allows one: as "unset" by the optional fields, and as the default by ``n``,
-``stream`` and ``echo``. Values out of range
-are checked by ``sampling`` / ``SamplingParams`` / ``tool_calls`` and are 400
-naming the field. OpenAI fields the engine cannot honour (``suffix``,
+``stream`` and ``echo``. Values out of range are checked by ``sampling`` /
+``SamplingParams`` / ``tool_calls`` and are 400 naming the field. OpenAI fields the engine cannot honour (``suffix``,
 ``best_of`` > n) are accepted by the schema and refused by
 ``sampling.check_supported`` with a 400 that names them, instead of being
 ignored. Output constraints: ``response_format`` (OpenAI; vLLM takes it on
