@@ -151,7 +151,8 @@ class LLM:
                     RequestMetrics(arrival_time=now), simulated=self.simulated, streaming=streaming,
                     logprobs=None if params.logprobs is None else Logprobs(),
                     prompt_logprobs=None if params.prompt_logprobs is None else Logprobs(),
-                    text_by_caller=text_by_caller, include_stop_token=params.include_stop_str_in_output)
+                    text_by_caller=text_by_caller, include_stop_token=params.include_stop_str_in_output,
+                    min_tokens=params.min_tokens)
                 if make_sink is not None:
                     handle.deltas = make_sink()
                 self._handles[seq] = handle

@@ -64,7 +64,8 @@ class SamplingParams:
     temperature and top-k/top-p/min-p (vLLM's default ``raw_logprobs``).
     ``logit_bias`` adds a value in [-100, 100] to a token id's logit before
     sampling; ``min_tokens`` masks EOS and ``stop_token_ids`` until that many
-    tokens were generated. ``include_stop_str_in_output`` keeps the stop string that ended the output in its
+    tokens were generated, and a stop string counts only where it ends in the text of a later token (vLLM's
+    rule). ``include_stop_str_in_output`` keeps the stop string that ended the output in its
     text, and the text of the ``stop_token_ids`` token that ended it (vLLM's rule; EOS never shows in the text,
     other special tokens only without ``skip_special_tokens``). ``detokenize=False`` returns token ids only: ``text``
     stays empty and no detokenizer runs for the request (vLLM's field; stop

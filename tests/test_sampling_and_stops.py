@@ -66,6 +66,26 @@ def test_stop_token_ids_and_max_tokens(llm):
     assert streamed == kept.text
 
 
+def test_min_tokens_keeps_an_early_stop_string_from_ending_the_output(llm):
+    """vLLM's rule: a stop string counts only where it ends in the text of a token past ``min_tokens``."""
+    base = llm.generate([PROMPT], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)[0]
+    stop = base.text[:4]  # ends within the first tokens' text
+    early = llm.generate([PROMPT], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop=[stop]),
+                         use_tqdm=False)[0]
+    assert early.text == "" and early.stop_reason == stop
+    min_tokens = 6
+    boundary = len(llm.tokenizer.decode(base.token_ids[:min_tokens], skip_special_tokens=True))
+    assert boundary >= len(stop)
+    later = base.text.find(stop, boundary - len(stop) + 1)  # the first occurrence that ends past the boundary
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, stop=[stop],
+                                                min_tokens=min_tokens), use_tqdm=False)[0]
+    if later < 0:
+        assert out.finish_reason == "length" and out.text == base.text
+    else:
+        assert out.stop_reason == stop and out.text == base.text[:later]
+
+
 def test_eos_and_ignore_eos(llm):
     chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Say just: hello"}], tokenize=False,
                                              add_generation_prompt=True)

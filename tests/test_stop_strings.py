@@ -11,10 +11,12 @@ from hypothesis import strategies as st
 from asyncbatch.frontend.stop_strings import StopFeed, StopStringMatcher
 
 
-def reference(text: str, stops: list[str], include: bool) -> tuple[str, str | None]:
+def reference(text: str, stops: list[str], include: bool, after: int = 0) -> tuple[str, str | None]:
     """The documented rule, stated naively: grow the text one character at a
-    time; the first end position where some stop ends wins, longest stop on a tie."""
-    for end in range(1, len(text) + 1):
+    time; the first end position where some stop ends wins, longest stop on a tie.
+    ``after``: stops that end within the first ``after`` characters (the text of the
+    tokens before ``min_tokens`` was reached) do not count; one may begin there."""
+    for end in range(after + 1, len(text) + 1):
         ending_here = [s for s in stops if text.endswith(s, 0, end)]
         if ending_here:
             stop = max(ending_here, key=len)
@@ -65,6 +67,32 @@ def test_output_matches_reference_for_any_split(
         # Later feeds (a token computed one step late) emit nothing.
         assert all(f.emit == "" and f.stopped and f.matched == matched for f in feeds[first + 1 :])
         assert matcher.flush() == ""
+
+
+@settings(max_examples=400, deadline=None)
+@given(text=texts, stops=stop_sets, cuts=cut_lists, include=st.booleans(), unmatched=st.integers(0, 12))
+def test_text_short_of_min_tokens_cannot_stop_the_output(
+    text: str, stops: list[str], cuts: list[int], include: bool, unmatched: int
+) -> None:
+    """vLLM's ``min_tokens`` rule: the first deltas (the tokens up to ``min_tokens``) are fed with ``match=False``;
+    a stop string ending in them does not count, one that begins in them and ends later does."""
+    deltas = split(text, cuts)
+    matcher = StopStringMatcher(stops, include_stop_str_in_output=include)
+    feeds = [matcher.feed(d, match=i >= unmatched) for i, d in enumerate(deltas)]
+    out = "".join(f.emit for f in feeds)
+    if not any(f.stopped for f in feeds):
+        out += matcher.flush()
+    assert (out, next((f.matched for f in feeds if f.stopped), None)) == reference(
+        text, stops, include, after=sum(len(d) for d in deltas[:unmatched]))
+
+
+def test_min_tokens_examples() -> None:
+    early = StopStringMatcher(["."])
+    assert early.feed(" Paris.", match=False) == StopFeed(" Paris.", False, None)  # too early: goes on
+    assert early.feed(" It is.") == StopFeed(" It is", True, ".")
+    straddling = StopStringMatcher(["ab"])
+    assert straddling.feed("xa", match=False) == StopFeed("x", False, None)  # "a" may start "ab": held
+    assert straddling.feed("b!") == StopFeed("", True, "ab")  # begins in the early text, ends after it
 
 
 @settings(max_examples=300, deadline=None)

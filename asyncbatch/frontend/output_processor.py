@@ -218,7 +218,7 @@ class OutputProcessor:
         if (code != _STOP_TOKEN or handle.include_stop_token) and handle.has_text and token not in self._hidden:
             emitted = handle.detokenizer.push(token)
             if handle.stops.active:
-                feed = handle.stops.feed(emitted)
+                feed = handle.stops.feed(emitted, len(handle.token_ids) > handle.min_tokens)
                 emitted = feed.emit
                 if feed.stopped:
                     self._emit(handle, emitted, [token], logprobs)
@@ -249,7 +249,8 @@ class OutputProcessor:
         if handle.text_by_caller:
             handle.undecoded = True
         elif handle.has_text:
-            emitted += handle.stops.feed(handle.detokenizer.finish()).emit + handle.stops.flush()
+            emitted += handle.stops.feed(handle.detokenizer.finish(),
+                                         len(handle.token_ids) > handle.min_tokens).emit + handle.stops.flush()
         self._emit(handle, emitted, token_ids, logprobs)
         finishes.append((handle, args))
 

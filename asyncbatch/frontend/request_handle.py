@@ -62,6 +62,7 @@ class RequestHandle:
     # include_stop_str_in_output: the text of a stop_token_ids token that ends the request is part of the output
     # (vLLM's rule: its detokenizer leaves out the token that stopped a request only without this flag).
     include_stop_token: bool = False
+    min_tokens: int = 0  # stop strings end the output only in the text of later tokens (vLLM's rule)
     token_only: bool = field(init=False)  # nothing per token but the id (see the module doc)
     has_text: bool = field(init=False)  # the engine has a tokenizer: outputs carry text
     text_ids: list[int] | None = field(init=False)  # token_only with text: the ids to decode at the end

@@ -83,8 +83,10 @@ class StopStringMatcher:
     def stopped(self) -> bool:
         return self._matched is not None
 
-    def feed(self, delta: str) -> StopFeed:
-        """Add the next piece of text; return what may be emitted now."""
+    def feed(self, delta: str, match: bool = True) -> StopFeed:
+        """Add the next piece of text; return what may be emitted now. ``match=False``: the text cannot end the
+        output (the request is still short of ``min_tokens``: vLLM's rule); text that may start a stop string
+        is held back all the same, and a stop string that ends in a later piece may begin in this one."""
         if not self._stops:
             return StopFeed(delta, False, None)
         if self._done:
@@ -93,7 +95,7 @@ class StopStringMatcher:
             return StopFeed("", False, None)
         buf = self._window + delta
         start = len(self._window) - self._held  # first unemitted character of buf
-        matched, end = self._first_stop(buf)
+        matched, end = self._first_stop(buf, len(self._window)) if match else (None, 0)
         if matched is not None:
             self._done = True
             self._matched = matched
@@ -116,12 +118,14 @@ class StopStringMatcher:
         self._held = 0
         return held
 
-    def _first_stop(self, buf: str) -> tuple[str | None, int]:
-        """The occurrence in ``buf`` with the smallest end, longest stop on ties."""
+    def _first_stop(self, buf: str, old: int) -> tuple[str | None, int]:
+        """The occurrence in ``buf`` that ends in its new text (past its first ``old`` characters, the window)
+        with the smallest end, longest stop on ties. Only text fed with ``match=False`` can hold a whole stop
+        string in the window; it does not count."""
         best: str | None = None
         best_end = len(buf) + 1
         for stop in self._stops:  # longest first, so `<` keeps the longest on a tie
-            at = buf.find(stop)
+            at = buf.find(stop, max(old + 1 - len(stop), 0))
             if at >= 0 and at + len(stop) < best_end:
                 best, best_end = stop, at + len(stop)
         return best, best_end
