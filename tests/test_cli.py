@@ -28,6 +28,23 @@ def test_user_errors_are_one_line_naming_the_option(capsys, argv, option):
     assert err.startswith(f"asyncbatch generate: error: {option}: "), err
 
 
+@pytest.mark.parametrize(("argv", "message"), [
+    (["profile", "--num-requests", "0"], "argument --num-requests: expected an integer >= 1, got '0'"),
+    (["profile", "--request-rate", "-1"], "argument --request-rate: expected a float >= 0, got '-1'"),
+    (["demo", "--rounds", "0"], "argument --rounds: expected an integer >= 1, got '0'"),
+    (["demo", "--num-requests", "x"], "argument --num-requests: expected an integer >= 1, got 'x'"),
+    (["generate", "--prompt", "hi", "--speculative-config", "{bad"], "argument --speculative-config: not valid JSON"),
+])
+def test_counts_rates_and_json_options_are_checked_when_parsed(capsys, argv, message):
+    """Counts that must be at least one, rates that may not be negative and JSON options are usage errors (exit
+    2, no traceback), not a crash after the engine started (a profile of 0 requests died in its report)."""
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args([*argv, "--device", "sim"])
+    assert exited.value.code == USAGE_ERROR
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
 def test_debug_shows_the_traceback():
     with pytest.raises(ValueError, match="temperature"):
         main(["--debug", "generate", "--prompt", "hi", "--temperature", "-1", "--device", "sim"])

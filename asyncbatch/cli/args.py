@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 
 from asyncbatch.config import DEVICES, DTYPES, GRAMMAR_BACKENDS, QUANTIZATIONS, SCHEDULING_POLICIES
 from asyncbatch.sampling_params import SamplingParams
@@ -51,10 +52,37 @@ def engine_kwargs(args: argparse.Namespace, overlap: bool) -> dict:
 
 def _json_object(text: str) -> dict:
     """A JSON object option (argparse turns the error into a usage error naming the option)."""
-    value = json.loads(text)
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc}): {text!r}") from None
     if not isinstance(value, dict):
-        raise TypeError(f"expected a JSON object, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """An option that counts something there must be at least one of (a usage error otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    return value
+
+
+def non_negative(kind: type[int | float]) -> Callable[[str], int | float]:
+    """An option of ``kind`` that may be 0 but not negative."""
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = -1
+        if not value >= 0:  # NaN fails too
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__} >= 0, got {text!r}")
+        return value
+    return parse
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

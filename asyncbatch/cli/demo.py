@@ -61,7 +61,7 @@ def _chat(llm: LLM, load_s: float) -> None:
 def run_demo(args: argparse.Namespace) -> int:
     from asyncbatch.llm import LLM  # torch, transformers: not for other commands (asyncbatch/__init__.py)
 
-    rounds = max(args.rounds, 1)
+    rounds = args.rounds  # >= 1: the option's type (positive_int)
     with ExitStack() as stack:
         engines = {}
         for mode in MODES:

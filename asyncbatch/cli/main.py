@@ -16,6 +16,7 @@ from asyncbatch.cli.args import (
     add_engine_args,
     add_sampling_args,
     engine_kwargs,
+    positive_int,
     precision_text,
     sampling_params,
 )
@@ -79,8 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
     demo = sub.add_parser("demo", help="short generation + short overlap/synchronous throughput table")
     add_engine_args(demo, run_options=False)
-    demo.add_argument("--num-requests", type=int, default=32, help="requests in each round")
-    demo.add_argument("--rounds", type=int, default=3,
+    demo.add_argument("--num-requests", type=positive_int, default=32, help="requests in each round")
+    demo.add_argument("--rounds", type=positive_int, default=3,
                       help="rounds alternating between overlap and sync; the ratio is their median")
     demo.set_defaults(func=cmd_demo)
     add_profile_command(sub, add_engine_args)

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from asyncbatch.bench.workloads import WorkItem, uniform_requests
-from asyncbatch.cli.args import engine_kwargs
+from asyncbatch.cli.args import engine_kwargs, non_negative, positive_int
 from asyncbatch.config import SimConfig
 from asyncbatch.profiling.gap_report import CAUSES, STEP_KINDS, GapReport, gap_report, lifetimes_of
 from asyncbatch.profiling.host_info import cpu_name, git_commit
@@ -74,11 +74,12 @@ def add_profile_command(subparsers, engine_args_fn: Callable[[argparse.ArgumentP
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     engine_args_fn(p)
     p.set_defaults(device="sim", func=cmd_profile)
-    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--num-requests", type=positive_int, default=64)
     p.add_argument("--prompt-len", default="16-128", help="MIN-MAX prompt tokens (uniform)")
     p.add_argument("--output-len", default="16-128", help="MIN-MAX output tokens (uniform, ignore_eos)")
-    p.add_argument("--request-rate", type=float, default=0.0, help="Poisson arrivals per second (0: all at once)")
-    p.add_argument("--warmup-requests", type=int, default=4)
+    p.add_argument("--request-rate", type=non_negative(float), default=0.0,
+                   help="Poisson arrivals per second (0: all at once)")
+    p.add_argument("--warmup-requests", type=non_negative(int), default=4)
     p.add_argument("--sim-step-ms", type=float, default=_SIM.step_fixed_ms, help="sim: fixed cost per step")
     p.add_argument("--sim-per-token-us", type=float, default=_SIM.per_token_us)
     p.add_argument("--sim-per-context-ns", type=float, default=_SIM.per_context_token_ns)
