@@ -109,6 +109,19 @@ def test_stream_deltas_concatenate_to_final_output(llm):
     assert deltas[-1].finish_reason == final.finish_reason
 
 
+def test_chat_refuses_malformed_messages_naming_them(llm):
+    """Bad messages are a ValueError / TypeError naming ``messages`` (the template's own jinja error is the cause),
+    and the engine serves the next request."""
+    with pytest.raises(ValueError, match=r"^messages: the chat template failed .*UndefinedError"):
+        llm.chat([{"role": "user"}], use_tqdm=False)  # no content: the template reads message['content']
+    with pytest.raises(ValueError, match=r"messages\[1\] has no 'role'"):
+        llm.chat([{"role": "user", "content": "hi"}, {"content": "x"}], use_tqdm=False)
+    with pytest.raises(TypeError, match=r"messages\[0\] must be a dict"):
+        llm.chat([["role", "user"]], use_tqdm=False)
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert len(out.token_ids) >= 1
+
+
 def test_chat_applies_template(llm):
     out = llm.chat([{"role": "user", "content": "What is 2+2?"}], SamplingParams(max_tokens=8, temperature=0.0),
                    use_tqdm=False)[0]

@@ -87,6 +87,11 @@ def _params_with(params: SamplingParams | None, name: str, value: object, source
     return dataclasses.replace(params, **{name: value})
 
 
+class ChatTemplateError(ValueError):
+    """The chat template raised on a conversation (a message without a key it reads, its own
+    ``raise_exception``): a user's error, named as one."""
+
+
 @dataclass(frozen=True, slots=True)
 class ProcessedRequest:
     """A validated request: what ``EngineClient.submit`` takes as it is. Built by ``InputProcessor.request``;
@@ -178,13 +183,23 @@ class InputProcessor:
             raise ValueError("chat needs a tokenizer, but the engine has none (skip_tokenizer_init=True)")
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        for i, message in enumerate(messages):
+            if not isinstance(message, Mapping):
+                raise TypeError(f"messages[{i}] must be a dict, got {type(message).__name__}")
+            if "role" not in message:
+                raise ValueError(f"messages[{i}] has no 'role': {dict(message)!r}"[:300])
         if getattr(self.tokenizer, "chat_template", None) is None and template_kwargs.get("chat_template") is None:
             raise ValueError("the tokenizer has no chat template; pass chat_template= (--chat-template)")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true: the first "
                              "continues the last message, the second starts a new one")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                  continue_final_message=continue_final_message, **template_kwargs)
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=continue_final_message, **template_kwargs)
+        except Exception as exc:  # jinja's UndefinedError, TemplateError, ...: the messages did not fit the template
+            raise ChatTemplateError(f"messages: the chat template failed on these messages: {type(exc).__name__}: "
+                                    f"{exc}") from exc
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def truncated(self, prompt_ids: list[int], params: SamplingParams) -> list[int]:

@@ -14,6 +14,7 @@ import uuid
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from asyncbatch.frontend.input_processor import ChatTemplateError
 from asyncbatch.outputs import RequestOutput, StreamDelta
 from asyncbatch.sampling_params import SamplingParams
 from asyncbatch.serve.generation import Generation, SSEResponse
@@ -65,10 +66,8 @@ def chat_prompt_ids(state: ServerState, body: ChatCompletionRequest, plan: ToolP
     continued = bool(kwargs.pop("continue_final_message", body.continue_final_message))
     try:  # the processor's ValueErrors (both switches set, no messages) are 400s naming their field
         return processor.chat_prompt_ids(messages, generation, continued, body.add_special_tokens, **kwargs)
-    except ValueError:
-        raise
-    except Exception as exc:
-        raise OpenAIError(400, f"the chat template failed on these messages: {type(exc).__name__}: {exc}",
+    except ChatTemplateError as exc:
+        raise OpenAIError(400, str(exc).removeprefix("messages: "),
                           param="chat_template" if body.chat_template is not None else "messages") from exc
 
 
