@@ -16,6 +16,7 @@ from asyncbatch.config import EngineConfig
     (["generate", "--prompt", "hi", "--temperature", "-1", "--device", "sim"], "--temperature"),
     (["generate", "--prompt", "hi", "--max-tokens", "0", "--device", "sim"], "--max-tokens"),
     (["generate", "--prompt", "hi", "--max-tokens", "100000", "--device", "sim"], "--max-tokens"),  # past the context
+    (["generate", "--prompt", "hi " * 9000, "--device", "sim"], "--prompt"),  # no room left for an output
     (["generate", "--prompt", "", "--device", "sim"], "--prompt"),
     (["generate", "--chat", "", "--device", "sim"], "--chat"),
     (["generate", "--prompt", "hi", "--model", "/nonexistent/model", "--device", "sim"], "--model"),

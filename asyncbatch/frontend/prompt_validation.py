@@ -70,10 +70,14 @@ def check_token_ids(params: SamplingParams, vocab_size: int) -> None:
 def check_fits(num_prompt_tokens: int, params: SamplingParams, max_model_len: int, usable_tokens: int) -> None:
     """A request must fit the model's context and, alone, the whole KV cache."""
     total = num_prompt_tokens + params.max_tokens
+    if num_prompt_tokens >= max_model_len:  # no max_tokens could fit: the prompt is what must change
+        raise ValueError(
+            f"prompt ({num_prompt_tokens} tokens) leaves no room for an output in max_model_len {max_model_len}: "
+            f"the prompt must be at most {max_model_len - 1} tokens (truncate_prompt_tokens keeps its end)")
     if total > max_model_len:
         raise ValueError(
-            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
-            f"max_model_len {max_model_len}; max_tokens must be <= {max(max_model_len - num_prompt_tokens, 0)}")
+            f"max_tokens ({params.max_tokens}) + prompt ({num_prompt_tokens} tokens) = {total} exceeds "
+            f"max_model_len {max_model_len}; max_tokens must be <= {max_model_len - num_prompt_tokens}")
     if total > usable_tokens:
         raise ValueError(
             f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) needs {total} tokens of KV "
