@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from asyncbatch.sampling_params import MAX_SEED
 from asyncbatch.speculative.config import SpeculativeConfig
 
 OUTPUT_LENGTH_DISTRIBUTIONS = ("uniform", "geometric", "fixed")
@@ -178,6 +179,10 @@ class EngineConfig:
             raise ValueError(f"compile_decode=True runs on the cpu device only, got device={self.device!r}")
         if self.compile_decode and self.quantization not in (None, "w8a8"):
             raise ValueError(f"compile_decode=True supports quantization None or 'w8a8', got {self.quantization!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
+        if not 0 <= self.seed <= MAX_SEED:  # as SamplingParams.seed (the per-request seeds derive from it)
+            raise ValueError(f"seed must be in [0, 2**63 - 1], got {self.seed}")
         _positive("max_num_seqs", self.max_num_seqs, upper=65536)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens, upper=1 << 20)
         _positive("block_size", self.block_size, upper=1024)

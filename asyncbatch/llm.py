@@ -19,6 +19,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterator, Sequence
+from numbers import Integral
 from pathlib import Path
 
 from asyncbatch.config import EngineConfig
@@ -242,13 +243,22 @@ class LLM:
         self.timeline.add_caller_decode(len(undecoded), time.perf_counter() - start)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False
-             ) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template: str | None = None, chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or a list of them) and generate.
         ``continue_final_message=True`` (with ``add_generation_prompt=False``) continues the last message, an
-        assistant message that starts the answer, instead of starting a new one."""
+        assistant message that starts the answer, instead of starting a new one. As vLLM's ``LLM.chat``:
+        ``chat_template`` replaces the model's template for these conversations, ``chat_template_kwargs`` go to
+        the template as variables, and ``tools`` go to it as ``tools`` (rendered by a template that has a tools
+        section; no output is parsed into calls here: the server's ``tools`` does that)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        token_prompts = [self.chat_prompt_ids(conv, add_generation_prompt, continue_final_message)
+        kwargs = dict(chat_template_kwargs or {})
+        if chat_template is not None:
+            kwargs["chat_template"] = chat_template
+        if tools is not None:
+            kwargs["tools"] = tools
+        token_prompts = [self.chat_prompt_ids(conv, add_generation_prompt, continue_final_message, **kwargs)
                          for conv in conversations]
         return self.generate(token_prompts, sampling_params, use_tqdm=use_tqdm)
 
@@ -261,6 +271,9 @@ class LLM:
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                request_id: str | None = None) -> Iterator[StreamDelta]:
         """Yield deltas as tokens arrive; leaving the loop early aborts the request."""
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], Integral):  # token ids: numpy's too
+            raise TypeError("stream takes one prompt (a string, a list of token ids or a prompt dict), got a list of "
+                            f"{type(prompt[0]).__name__}; generate takes a list, or stream each prompt")
         handle = self.submit([self.processor.process(prompt, sampling_params)], [request_id], streaming=True)[0]
         return self._stream(handle)
 

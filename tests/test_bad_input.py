@@ -156,6 +156,9 @@ def test_unknown_engine_keyword_is_a_type_error(tiny_dir):
         LLM(str(tiny_dir), device="cpu", max_num_seqs=64, max_num_batched_tokens=8)
     with pytest.raises(ValueError, match="device"):
         LLM(str(tiny_dir), device="tpu")
+    for seed, error in (("abc", TypeError), (1.5, TypeError), (-5, ValueError), (2**63, ValueError)):
+        with pytest.raises(error, match=r"^seed must be"):  # checked as SamplingParams.seed is
+            LLM(str(tiny_dir), device="cpu", seed=seed)
 
 
 def generate_from_threads(engine, prompts: list[list[int]], params: SamplingParams, threads: int = 6,

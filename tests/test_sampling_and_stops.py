@@ -122,6 +122,19 @@ def test_chat_refuses_malformed_messages_naming_them(llm):
     assert len(out.token_ids) >= 1
 
 
+def test_chat_takes_vllms_template_arguments_and_stream_one_prompt(llm):
+    """``LLM.chat``'s ``chat_template``, ``chat_template_kwargs`` and ``tools`` reach the template (vLLM's
+    signature); ``stream`` given a list of prompts says it takes one."""
+    template = "{% for m in messages %}[{{ m['role'] }}|{{ greeting }}|{{ tools | length }}] {{ m['content'] }}\n{% endfor %}"
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=1), use_tqdm=False,
+                   add_generation_prompt=False, chat_template=template, chat_template_kwargs={"greeting": "hello"},
+                   tools=tools)[0]
+    assert out.prompt_token_ids == llm.tokenizer.encode("[user|hello|1] hi\n", add_special_tokens=False)
+    with pytest.raises(TypeError, match="stream takes one prompt"):
+        next(iter(llm.stream(["a", "b"])))
+
+
 def test_chat_applies_template(llm):
     out = llm.chat([{"role": "user", "content": "What is 2+2?"}], SamplingParams(max_tokens=8, temperature=0.0),
                    use_tqdm=False)[0]
