@@ -21,6 +21,8 @@ def add_engine_args(parser: argparse.ArgumentParser, run_options: bool = True) -
                         help="cpu only: run decode steps through torch.compile (compiled at start, minutes)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="context length (prompt + output) per request (default: the model's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder, when the model's has none")
     parser.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
@@ -43,7 +45,8 @@ def engine_kwargs(args: argparse.Namespace, overlap: bool) -> dict:
     """``LLM`` keyword arguments from ``add_engine_args``' options."""
     return {"device": args.device, "dtype": args.dtype, "quantization": args.quantization,
             "compile_decode": args.compile_decode, "max_num_seqs": args.max_num_seqs,
-            "max_num_batched_tokens": args.max_num_batched_tokens, "seed": args.seed, "overlap": overlap,
+            "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": args.max_model_len,
+            "seed": args.seed, "overlap": overlap,
             "tokenizer": args.tokenizer, "chat_template": args.chat_template,
             "enable_prefix_caching": args.enable_prefix_caching, "scheduling_policy": args.scheduling_policy,
             "structured_outputs_backend": args.structured_outputs_backend,

@@ -29,7 +29,6 @@ def add_serve_command(subparsers) -> None:
     p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
                    help="HF directory, .gguf file, or alias (default: smollm2-135m); same as --model")
     add_engine_args(p)
-    p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (default: by memory)")
     p.add_argument("--skip-tokenizer-init", action="store_true",
                    help="load no tokenizer: token-id prompts in, token ids out (return_token_ids)")
@@ -112,7 +111,7 @@ def _model_settings_kwargs(args: argparse.Namespace, settings_cls) -> tuple[str 
                             log_requests=not args.disable_log_requests,
                             trust_request_chat_template=args.trust_request_chat_template)
     kwargs = engine_kwargs(args, overlap=not args.no_overlap)
-    kwargs.update(max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
+    kwargs.update(num_kv_blocks=args.num_kv_blocks,
                   skip_tokenizer_init=args.skip_tokenizer_init, num_threads=args.num_threads,
                   engine_process=args.engine_process, structured_outputs_warmup=args.structured_outputs_warmup)
     if args.device == "sim":
