@@ -20,7 +20,7 @@ stacks from outside for that case.
 Delivery is CPython's: the handler runs when the main thread next executes Python (the engine core's main
 thread wakes at least every 0.5 s, the server's event loop every 0.1 s), and now and then CPython loses a
 signal whose C handler ran on another thread (python/cpython#75302, open; here, with two threads busy in
-Python, five signals of about a thousand went unanswered in one probe, none of 2,600 in another): if no dump
+Python, five signals of about a thousand went unanswered in one probe, none of 3,300 in another): if no dump
 comes within a second or two, send the signal again.
 
 Each dump goes out in one ``write`` so that the dumps of a server and its core,
