@@ -237,12 +237,38 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> EngineConfig:
-        """Build from keyword arguments; an unknown key is a ``TypeError`` naming it."""
+        """Build from keyword arguments; an unknown key is a ``TypeError`` naming it. Three of vLLM's arguments
+        that scripts written for it pass are taken in their meaning here (``_vllm_arguments``)."""
+        kwargs = _vllm_arguments(kwargs)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"unknown engine argument(s) {unknown}; known: {sorted(known)}")
         return cls(**kwargs)  # type: ignore[arg-type]
+
+
+def _vllm_arguments(kwargs: dict[str, object]) -> dict[str, object]:
+    """vLLM's ``enforce_eager=True`` is ``compile_decode=False`` and ``enable_cuda_graphs=False`` (every step
+    eager); ``tensor_parallel_size`` must be 1 (one device); ``trust_remote_code`` changes nothing (no model code
+    is ever loaded from a checkpoint: only the architectures in ``asyncbatch.model`` run)."""
+    kwargs = dict(kwargs)
+    eager = kwargs.pop("enforce_eager", None)
+    if eager is not None:
+        if not isinstance(eager, bool):
+            raise TypeError(f"enforce_eager must be a bool, got {type(eager).__name__}")
+        if eager:
+            if kwargs.get("compile_decode") or kwargs.get("enable_cuda_graphs"):
+                raise ValueError("enforce_eager=True runs every step eagerly: it cannot be combined with "
+                                 "compile_decode=True or enable_cuda_graphs=True")
+            kwargs["compile_decode"] = False
+            kwargs["enable_cuda_graphs"] = False
+    tp = kwargs.pop("tensor_parallel_size", None)
+    if tp is not None and (isinstance(tp, bool) or not isinstance(tp, int) or tp != 1):
+        raise ValueError(f"tensor_parallel_size must be 1 (this engine runs on one device), got {tp!r}")
+    trust = kwargs.pop("trust_remote_code", None)
+    if trust is not None and not isinstance(trust, bool):
+        raise TypeError(f"trust_remote_code must be a bool, got {type(trust).__name__}")
+    return kwargs
 
 
 def _positive(name: str, value: object, upper: int) -> None:

@@ -161,6 +161,21 @@ def test_unknown_engine_keyword_is_a_type_error(tiny_dir):
             LLM(str(tiny_dir), device="cpu", seed=seed)
 
 
+def test_vllm_s_enforce_eager_tensor_parallel_size_and_trust_remote_code_are_understood():
+    """Scripts written for vLLM pass these: taken in their meaning here, or refused naming them."""
+    from asyncbatch.config import EngineConfig
+
+    config = EngineConfig.from_kwargs(device="sim", enforce_eager=True, tensor_parallel_size=1, trust_remote_code=True)
+    assert not config.compile_decode and not config.enable_cuda_graphs
+    assert EngineConfig.from_kwargs(device="sim", enforce_eager=False).enable_cuda_graphs  # the default stays
+    with pytest.raises(ValueError, match="tensor_parallel_size must be 1"):
+        EngineConfig.from_kwargs(device="sim", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="enforce_eager=True .* compile_decode=True"):
+        EngineConfig.from_kwargs(device="cpu", enforce_eager=True, compile_decode=True)
+    with pytest.raises(TypeError, match="trust_remote_code must be a bool"):
+        EngineConfig.from_kwargs(device="sim", trust_remote_code="yes")
+
+
 def generate_from_threads(engine, prompts: list[list[int]], params: SamplingParams, threads: int = 6,
                           each: int = 3) -> list[tuple[int, list[int]]]:
     """``threads`` threads calling ``generate`` ``each`` times at once, thread ``t`` with ``prompts[t % len]``:
