@@ -52,7 +52,8 @@ def _check_float(name: str, value: object) -> float:
 class SamplingParams:
     """How to sample one request. Field names follow vLLM's ``SamplingParams``.
 
-    ``temperature == 0`` means greedy. ``top_k`` of -1 or 0 disables top-k.
+    ``max_tokens=None`` (vLLM's) lets each request fill the rest of the context (``max_model_len`` less its
+    prompt). ``temperature == 0`` means greedy. ``top_k`` of -1 or 0 disables top-k.
     ``seed`` makes the request's tokens reproducible regardless of what else is
     in the batch; without it the engine derives one from its own seed and the
     request id.
@@ -89,7 +90,7 @@ class SamplingParams:
     latest arrival among equals) before any of its betters.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: up to the context (vLLM's), resolved per request by the input processor
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -119,9 +120,10 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.max_tokens = _check_int("max_tokens", self.max_tokens)
-        if self.max_tokens < 1:
-            raise ValueError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens is not None:
+            self.max_tokens = _check_int("max_tokens", self.max_tokens)
+            if self.max_tokens < 1:
+                raise ValueError(f"SamplingParams.max_tokens must be >= 1 or None, got {self.max_tokens}")
         self.temperature = _check_float("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
@@ -163,7 +165,7 @@ class SamplingParams:
                 setattr(self, name, value)
         self.logit_bias = self._normalize_logit_bias(self.logit_bias)
         self.min_tokens = _check_int("min_tokens", self.min_tokens)
-        if not 0 <= self.min_tokens <= self.max_tokens:
+        if not 0 <= self.min_tokens <= (self.max_tokens if self.max_tokens is not None else self.min_tokens):
             raise ValueError(f"SamplingParams.min_tokens must be in [0, max_tokens={self.max_tokens}], "
                              f"got {self.min_tokens}")
         if self.truncate_prompt_tokens is not None:

@@ -110,6 +110,21 @@ def test_requests_that_can_never_fit_are_refused(engine):
     assert neighbour_alone(engine) == expected
 
 
+def test_max_tokens_none_generates_up_to_the_context(engine):
+    """vLLM's ``max_tokens=None``: each request may fill the rest of the context (max_model_len 96 here), resolved
+    per prompt; with min_tokens past that room it is refused naming min_tokens."""
+    params = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
+    short, long = engine.generate([[5] * 10, [5] * 80], params, use_tqdm=False)
+    assert (len(short.token_ids), short.finish_reason) == (86, "length")
+    assert (len(long.token_ids), long.finish_reason) == (16, "length")
+    assert params.max_tokens is None  # the caller's params are left as they were
+    same = engine.generate([[5] * 10], SamplingParams(max_tokens=86, temperature=0.0, ignore_eos=True),
+                           use_tqdm=False)[0]
+    assert same.token_ids == short.token_ids
+    with pytest.raises(ValueError, match="min_tokens"):
+        engine.generate([[5] * 80], SamplingParams(max_tokens=None, min_tokens=20), use_tqdm=False)
+
+
 @pytest.mark.parametrize("top_k", [TINY_VOCAB, 2**40, 2**63, 2**100])
 def test_a_top_k_past_the_vocabulary_keeps_every_token(engine, top_k):
     """Any top_k at or past the vocabulary is valid (vLLM's rule) and samples as no top_k does; one past int64

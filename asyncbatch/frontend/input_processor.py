@@ -226,6 +226,8 @@ class InputProcessor:
         if len(kept) < len(prompt_ids):
             prompt_ids = kept
             prompt = self.tokenizer.decode(kept) if self.tokenizer is not None and prompt is not None else None
+        if params.max_tokens is None:  # vLLM's "up to the context": this prompt's room, on a copy of the params
+            params = dataclasses.replace(params, max_tokens=max(self.max_model_len - len(prompt_ids), 1))
         if self.tokenizer is None:
             check_needs_no_tokenizer(params)
         elif params.bad_words:  # the words' tokens travel on a copy: the caller's params may serve other engines
