@@ -179,10 +179,7 @@ class EngineConfig:
             raise ValueError(f"compile_decode=True runs on the cpu device only, got device={self.device!r}")
         if self.compile_decode and self.quantization not in (None, "w8a8"):
             raise ValueError(f"compile_decode=True supports quantization None or 'w8a8', got {self.quantization!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise TypeError(f"seed must be an int, got {type(self.seed).__name__}")
-        if not 0 <= self.seed <= MAX_SEED:  # as SamplingParams.seed (the per-request seeds derive from it)
-            raise ValueError(f"seed must be in [0, 2**63 - 1], got {self.seed}")
+        _positive("seed", self.seed, upper=MAX_SEED, lower=0)  # as SamplingParams.seed: requests' seeds derive from it
         _positive("max_num_seqs", self.max_num_seqs, upper=65536)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens, upper=1 << 20)
         _positive("block_size", self.block_size, upper=1024)
@@ -271,8 +268,9 @@ def _vllm_arguments(kwargs: dict[str, object]) -> dict[str, object]:
     return kwargs
 
 
-def _positive(name: str, value: object, upper: int) -> None:
+def _positive(name: str, value: object, upper: int, lower: int = 1) -> None:
+    """An int (not a bool) in [``lower``, ``upper``]."""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if not 1 <= value <= upper:
-        raise ValueError(f"{name} must be in [1, {upper}], got {value}")
+    if not lower <= value <= upper:
+        raise ValueError(f"{name} must be in [{lower}, {upper}], got {value}")
