@@ -9,15 +9,15 @@ from typing import TYPE_CHECKING
 
 from asyncbatch.config import EngineConfig, SimConfig
 from asyncbatch.errors import EngineDeadError, RequestFailedError
-from asyncbatch.outputs import Logprobs, RequestMetrics, RequestOutput, StreamDelta
+from asyncbatch.outputs import CompletionOutput, Logprobs, RequestMetrics, RequestOutput, StreamDelta
 from asyncbatch.sampling_params import SamplingParams
 from asyncbatch.structured_outputs import StructuredOutputsParams
 
 if TYPE_CHECKING:
     from asyncbatch.llm import LLM
 
-__all__ = ["LLM", "EngineConfig", "EngineDeadError", "Logprobs", "RequestFailedError", "RequestMetrics",
-           "RequestOutput", "SamplingParams", "SimConfig", "StreamDelta", "StructuredOutputsParams"]
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "EngineDeadError", "Logprobs", "RequestFailedError",
+           "RequestMetrics", "RequestOutput", "SamplingParams", "SimConfig", "StreamDelta", "StructuredOutputsParams"]
 __version__ = "0.1.0"
 
 

@@ -136,6 +136,12 @@ class EngineConfig:
     # vLLM's scheduling policy: "fcfs" admits in arrival order; "priority" by ``SamplingParams.priority`` (lower
     # first, arrival order among equals), and preempts the lowest priority first when KV blocks run out.
     scheduling_policy: str = "fcfs"
+    # Sampling defaults for what a request leaves unset, vLLM's: "auto" takes the model folder's
+    # generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), "vllm" the
+    # neutral defaults, a folder path that folder's file (``frontend/generation_defaults.py``);
+    # ``override_generation_config`` (a dict of those fields) is laid over it.
+    generation_config: str = "auto"
+    override_generation_config: dict | None = None
     # Structured outputs: the grammar library ("auto": the measured default, docs/structured-output.md).
     structured_outputs_backend: str = "auto"
     # Build the grammar compiler (the grammar library's view of the vocabulary: ~0.5 s of CPU for a 49k
@@ -207,6 +213,12 @@ class EngineConfig:
         if self.structured_outputs_backend not in GRAMMAR_BACKENDS + ("auto",):
             raise ValueError(f"structured_outputs_backend must be one of {('auto', *GRAMMAR_BACKENDS)}, got "
                              f"{self.structured_outputs_backend!r}")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise TypeError("generation_config must be 'auto', 'vllm' or a folder path (a non-empty string), got "
+                            f"{self.generation_config!r}")
+        if self.override_generation_config is not None and not isinstance(self.override_generation_config, dict):
+            raise TypeError("override_generation_config must be a dict of generation_config fields, got "
+                            f"{type(self.override_generation_config).__name__}")
         if not isinstance(self.planner_warmup, bool):
             raise TypeError(f"planner_warmup must be a bool, got {type(self.planner_warmup).__name__}")
         if not isinstance(self.structured_outputs_warmup, bool):

@@ -42,12 +42,13 @@ from asyncbatch.engine.gil_tuning import hold_switch_interval, release_switch_in
 from asyncbatch.engine.messages import AbortRequests, AddRequests, NewRequest
 from asyncbatch.errors import EngineDeadError
 from asyncbatch.frontend.detokenizer import IncrementalDetokenizer, NullDetokenizer, decode_deferred
+from asyncbatch.frontend.generation_defaults import sampling_defaults
 from asyncbatch.frontend.input_processor import InputProcessor, ProcessedRequest, Prompt, with_priority
 from asyncbatch.frontend.output_processor import OutputProcessor
 from asyncbatch.frontend.request_handle import DeltaSink, RequestHandle
 from asyncbatch.frontend.stop_strings import StopStringMatcher
 from asyncbatch.model.loader import resolve_dtype
-from asyncbatch.outputs import Logprobs, RequestMetrics, RequestOutput, StreamDelta
+from asyncbatch.outputs import Logprobs, RequestMetrics, RequestOutput, StreamDelta, merge_completions
 from asyncbatch.profiling.marks import RangeCounter, count_ranges, enable_nvtx, mark
 from asyncbatch.profiling.timeline import Timeline
 from asyncbatch.sampling_params import MAX_SEED, SamplingParams
@@ -69,6 +70,8 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: object) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
         resolved = resolve_model(self.config)
+        defaults = sampling_defaults(resolved.spec.path, self.config.generation_config,
+                                     self.config.override_generation_config)
         self._spec = resolved.spec
         self.tokenizer = resolved.tokenizer
         self.model_path: Path = resolved.spec.path
@@ -97,7 +100,8 @@ class LLM:
         self._usable_tokens = self._client.ready.num_usable_blocks * self.config.block_size
         self.processor = InputProcessor(self.tokenizer, self._spec.vocab_size, self.max_model_len,
                                         self._usable_tokens, self._spec.eos_token_id,
-                                        self.config.structured_outputs_backend, self.config.scheduling_policy)
+                                        self.config.structured_outputs_backend, self.config.scheduling_policy,
+                                        defaults)
         if self.config.structured_outputs_warmup:
             self.processor.warm_up_grammar()
         self._preemptions = 0
@@ -139,6 +143,11 @@ class LLM:
                     raise ValueError(f"request_id {name!r} is already in use by a live request")
             if len({n for n in names if n is not None}) < sum(n is not None for n in names):
                 raise ValueError("request_ids must be distinct")
+            for request in requests:
+                if request.params.n != 1:
+                    raise ValueError(f"SamplingParams.n must be 1 for a request submitted alone, got {request.params.n}"
+                                     ": generate() and chat() serve n > 1 (one RequestOutput, n outputs); a stream "
+                                     "or the asyncio API takes one completion a request")
             for name, request in zip(names, requests):
                 ids, params = request.prompt_token_ids, request.params
                 seq = next(self._ids)
@@ -176,12 +185,17 @@ class LLM:
         Every prompt is validated before any is submitted, so a bad one raises
         and queues nothing. ``priority`` (vLLM's argument): one per prompt, the
         ``SamplingParams.priority`` of each (``scheduling_policy="priority"``).
+        ``SamplingParams.n > 1``: the prompt's ``n`` completions are ``n`` requests, batched with the rest and
+        returned as one ``RequestOutput`` whose ``outputs`` hold them in index order. Completions admitted in one
+        step each compute the prompt (the prefix cache shares blocks once a step has computed them, not within it).
         """
         # One text prompt may be passed bare; token-id prompts always come in a list ([[1, 2, 3]]),
         # so a flat list of ints is a list of (invalid) prompts, never silently one prompt.
         if isinstance(prompts, str) or prompts is None or not isinstance(prompts, Sequence):
             prompts = [prompts]
         prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, Sequence):
             if len(sampling_params) != len(prompts):
                 raise ValueError(f"sampling_params has {len(sampling_params)} entries for {len(prompts)} prompts")
@@ -192,9 +206,20 @@ class LLM:
             if len(priority) != len(prompts):
                 raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
             params_list = [with_priority(sp, p) for sp, p in zip(params_list, priority)]
-        handles = self.submit([self.processor.process(p, sp) for p, sp in zip(prompts, params_list)],
-                              text_by_caller=True)
-        return self._collect(handles, use_tqdm)
+        groups = [self.processor.process(p, sp).completions() for p, sp in zip(prompts, params_list)]
+        handles = self.submit([request for group in groups for request in group], text_by_caller=True)
+        outputs = iter(self._collect(handles, use_tqdm))
+        return [merge_completions([next(outputs) for _ in group]) for group in groups]
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate``, ``chat`` and ``stream`` use when given no ``SamplingParams`` (vLLM's): the model's
+        ``generation_config.json`` sampling fields under ``generation_config="auto"``, else the neutral defaults. A
+        new object each call."""
+        return self.processor.default_params()
+
+    def get_tokenizer(self):
+        """The engine's tokenizer (a transformers tokenizer; None with ``skip_tokenizer_init``), vLLM's."""
+        return self.tokenizer
 
     def _collect(self, handles: list[RequestHandle], use_tqdm: bool) -> list[RequestOutput]:
         bar = None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -69,8 +71,37 @@ class Logprobs:
 
 
 @dataclass(slots=True)
+class CompletionOutput:
+    """One completion of a request, vLLM's ``CompletionOutput``: ``RequestOutput.outputs[index]``.
+
+    ``cumulative_logprob`` is the sum of ``logprobs.logprobs`` where the request asked for logprobs, else None
+    (vLLM's rule). ``logprobs`` is the columnar ``Logprobs``; ``logprobs.as_dicts()`` gives vLLM's per-position
+    ``{token_id: logprob}`` form. ``error`` (not vLLM's) says why a completion ended in ``"error"``.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: Logprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
 class RequestOutput:
-    """The finished request (vLLM's ``RequestOutput`` flattened to one completion)."""
+    """The finished request: vLLM's ``RequestOutput``, its first completion flattened into it.
+
+    ``text``, ``token_ids``, ``finish_reason``, ``stop_reason``, ``error`` and ``logprobs`` are the first
+    completion's, so a program that asks for one completion reads them directly; ``outputs`` is vLLM's list,
+    ``SamplingParams.n`` entries in index order (``LLM.generate`` / ``LLM.chat`` with ``n > 1`` put the others in
+    ``more_outputs``). ``metrics`` covers every completion: the first arrival, the last finish.
+    """
 
     request_id: str
     prompt: str | None
@@ -86,10 +117,50 @@ class RequestOutput:
     # (the first token has no context to be scored in).
     logprobs: Logprobs | None = None
     prompt_logprobs: Logprobs | None = None
+    more_outputs: list[CompletionOutput] = field(default_factory=list)  # completions 1 .. n - 1
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """vLLM's ``outputs``: the first completion, built from this object's own fields as they stand now (a
+        snapshot: assigning to it changes nothing here), then ``more_outputs``."""
+        cumulative = math.fsum(self.logprobs.logprobs) if self.logprobs is not None else None
+        first = CompletionOutput(0, self.text, self.token_ids, cumulative, self.logprobs, self.finish_reason,
+                                 self.stop_reason, self.error)
+        return [first, *self.more_outputs]
+
+
+def merge_completions(outputs: list[RequestOutput]) -> RequestOutput:
+    """One ``RequestOutput`` of the finished requests ``outputs``, the ``n`` completions of one prompt in index
+    order: the first keeps its fields and its request id, the others become its ``more_outputs``, and its metrics
+    span them all (the first arrival and first token, the last finish, every preemption)."""
+    first = outputs[0]
+    if len(outputs) == 1:
+        return first
+    first.more_outputs = [_indexed(output.outputs[0], index) for index, output in enumerate(outputs[1:], 1)]
+    metrics = [output.metrics for output in outputs if output.metrics is not None]
+    if metrics:
+        first.metrics = RequestMetrics(
+            arrival_time=min(m.arrival_time for m in metrics),
+            first_scheduled_time=_earliest(m.first_scheduled_time for m in metrics),
+            first_token_time=_earliest(m.first_token_time for m in metrics),
+            finished_time=None if any(m.finished_time is None for m in metrics) else max(m.finished_time
+                                                                                          for m in metrics),
+            num_preemptions=sum(m.num_preemptions for m in metrics))
+    return first
+
+
+def _indexed(completion: CompletionOutput, index: int) -> CompletionOutput:
+    completion.index = index
+    return completion
+
+
+def _earliest(times: Iterable[float | None]) -> float | None:
+    known = [t for t in times if t is not None]
+    return min(known) if known else None
 
 
 @dataclass(slots=True)

@@ -15,12 +15,23 @@ from asyncbatch.structured_outputs import StructuredOutputsParams
 
 # Largest seed the on-device counter hash accepts (it mixes seeds as int64).
 MAX_SEED = 2**63 - 1
+# Most completions one request may ask for (``n``; the server's bound on OpenAI's ``n`` too).
+MAX_N = 128
 # Most alternatives per position ``logprobs`` / ``prompt_logprobs`` may ask for (vLLM's default bound).
 MAX_LOGPROBS = 20
 # ``logit_bias`` values are clamped to this range by OpenAI; here a value outside it is refused.
 MAX_LOGIT_BIAS = 100.0
 # ``priority`` is an integer in [-MAX_PRIORITY, MAX_PRIORITY].
 MAX_PRIORITY = 2**31
+
+
+def child_seed(seed: int | None, index: int) -> int | None:
+    """The seed of completion ``index`` of a request seeded with ``seed`` (vLLM's parallel sampling: ``seed +
+    index``), so its ``n`` completions differ and each is reproducible; a negative seed is left for the check
+    that refuses it."""
+    if seed is None or seed < 0:
+        return seed
+    return (seed + index) & MAX_SEED
 
 
 def _check_int(name: str, value: object) -> int:
@@ -52,6 +63,9 @@ def _check_float(name: str, value: object) -> float:
 class SamplingParams:
     """How to sample one request. Field names follow vLLM's ``SamplingParams``.
 
+    ``n`` (1-128, vLLM's): completions of the prompt, each its own request with its own samples; ``LLM.generate``
+    and ``LLM.chat`` return them as one ``RequestOutput``'s ``outputs`` (with a ``seed``, completion ``i`` is
+    seeded ``seed + i``); the streaming and asyncio APIs take one completion a request.
     ``max_tokens=None`` (vLLM's) lets each request fill the rest of the context (``max_model_len`` less its
     prompt). ``temperature == 0`` means greedy. ``top_k`` of -1 or 0 disables top-k.
     ``seed`` makes the request's tokens reproducible regardless of what else is
@@ -90,6 +104,7 @@ class SamplingParams:
     latest arrival among equals) before any of its betters.
     """
 
+    n: int = 1
     max_tokens: int | None = 16  # None: up to the context (vLLM's), resolved per request by the input processor
     temperature: float = 1.0
     top_p: float = 1.0
@@ -120,6 +135,9 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self.n = _check_int("n", self.n)
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"SamplingParams.n must be in [1, {MAX_N}], got {self.n}")
         if self.max_tokens is not None:
             self.max_tokens = _check_int("max_tokens", self.max_tokens)
             if self.max_tokens < 1:

@@ -36,6 +36,11 @@ def add_engine_args(parser: argparse.ArgumentParser, run_options: bool = True) -
                         help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
                              'or \'{"method": "draft_model", "model": PATH, "num_speculative_tokens": 4}\' '
                              "(cpu and sim; docs/speculative.md)")
+    parser.add_argument("--generation-config", default="auto",
+                        help="sampling defaults for what a request leaves unset: auto (the model's "
+                             "generation_config.json, as vLLM), vllm (neutral), or a folder holding one")
+    parser.add_argument("--override-generation-config", type=_json_object, default=None,
+                        help='JSON laid over the generation config, e.g. \'{"temperature": 0.5}\'')
     if run_options:
         parser.add_argument("--no-overlap", action="store_true", help="synchronous mode (the ablation)")
         parser.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of the run to this path")
@@ -50,7 +55,8 @@ def engine_kwargs(args: argparse.Namespace, overlap: bool) -> dict:
             "tokenizer": args.tokenizer, "chat_template": args.chat_template,
             "enable_prefix_caching": args.enable_prefix_caching, "scheduling_policy": args.scheduling_policy,
             "structured_outputs_backend": args.structured_outputs_backend,
-            "speculative_config": args.speculative_config}
+            "speculative_config": args.speculative_config, "generation_config": args.generation_config,
+            "override_generation_config": args.override_generation_config}
 
 
 def _json_object(text: str) -> dict:

@@ -46,9 +46,10 @@ class FrontendModel:
     empty timeline (the ingress runs no steps; the replicas' timelines hold them). No weights."""
 
     def __init__(self, tokenizer, spec, usable_tokens: int, grammar_backend: str = "auto",
-                 warm_grammar: bool = False, scheduling_policy: str = "fcfs") -> None:
+                 warm_grammar: bool = False, scheduling_policy: str = "fcfs",
+                 sampling_defaults: dict[str, object] | None = None) -> None:
         self.processor = InputProcessor(tokenizer, spec.vocab_size, spec.max_model_len, usable_tokens, spec.eos_token_id,
-                                        grammar_backend, scheduling_policy)
+                                        grammar_backend, scheduling_policy, sampling_defaults)
         if warm_grammar:
             self.processor.warm_up_grammar()
         self.model_path: Path = spec.path

@@ -68,9 +68,12 @@ class Ingress:
         # The tokenizer (transformers, torch) is imported here, in the ingress replica: the process that deploys
         # it (``asyncbatch serve --replicas N``) imports this module for the class only.
         from asyncbatch.engine.builder import resolve_model
+        from asyncbatch.frontend.generation_defaults import sampling_defaults
 
         self._config = EngineConfig.from_kwargs(model=model, **engine_kwargs)
         self._resolved = resolve_model(self._config)
+        self._sampling_defaults = sampling_defaults(self._resolved.spec.path, self._config.generation_config,
+                                                    self._config.override_generation_config)
         self._max_retries = max_retries
         self._engine: ClusterEngine | None = None
         self._state: ServerState | None = None
@@ -82,7 +85,7 @@ class Ingress:
         info = await self._replicas.info.remote()
         model = FrontendModel(self._resolved.tokenizer, self._resolved.spec, info["usable_tokens"],
                               self._config.structured_outputs_backend, self._config.structured_outputs_warmup,
-                              self._config.scheduling_policy)
+                              self._config.scheduling_policy, self._sampling_defaults)
         engine = ClusterEngine(self._replicas, model, self._max_retries)
         # The engine series come from the replicas (through the router's view of their stats), not from here.
         guard, self._state = build_app(engine, self._settings, unhealthy=self._no_replica_answers,

@@ -32,7 +32,7 @@ from asyncbatch.frontend.prompt_validation import (
     prompt_token_ids,
 )
 from asyncbatch.sampling.token_constraints import bad_words_token_ids
-from asyncbatch.sampling_params import SamplingParams
+from asyncbatch.sampling_params import SamplingParams, child_seed
 
 if TYPE_CHECKING:  # annotations only: transformers is imported by the tokenizer's owner
     from transformers import PreTrainedTokenizerBase
@@ -101,6 +101,20 @@ class ProcessedRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
 
+    def completions(self) -> list[ProcessedRequest]:
+        """The ``params.n`` requests that sample this one's completions, each with ``n == 1`` (vLLM's parallel
+        sampling): completion ``i`` seeded ``seed + i`` where the params have a seed, else seeded as any request
+        (the engine's seed and its own number), so they differ. ``[self]`` where ``n == 1``. The params are copied,
+        not checked again: ``InputProcessor.request`` checked them once for all."""
+        if self.params.n == 1:
+            return [self]
+        out = []
+        for index in range(self.params.n):
+            params = copy.copy(self.params)
+            params.n, params.seed = 1, child_seed(self.params.seed, index)
+            out.append(ProcessedRequest(self.prompt, self.prompt_token_ids, params))
+        return out
+
 
 class InputProcessor:
     """Tokenizes and validates against one engine's limits: its vocabulary, ``max_model_len`` and KV cache.
@@ -112,8 +126,10 @@ class InputProcessor:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, vocab_size: int, max_model_len: int,
                  usable_tokens: int, eos_token_id: int | None = None, grammar_backend: str = "auto",
-                 scheduling_policy: str = "fcfs") -> None:
+                 scheduling_policy: str = "fcfs", sampling_defaults: dict[str, object] | None = None) -> None:
         self.tokenizer = tokenizer
+        # What a request without SamplingParams gets, and the server's unset fields (generation_defaults.py).
+        self.sampling_defaults: dict[str, object] = dict(sampling_defaults or {})
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.usable_tokens = usable_tokens  # tokens the whole KV cache holds
@@ -123,6 +139,11 @@ class InputProcessor:
         self._grammar = None  # the GrammarCompiler that validates structured_outputs, built on first use
         self._grammar_lock = threading.Lock()
         self._warmup: threading.Thread | None = None
+
+    def default_params(self) -> SamplingParams:
+        """A new ``SamplingParams`` of this engine's defaults (vLLM's ``get_default_sampling_params``): the model's
+        generation config where it sets sampling fields (``generation_defaults``), else ``SamplingParams()``."""
+        return SamplingParams(**self.sampling_defaults)
 
     def check_structured_outputs(self, params: SamplingParams) -> None:
         """Compile the request's grammar (cached) so a bad schema, regex or grammar is a ``ValueError`` naming
@@ -219,7 +240,7 @@ class InputProcessor:
                 prompt: str | None = None) -> ProcessedRequest:
         """One request of ``prompt_ids`` (from ``prompt_ids``) under ``params`` (None: the defaults); a
         ``truncate_prompt_tokens`` that cuts the prompt makes ``prompt`` the kept tokens' text."""
-        params = SamplingParams() if params is None else params
+        params = self.default_params() if params is None else params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         kept = self.truncated(prompt_ids, params)
@@ -243,5 +264,5 @@ class InputProcessor:
 
     def process(self, prompt: object, params: SamplingParams | None) -> ProcessedRequest:
         """``prompt_ids`` then ``request``: one prompt (a prompt dict too: ``unpack_prompt``), one request."""
-        prompt, params = unpack_prompt(prompt, params)
+        prompt, params = unpack_prompt(prompt, self.default_params() if params is None else params)
         return self.request(self.prompt_ids(prompt), params, prompt if isinstance(prompt, str) else None)

@@ -137,7 +137,8 @@ class AsyncLLM(AsyncEngineClient):
         """
         if len(prompts) != len(params):
             raise ValueError("prompts, params and request_ids must have the same length")
-        unpacked = [unpack_prompt(p, sp) for p, sp in zip(prompts, params)]  # vLLM's prompt dicts
+        unpacked = [unpack_prompt(p, sp if sp is not None else self.processor.default_params())  # vLLM's prompt dicts
+                    for p, sp in zip(prompts, params)]
         prompts, params = [p for p, _ in unpacked], [sp for _, sp in unpacked]
         return self.submit_ids([await self.prompt_ids(p) for p in prompts], params, request_ids, prompts)
 
@@ -150,7 +151,7 @@ class AsyncLLM(AsyncEngineClient):
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[StreamDelta]:
         """Stream one request's deltas; the last has ``finish_reason`` and the whole ``output``."""
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = sampling_params if sampling_params is not None else self.processor.default_params()
         (request,) = await self.submit([prompt], [params], [request_id])
         async for delta in request:
             yield delta

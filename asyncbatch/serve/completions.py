@@ -47,7 +47,8 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
     engine = state.engine
     prompts = split_prompts(body.prompt)
     structured, source = structured_outputs(body)
-    params = sampling_params(body, 16 if body.max_tokens is None else body.max_tokens, logprobs=body.logprobs,
+    params = sampling_params(body, 16 if body.max_tokens is None else body.max_tokens,
+                             defaults=engine.processor.sampling_defaults, logprobs=body.logprobs,
                              prompt_logprobs=completion_prompt_logprobs(body), structured=structured)
     await compile_constraint(engine, params[0], source)
     state.admit(len(prompts) * body.n)

@@ -3,7 +3,9 @@
 OpenAI's defaults apply where a field is absent (``temperature`` 1, ``top_p``
 1, completions ``max_tokens`` 16, chat ``max_tokens`` the rest of the context).
 With ``n`` > 1 and a ``seed``, choice ``i`` gets ``seed + i`` so the choices
-differ yet the response is reproducible.
+differ yet the response is reproducible. A sampling field left out takes the
+model's generation config default where it has one (vLLM's
+``--generation-config auto``), else OpenAI's.
 
 Output constraints come from exactly one field: ``response_format``
 (``text``, ``json_object``, ``json_schema``), vLLM's ``guided_json``,
@@ -18,16 +20,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-from asyncbatch.sampling_params import MAX_LOGPROBS, MAX_SEED, SamplingParams
+from asyncbatch.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams, child_seed
 from asyncbatch.serve.engine_protocol import AsyncEngineClient
 from asyncbatch.serve.openai_errors import OpenAIError
 from asyncbatch.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from asyncbatch.structured_outputs import KINDS, StructuredOutputsParams
 
-MAX_N = 128
 _GUIDED = (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
            ("guided_grammar", "grammar"))
 _FIELD = re.compile(r"^SamplingParams\.([A-Za-z_]+)")
@@ -162,22 +163,25 @@ async def compile_constraint(engine: AsyncEngineClient, params: SamplingParams,
 
 
 # -- SamplingParams --------------------------------------------------------------------------------------
-def sampling_params(body: SamplingFields, max_tokens: int, *, logprobs: int | None = None,
-                    prompt_logprobs: int | None = None,
+def sampling_params(body: SamplingFields, max_tokens: int, *, defaults: Mapping[str, Any] | None = None,
+                    logprobs: int | None = None, prompt_logprobs: int | None = None,
                     structured: StructuredOutputsParams | None = None) -> list[SamplingParams]:
-    """One ``SamplingParams`` per choice (``n``); a value out of range is a 400 naming the field."""
+    """One ``SamplingParams`` per choice (``n``); a value out of range is a 400 naming the field. A sampling field
+    the body leaves out takes the engine's default (``defaults``: the model's generation config, vLLM's rule), else
+    OpenAI's; the generation config's ``max_tokens`` caps ``max_tokens`` as in vLLM."""
+    defaults = defaults or {}
+    if "max_tokens" in defaults:
+        max_tokens = min(max_tokens, defaults["max_tokens"])
     params = []
     for i in range(body.n):
-        seed = body.seed
-        if seed is not None and body.n > 1:
-            seed = (seed + i) & MAX_SEED if seed >= 0 else seed  # a negative seed is refused below
+        seed = child_seed(body.seed, i)
         try:
             params.append(SamplingParams(
                 max_tokens=max_tokens,
-                temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p,
-                top_k=-1 if body.top_k is None else body.top_k,
-                min_p=0.0 if body.min_p is None else body.min_p,
+                temperature=defaults.get("temperature", 1.0) if body.temperature is None else body.temperature,
+                top_p=defaults.get("top_p", 1.0) if body.top_p is None else body.top_p,
+                top_k=defaults.get("top_k", -1) if body.top_k is None else body.top_k,
+                min_p=defaults.get("min_p", 0.0) if body.min_p is None else body.min_p,
                 seed=seed,
                 stop=body.stop,
                 stop_token_ids=body.stop_token_ids,
@@ -186,7 +190,8 @@ def sampling_params(body: SamplingFields, max_tokens: int, *, logprobs: int | No
                 skip_special_tokens=body.skip_special_tokens,
                 presence_penalty=0.0 if body.presence_penalty is None else body.presence_penalty,
                 frequency_penalty=0.0 if body.frequency_penalty is None else body.frequency_penalty,
-                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                repetition_penalty=(defaults.get("repetition_penalty", 1.0) if body.repetition_penalty is None
+                                    else body.repetition_penalty),
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 logit_bias=body.logit_bias,
