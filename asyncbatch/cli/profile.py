@@ -204,10 +204,11 @@ def _median_max(report: GapReport) -> str:
 def format_table(runs: list[ModeRun]) -> str:
     """The side-by-side table (plain text, also valid inside a Markdown code block)."""
     names = [r.mode for r in runs]
-    lines = [f"{'':<50}" + "".join(f"{n:>14}" for n in names)]
+    # A space before every column: a value wider than its column (a slow machine's "102.43 / 102.73") stays apart.
+    lines = [f"{'':<50}" + "".join(f" {n:>13}" for n in names)]
 
     def row(label: str, values: list[str]) -> None:
-        lines.append(f"{label:<50}" + "".join(f"{v:>14}" for v in values))
+        lines.append(f"{label:<50}" + "".join(f" {v:>13}" for v in values))
 
     reports = [r.report for r in runs]
     row("steps", [str(rep.steps) for rep in reports])
