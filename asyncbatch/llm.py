@@ -186,8 +186,8 @@ class LLM:
         and queues nothing. ``priority`` (vLLM's argument): one per prompt, the
         ``SamplingParams.priority`` of each (``scheduling_policy="priority"``).
         ``SamplingParams.n > 1``: the prompt's ``n`` completions are ``n`` requests, batched with the rest and
-        returned as one ``RequestOutput`` whose ``outputs`` hold them in index order. Completions admitted in one
-        step each compute the prompt (the prefix cache shares blocks once a step has computed them, not within it).
+        returned as one ``RequestOutput`` whose ``outputs`` hold them in index order. With prefix caching (the
+        default) the first computes the prompt and the others wait a step and reuse its blocks.
         """
         # One text prompt may be passed bare; token-id prompts always come in a list ([[1, 2, 3]]),
         # so a flat list of ints is a list of (invalid) prompts, never silently one prompt.

@@ -112,3 +112,15 @@ def test_a_bad_prompt_among_n_completions_submits_nothing(engine):
         engine.generate([PROMPTS[0], [10**6]], SamplingParams(n=3, max_tokens=4), use_tqdm=False)
     assert engine.num_requests() == (0, 0)
     assert_idle_and_clean(engine)
+
+
+def test_the_completions_compute_their_prompt_once(engine):
+    prompt = list(range(40, 53))  # 13 tokens: 3 full blocks of 4 before the block of its last token
+    before = engine.prefix_cache_stats()
+    (out,) = engine.generate([prompt], SamplingParams(n=3, seed=1, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    after = engine.prefix_cache_stats()
+    assert len(out.outputs) == 3
+    # The first computes the prompt; the other two wait a step and reuse its 3 blocks each.
+    assert after["cached_tokens"] - before["cached_tokens"] == 2 * 12
+    assert after["deferred_admissions"] - before["deferred_admissions"] == 2
+    assert_idle_and_clean(engine)

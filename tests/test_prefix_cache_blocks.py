@@ -227,14 +227,61 @@ def test_reuse_is_block_granular_and_keeps_the_last_token_computed():
     finish_all(r)
 
 
-def test_blocks_of_a_plan_are_offered_from_the_next_plan_on():
+def chunks(rows: list) -> list[tuple[str, int, int]]:
+    return [(x.request.request_id, x.start, x.num_cached) for x in rows]
+
+
+def test_blocks_of_a_plan_are_offered_from_the_next_plan_on_and_a_sharer_waits_for_them():
     r = rig()
-    prompt = list(range(200, 212))
-    first = admit(r, prompt, prompt)
-    assert [x.num_cached for x in first] == [0, 0]  # computed by the same step: not offered to its readers
-    assert [x.num_cached for x in admit(r, prompt)] == [8]
+    prompt = list(range(200, 212))  # 3 full blocks of 4
+    # The copy would reuse blocks the first computes in this very step, which are not offered to readers of the
+    # same step: it waits a step at the head of the queue, and the unrelated prompt behind it goes first.
+    assert chunks(admit(r, prompt, prompt, list(range(300, 305)))) == [("0", 0, 0), ("2", 0, 0)]
+    assert [x.request_id for x in r.sched.waiting] == ["1"]
+    assert chunks(step(r).prefill) == [("1", 8, 8)]  # every block before its last token reused
+    assert r.sched.prefix_cache_stats()["deferred_admissions"] == 1
     finish_all(r)
-    assert r.sched.prefix_cache_stats()["cached_blocks"] == 3  # the duplicate blocks were not registered twice
+    assert r.sched.prefix_cache_stats()["cached_blocks"] == 4  # the copy's last block was not registered twice
+
+
+def test_waiting_sharers_keep_the_rows_they_will_need():
+    r = rig(max_seqs=3)
+    prompt = list(range(600, 612))
+    # Two copies wait for the first's blocks; one row is left, which they will need: the unrelated prompt behind
+    # them waits too, and the copies are admitted first in the next plan.
+    assert chunks(admit(r, prompt, prompt, prompt, list(range(700, 705)))) == [("0", 0, 0)]
+    assert [x.request_id for x in r.sched.waiting] == ["1", "2", "3"]
+    assert r.sched.prefix_cache_stats()["deferred_admissions"] == 2
+    finish_all(r)
+
+
+def test_a_sharer_waits_while_a_running_prefill_computes_the_blocks_it_would_reuse():
+    r = rig(budget=12)
+    long_prompt = list(range(400, 420))  # 5 blocks, prefilled 12 tokens a step
+    assert chunks(admit(r, long_prompt)) == [("0", 0, 0)]
+    # Blocks 0-2 are cached; the running prefill computes blocks 3-4 in the next plan, and the sharer would reuse
+    # block 3: it waits although the budget has room for a chunk of it.
+    assert chunks(admit(r, long_prompt[:16] + [1, 2, 3])) == [("0", 12, 0)]
+    assert chunks(step(r).prefill) == [("1", 16, 16)]
+    assert r.sched.prefix_cache_stats()["deferred_admissions"] == 1
+    finish_all(r)
+
+
+def test_no_wait_where_nothing_more_would_be_reused():
+    r = rig()
+    prompt = list(range(500, 512))
+    # A prompt of one block reuses nothing (the block of its last token is always computed), and a request that
+    # scores its prompt never reuses: neither waits for the first. One more token, and the copy would reuse.
+    scoring = Request("2", 2, list(prompt), SamplingParams(max_tokens=2, prompt_logprobs=0), 0, 0.0)
+    for request in (Request("0", 0, list(prompt), SamplingParams(max_tokens=2), 0, 0.0),
+                    Request("1", 1, prompt[:4], SamplingParams(max_tokens=2), 0, 0.0), scoring,
+                    Request("3", 3, prompt[:5], SamplingParams(max_tokens=2), 0, 0.0)):
+        r.requests[request.arrival_seq] = request
+        r.sched.add(request)
+    assert chunks(step(r).prefill) == [("0", 0, 0), ("1", 0, 0), ("2", 0, 0)]
+    assert r.sched.prefix_cache_stats()["deferred_admissions"] == 1
+    assert chunks(step(r).prefill) == [("3", 4, 4)]
+    finish_all(r)
 
 
 def test_outputs_fill_cached_blocks_once_known():
@@ -478,7 +525,8 @@ def test_reset_drops_only_unreferenced_blocks():
     assert r.sched.prefix_cache_stats()["cached_blocks"] == 2
     assert r.sched.reset_prefix_cache()
     assert r.sched.prefix_cache_stats() == {"enabled": True, "prompt_tokens": 0, "cached_tokens": 0,
-                                            "hit_rate": 0.0, "cached_blocks": 0, "evictions": 0}
+                                            "hit_rate": 0.0, "cached_blocks": 0, "evictions": 0,
+                                            "deferred_admissions": 0}
     admit(r, prompt, max_tokens=3)  # running: its 2 registered blocks are referenced
     assert not r.sched.reset_prefix_cache()
     assert r.sched.prefix_cache_stats()["cached_blocks"] == 2

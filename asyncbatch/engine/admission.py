@@ -27,7 +27,11 @@ hands out the blocks single pops would. Once the free stack cannot hold a
 request's fresh blocks, the rest are evicted from the cache as that request is
 decided (``BlockManager.evict_for_admission``: least recently released first,
 as its single pops would), so a later request's hit no longer sees them, and
-the batch's pop hands them out after the stack. A server that has run a while
+the batch's pop hands them out after the stack. A request whose next block to
+reuse is one that a chunk of this plan computes waits a step, at the head of the
+queue, and then reuses it (``PrefixSharer.waits_for_computing``); the requests
+behind it may be admitted meanwhile, up to the rows the waiting ones leave. A
+server that has run a while
 has its free blocks nearly all cached, so this is a burst's usual path there:
 it costs an admission one dict removal a block, where applying each evicting
 request alone cost it a batch's fixed array work
@@ -123,6 +127,7 @@ class Admitter:
         owners, running, prefilling = self.owners, self.running, self.prefilling
         caching = blocks.caching
         cached = prefix.cached_keys() if caching else ()  # live: evictions below leave it
+        computing = prefix.computing  # live: keys of blocks this plan's chunks complete (grows below)
         rows_left = self.max_num_seqs - len(self.running)
         available = blocks.num_free_blocks  # fresh + reclaimable: what the admissions may take
         unused = blocks.num_unused_blocks  # on the free stack: fresh blocks popped without evicting
@@ -138,6 +143,7 @@ class Admitter:
         prompt_tokens = cached_tokens = 0
         num_sampling = 0
         num_decoding = 0  # of the chunks not applied yet, those that decode after this step
+        deferred: list[Request] = []  # waiting a step for blocks this plan computes, in queue order
         while waiting and budget > 0 and rows_left > 0:
             request = waiting[0]
             if request.num_pending:  # a preempted request waits for its in-flight tokens; nobody overtakes it
@@ -150,10 +156,19 @@ class Admitter:
             keys = request.block_keys
             hit = prefix.hit(request, target) if caching and (request.num_outputs or keys and keys[0] in cached) \
                 else NO_HIT
+            shared = len(hit.cached)
+            # A request whose next block to reuse is computed by a chunk of this plan waits a step and reuses it
+            # (``PrefixSharer.waits_for_computing``). The requests behind it may go first, but not into the rows
+            # the waiting ones will need: it keeps its place at the head of the queue.
+            if computing and shared < len(keys) and keys[shared] in computing and \
+                    prefix.waits_for_computing(request, target, shared):
+                deferred.append(waiting.popleft())
+                if len(deferred) >= rows_left:
+                    break
+                continue
             start = hit.num_tokens
             n = min(target - start, budget)
             end = start + n
-            shared = len(hit.cached)
             fresh = blocks_for_tokens(end, bs) - shared  # at least one: the chunk starts at a block boundary
             if fresh < 1 or shared + fresh > max_blocks:  # Scheduler.add refuses what the table cannot hold
                 raise IntegrityError(f"{request.request_id} would hold {shared} + {fresh} blocks; 1 <= fresh and "
@@ -168,6 +183,8 @@ class Admitter:
                 cached_tokens += start
                 if start:
                     prefix.share(row, hit)
+                if end >= start + bs and shared < len(keys):  # ``PrefixSharer.note_computing``, inlined
+                    computing.add(keys[shared])
             outputs = target - prompt_len  # a preempted request's outputs, recomputed in this prefill
             samples = end == target  # the chunk ends the prefill, and samples
             max_tokens = request.params.max_tokens
@@ -216,6 +233,9 @@ class Admitter:
                 available -= fresh + hit.num_reclaimed
             budget -= n
             rows_left -= 1
+        if deferred:
+            waiting.extendleft(reversed(deferred))
+            blocks.prefix.stats.deferred_admissions += len(deferred)
         self.num_admissions = key
         self.num_sampling = num_sampling
         if batch:

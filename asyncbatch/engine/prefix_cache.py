@@ -105,6 +105,9 @@ class PrefixCacheStats:
     prompt_tokens: int = 0  # tokens to prefill at admissions (a recompute counts its prompt and outputs)
     cached_tokens: int = 0  # of those, reused from the cache instead of computed
     evictions: int = 0  # cached blocks given out as fresh blocks
+    # Requests that waited a step for blocks a chunk of the plan computed (``PrefixSharer.computing``), counted
+    # once per plan they waited through: they then reused them instead of computing them again.
+    deferred_admissions: int = 0
 
 
 class PrefixCache:

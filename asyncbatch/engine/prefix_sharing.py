@@ -27,7 +27,8 @@ Two moments satisfy (a) and (b):
   ``Scheduler.release_drained`` (the core: after the launch, while the step
   runs) or else at the start of the next ``schedule``; not as each chunk is
   planned, which keeps requests admitted later in the same plan from reading a
-  block the same step writes;
+  block the same step writes (such a request waits a step instead and then
+  reuses the block: ``computing``, ``waits_for_computing``);
 - when a request gives back its row (finish, abort, drain, preemption), for
   the blocks its decode steps filled: the outputs received so far are known,
   and every launched step that wrote them precedes any later reader. An
@@ -101,6 +102,9 @@ class PrefixSharer:
         self.blocks = blocks
         self.rows = rows
         self._to_register: list[Request] = []  # prefilled in the plan being built (prefix caching)
+        # Chain keys of the first block each prefill chunk of the plan being built completes (``note_computing``);
+        # cleared by ``begin_plan``. A waiting request whose next block to reuse is among them waits a step.
+        self.computing: set[int] = set()
         self._pending: deque[_PendingRelease] = deque()  # released, blocks parked until ``settle``, oldest first
 
     @staticmethod
@@ -132,6 +136,29 @@ class PrefixSharer:
         # A few blocks a hit: scalar reads cost less than gathering them into an array and counting there.
         reclaimed = sum(1 for block in ids if ref[block] == 0)
         return PrefixHit(cached, ids, len(cached) * self.blocks.block_size, reclaimed)
+
+    def begin_plan(self) -> None:
+        """A new plan: no chunk of it computes anything yet."""
+        self.computing.clear()
+
+    def note_computing(self, request: Request, start: int, end: int) -> None:
+        """``request``'s chunk ``[start, end)`` in the plan being built: if it completes the block holding
+        ``start``, that block's key joins ``computing`` (the first block a request sharing this prefix would
+        need next, having reused the cached ones before it)."""
+        bs, keys = self.blocks.block_size, request.block_keys
+        first = start // bs
+        if end >= (first + 1) * bs and first < len(keys):
+            self.computing.add(keys[first])
+
+    def waits_for_computing(self, request: Request, prefill_len: int, num_hit_blocks: int) -> bool:
+        """Whether ``request``, about to be admitted reusing ``num_hit_blocks`` cached blocks, should wait a step
+        instead: the next block it could reuse is one a chunk of this plan computes (``computing``). Blocks
+        become cached once the plan that computes them is final (module doc), so admitted now it would compute
+        that block and the rest of the shared prefix again; a step later it reuses them. It must have such a
+        block to reuse: one before its last prefill token, and no prompt of its own to score."""
+        keys = request.block_keys
+        return (num_hit_blocks < len(keys) and keys[num_hit_blocks] in self.computing
+                and num_hit_blocks < (prefill_len - 1) // self.blocks.block_size and not _scores_prompt(request))
 
     def cached_keys(self) -> Collection[int]:
         """The chain keys the cache holds, live (``PrefixCache.chain_keys``): a prompt whose first block's key is
@@ -280,15 +307,17 @@ class PrefixSharer:
     # -- reporting -----------------------------------------------------------------------
     def stats(self) -> dict:
         """Cumulative since the start or the last ``reset_prefix_cache``: prefilled and reused tokens at
-        admissions (a recompute counts again), their ratio, blocks cached now and blocks evicted."""
+        admissions (a recompute counts again), their ratio, blocks cached now, blocks evicted, and requests that
+        waited a step for blocks the plan computed (``computing``; once per plan waited through)."""
         cache = self.blocks.prefix
         if cache is None:
             return {"enabled": False, "prompt_tokens": 0, "cached_tokens": 0, "hit_rate": 0.0, "cached_blocks": 0,
-                    "evictions": 0}
+                    "evictions": 0, "deferred_admissions": 0}
         s = cache.stats
         return {"enabled": True, "prompt_tokens": s.prompt_tokens, "cached_tokens": s.cached_tokens,
                 "hit_rate": s.cached_tokens / s.prompt_tokens if s.prompt_tokens else 0.0,
-                "cached_blocks": cache.num_cached, "evictions": s.evictions}
+                "cached_blocks": cache.num_cached, "evictions": s.evictions,
+                "deferred_admissions": s.deferred_admissions}
 
     def keys(self, max_blocks: int) -> list[int]:
         """Chain keys of up to ``max_blocks`` cached blocks (``PrefixCache.recent_keys``); empty without caching."""

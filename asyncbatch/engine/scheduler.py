@@ -170,6 +170,7 @@ class Scheduler:
                 self.prefix.settle_reusable(itertools.islice(self.waiting, self.max_num_seqs - len(self.running)))
         preempted: list[Request] = []
         drained: list[Request] = []
+        self.prefix.begin_plan()
         decode = self._schedule_decode(preempted, drained)
         budget = self.max_num_batched_tokens - len(decode.rows) * (decode.depth + 1)
         prefill: list[ScheduledRow] = []
@@ -333,6 +334,8 @@ class Scheduler:
         end = start + n
         st.num_computed[row] = end
         self.prefix.note_prefill(request)
+        if self.blocks.caching:
+            self.prefix.note_computing(request, start, end)
         if end < st.prefill_len[row]:
             return ScheduledRow(request, row, start, n, False, 0)
         self._prefilling.remove(request)
