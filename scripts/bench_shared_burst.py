@@ -10,7 +10,8 @@ overlap mode, prefix caching on, the engine warmed up on other prompts and its c
 
 Reported per tree and device, medians over ``--rounds`` (the trees alternate, each run a fresh process):
 prompt tokens computed (``prompt_tokens - cached_tokens`` of ``prefix_cache_stats``), the reused share,
-deferred admissions, TTFT mean and P99, the burst's run time, steps; and whether both trees gave the same
+deferred admissions, TTFT mean and P99 (nearest rank: the largest below 100 outputs; with ``n`` one output a
+prompt, its first token's time), the burst's run time, steps; and whether both trees gave the same
 greedy tokens. ``cpu``: the default model, float32, one-request-per-core threads (real execution); ``sim``:
 the simulated device's default cost model (modelled times, real planner).
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import statistics
 import sys
 import time
@@ -65,7 +67,7 @@ def child(args) -> dict:
         return {"prompt_tokens": prompt_tokens, "computed_tokens": prompt_tokens - cached,
                 "reused_share": cached / prompt_tokens if prompt_tokens else 0.0,
                 "deferred_admissions": after.get("deferred_admissions", 0) - before.get("deferred_admissions", 0),
-                "ttft_mean_ms": 1e3 * statistics.fmean(ttfts), "ttft_p99_ms": 1e3 * ttfts[int(0.99 * (len(ttfts) - 1))],
+                "ttft_mean_ms": 1e3 * statistics.fmean(ttfts), "ttft_p99_ms": 1e3 * ttfts[math.ceil(0.99 * len(ttfts)) - 1],
                 "run_s": run_s, "steps": stats.get("steps", 0) - steps_before, "completions": len(completions),
                 "tokens_sha": tokens}
 

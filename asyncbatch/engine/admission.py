@@ -157,11 +157,11 @@ class Admitter:
             hit = prefix.hit(request, target) if caching and (request.num_outputs or keys and keys[0] in cached) \
                 else NO_HIT
             shared = len(hit.cached)
+            following = keys[shared] if shared < len(keys) else None  # the key of the first block it would compute
             # A request whose next block to reuse is computed by a chunk of this plan waits a step and reuses it
             # (``PrefixSharer.waits_for_computing``). The requests behind it may go first, but not into the rows
             # the waiting ones will need: it keeps its place at the head of the queue.
-            if computing and shared < len(keys) and keys[shared] in computing and \
-                    prefix.waits_for_computing(request, target, shared):
+            if following in computing and prefix.waits_for_computing(request, target, shared):
                 deferred.append(waiting.popleft())
                 if len(deferred) >= rows_left:
                     break
@@ -183,8 +183,8 @@ class Admitter:
                 cached_tokens += start
                 if start:
                     prefix.share(row, hit)
-                if end >= start + bs and shared < len(keys):  # ``PrefixSharer.note_computing``, inlined
-                    computing.add(keys[shared])
+                if following is not None and end >= start + bs:  # ``PrefixSharer.note_computing``, inlined
+                    computing.add(following)
             outputs = target - prompt_len  # a preempted request's outputs, recomputed in this prefill
             samples = end == target  # the chunk ends the prefill, and samples
             max_tokens = request.params.max_tokens
