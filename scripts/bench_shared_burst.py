@@ -67,7 +67,8 @@ def child(args) -> dict:
         return {"prompt_tokens": prompt_tokens, "computed_tokens": prompt_tokens - cached,
                 "reused_share": cached / prompt_tokens if prompt_tokens else 0.0,
                 "deferred_admissions": after.get("deferred_admissions", 0) - before.get("deferred_admissions", 0),
-                "ttft_mean_ms": 1e3 * statistics.fmean(ttfts), "ttft_p99_ms": 1e3 * ttfts[math.ceil(0.99 * len(ttfts)) - 1],
+                "ttft_mean_ms": 1e3 * statistics.fmean(ttfts),
+                "ttft_p99_ms": 1e3 * ttfts[math.ceil(0.99 * len(ttfts)) - 1],
                 "run_s": run_s, "steps": stats.get("steps", 0) - steps_before, "completions": len(completions),
                 "tokens_sha": tokens}
 

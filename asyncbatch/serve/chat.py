@@ -94,8 +94,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
                               f"context of {engine.max_model_len} tokens", param="messages")
         max_tokens = room
     top = chat_logprobs(body)
-    params = sampling_params(body, max_tokens, defaults=engine.processor.sampling_defaults, logprobs=top, prompt_logprobs=body.prompt_logprobs,
-                             structured=structured)
+    params = sampling_params(body, max_tokens, defaults=engine.processor.sampling_defaults, logprobs=top,
+                             prompt_logprobs=body.prompt_logprobs, structured=structured)
     await compile_constraint(engine, params[0], source)
     state.admit(body.n)
     response_id = f"chatcmpl-{uuid.uuid4().hex}"
