@@ -128,7 +128,7 @@ class AsyncLLM(AsyncEngineClient):
             return await asyncio.to_thread(self.processor.prompt_ids, prompt, add_special_tokens)
         return self.processor.prompt_ids(prompt, add_special_tokens)
 
-    async def submit(self, prompts: Sequence[Prompt], params: Sequence[SamplingParams],
+    async def submit(self, prompts: Sequence[Prompt], params: Sequence[SamplingParams | None],
                      request_ids: Sequence[str | None]) -> list[AsyncRequest]:
         """Validate every prompt, then submit them all in one message (a refusal submits none).
 
@@ -151,8 +151,7 @@ class AsyncLLM(AsyncEngineClient):
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[StreamDelta]:
         """Stream one request's deltas; the last has ``finish_reason`` and the whole ``output``."""
-        params = sampling_params if sampling_params is not None else self.processor.default_params()
-        (request,) = await self.submit([prompt], [params], [request_id])
+        (request,) = await self.submit([prompt], [sampling_params], [request_id])  # None: submit's defaults
         async for delta in request:
             yield delta
 
