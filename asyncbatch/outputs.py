@@ -118,6 +118,9 @@ class RequestOutput:
     logprobs: Logprobs | None = None
     prompt_logprobs: Logprobs | None = None
     more_outputs: list[CompletionOutput] = field(default_factory=list)  # completions 1 .. n - 1
+    # vLLM's: prompt tokens whose KV came from the prefix cache at the request's first admission (0: none; None:
+    # never admitted, e.g. aborted while waiting). With ``n > 1``, the first completion's.
+    num_cached_tokens: int | None = None
 
     @property
     def finished(self) -> bool:

@@ -164,7 +164,7 @@ class Lockstep:
             (r.request.arrival_seq, r.request.token_row, r.start, r.num_tokens, r.samples) for r in ref_plan.rows[nd:]]
         assert [r.arrival_seq for r in plan.preempted] == [r.arrival_seq for r in ref_plan.preempted]
         assert [r.arrival_seq for r in plan.drained] == [r.arrival_seq for r in ref_plan.drained]
-        assert plan.first_scheduled_seqs().tolist() == [
+        assert plan.first_scheduled()[0].tolist() == [
             r.request.arrival_seq for r in ref_plan.rows[nd:] if r.start == 0]
         self.stats["preemptions"] += len(plan.preempted)
         self.stats["drained"] += len(plan.drained)

@@ -131,7 +131,8 @@ def test_stream_n_choices_and_usage(served) -> None:
         for choice in event["choices"]:
             ids[choice["index"]] += choice["token_ids"]
     assert all(len(v) == 6 for v in ids.values())
-    assert usage == {"prompt_tokens": 4, "completion_tokens": 18, "total_tokens": 22}
+    assert usage == {"prompt_tokens": 4, "completion_tokens": 18, "total_tokens": 22,
+                     "prompt_tokens_details": {"cached_tokens": 0}}  # no full block to reuse
 
 
 def test_continuous_usage_counts_the_tokens_streamed_so_far(served) -> None:
@@ -320,6 +321,25 @@ def test_prefix_cache_figures(served) -> None:
     assert queries == 128 and hits >= 48  # the second request reuses at least the first three blocks
     assert 0 < metric(after, "asyncbatch:prefix_cache_hit_rate") <= 1
     assert metric(after, "asyncbatch:prefix_cache_blocks") >= 3
+
+
+def test_usage_says_how_many_prompt_tokens_came_from_the_cache(served) -> None:
+    """OpenAI's ``usage.prompt_tokens_details.cached_tokens``: the second of two equal 64-token prompts reuses
+    three blocks of 16; with ``n = 2`` the prompt counts once, as in ``prompt_tokens``; streamed, the final usage
+    chunk carries it and the continuous per-chunk usage does not."""
+    server, _engine = served
+    body = {**GOOD, "prompt": list(range(300, 364))}
+    with client(server) as http:
+        first = http.post("/v1/completions", json=body).json()["usage"]
+        second = http.post("/v1/completions", json={**body, "n": 2}).json()["usage"]
+        with http.stream("POST", "/v1/completions", json={
+                **body, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+                ) as response:
+            events = sse_events(response)
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert second["prompt_tokens"] == 64 and second["prompt_tokens_details"] == {"cached_tokens": 48}
+    assert events[-2]["usage"]["prompt_tokens_details"] == {"cached_tokens": 48}
+    assert all("prompt_tokens_details" not in event["usage"] for event in events[:-2])
 
 
 def test_api_key() -> None:

@@ -365,11 +365,12 @@ class EngineCore:
             self.scheduler.check_integrity()
         extras = step.meta.extras
         width = result.token_ids.shape[1] if result.token_ids.ndim == 2 else 1  # positions a decode row computed
+        first_seqs, first_cached = step.plan.first_scheduled()
         outputs = StepOutputs(
-            step.plan.step_id, applied.seqs, applied.token_ids, applied.finish, ended, ended_codes,
-            step.plan.first_scheduled_seqs(), record,
-            sampled_columns(extras, result.logprobs, applied, step.plan.num_decode, width),
-            prompt_columns(extras, result.prompt_logprobs), applied.num_tokens)
+            step.plan.step_id, applied.seqs, applied.token_ids, applied.finish, ended, ended_codes, first_seqs,
+            record, sampled_columns(extras, result.logprobs, applied, step.plan.num_decode, width),
+            prompt_columns(extras, result.prompt_logprobs), applied.num_tokens,
+            first_cached if first_cached.any() else None)
         if hold:
             self._held = outputs
         else:

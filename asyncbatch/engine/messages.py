@@ -145,6 +145,8 @@ class StepOutputs:
     logprobs: LogprobColumns | None = None  # of the rows whose request asked for logprobs
     prompt_logprobs: LogprobColumns | None = None  # prompt positions scored in this step, by request
     num_tokens: np.ndarray | None = None  # [R] int64 tokens per row (speculative steps; None: one each)
+    first_cached: np.ndarray | None = None  # [F] int64: each first_scheduled request's prompt tokens reused from
+    # the prefix cache (None: none reused)
 
 
 @dataclass(slots=True)

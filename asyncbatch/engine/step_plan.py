@@ -94,6 +94,9 @@ class StepPlan:
     def num_sampled(self) -> int:
         return len(self.sample_rows)
 
-    def first_scheduled_seqs(self) -> np.ndarray:
-        """Requests whose prompt starts (or, after a preemption, restarts) in this step."""
-        return np.asarray([row.request.arrival_seq for row in self.prefill if row.first], dtype=np.int64)
+    def first_scheduled(self) -> tuple[np.ndarray, np.ndarray]:
+        """Requests whose prompt starts (or, after a preemption, restarts) in this step, and the tokens of each
+        one's prompt reused from the prefix cache at that start (``[F]`` int64 each)."""
+        firsts = [row for row in self.prefill if row.first]
+        return (np.asarray([row.request.arrival_seq for row in firsts], dtype=np.int64),
+                np.asarray([row.num_cached for row in firsts], dtype=np.int64))

@@ -43,9 +43,10 @@ _RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(StepRecord))
 _RECORD = struct.Struct("<" + "".join(_STRUCT_CODES[f.type] for f in dataclasses.fields(StepRecord)))
 _record_values = operator.attrgetter(*_RECORD_FIELDS)
 
-# step_id, then the lengths: rows (seqs, finish, num_tokens), token_ids, ended, first_scheduled; then the flags
+# step_id, then the lengths: rows (seqs, finish, num_tokens), token_ids, ended, first_scheduled (first_cached);
+# then the flags
 _HEADER = struct.Struct("<cqqqqqB")
-_HAS_RECORD, _HAS_NUM_TOKENS, _HAS_TAIL = 1, 2, 4
+_HAS_RECORD, _HAS_NUM_TOKENS, _HAS_TAIL, _HAS_FIRST_CACHED = 1, 2, 4, 8
 _I64, _I8 = np.dtype(np.int64), np.dtype(np.int8)
 
 
@@ -61,6 +62,9 @@ def encode(outputs: StepOutputs) -> bytes:
     if outputs.num_tokens is not None:
         flags |= _HAS_NUM_TOKENS
         parts.append(outputs.num_tokens.astype(_I64, copy=False).tobytes())
+    if outputs.first_cached is not None:
+        flags |= _HAS_FIRST_CACHED
+        parts.append(outputs.first_cached.astype(_I64, copy=False).tobytes())
     if outputs.record is not None:
         flags |= _HAS_RECORD
         parts.append(_RECORD.pack(*_record_values(outputs.record)))
@@ -87,6 +91,7 @@ def decode(data: bytes) -> StepOutputs:
     seqs, token_ids, finish = take(_I64, rows), take(_I64, tokens), take(_I8, rows)
     ended_seqs, ended_codes, first_scheduled = take(_I64, ended), take(_I8, ended), take(_I64, first)
     num_tokens = take(_I64, rows) if flags & _HAS_NUM_TOKENS else None
+    first_cached = take(_I64, first) if flags & _HAS_FIRST_CACHED else None
     record = None
     if flags & _HAS_RECORD:
         record = StepRecord(*_RECORD.unpack_from(buf, at))
@@ -95,7 +100,7 @@ def decode(data: bytes) -> StepOutputs:
     if flags & _HAS_TAIL:
         logprobs, prompt_logprobs = pickle.loads(memoryview(buf)[at:])
     return StepOutputs(step_id, seqs, token_ids, finish, ended_seqs, ended_codes, first_scheduled, record,
-                       logprobs, prompt_logprobs, num_tokens)
+                       logprobs, prompt_logprobs, num_tokens, first_cached)
 
 
 def loads(data: bytes) -> object:

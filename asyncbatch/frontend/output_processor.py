@@ -77,10 +77,13 @@ class OutputProcessor:
         detok_s = 0.0
         with mark("output", step_id):
             if record is not None and len(out.first_scheduled):
-                for seq in out.first_scheduled.tolist():
+                cached = out.first_cached.tolist() if out.first_cached is not None else [0] * len(out.first_scheduled)
+                for seq, num_cached in zip(out.first_scheduled.tolist(), cached):
                     handle = self._handles.get(seq)
                     if handle is not None and handle.metrics.first_scheduled_time is None:
+                        # The first admission's, as vLLM's: a recompute after a preemption does not change it.
                         handle.metrics.first_scheduled_time = record.plan_end
+                        handle.num_cached_tokens = num_cached
             handles = self._handles
             if out.prompt_logprobs is not None:
                 self._prompt_logprobs(out.prompt_logprobs)

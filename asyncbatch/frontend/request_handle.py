@@ -51,6 +51,7 @@ class RequestHandle:
     token_ids: list[int] = field(default_factory=list)
     logprobs: Logprobs | None = None  # one entry per token_ids entry, when the request asked for logprobs
     prompt_logprobs: Logprobs | None = None  # prompt tokens 1.., when it asked for prompt_logprobs
+    num_cached_tokens: int | None = None  # prompt tokens its first admission reused from the prefix cache
     text_pieces: list[str] = field(default_factory=list)  # emitted text, joined once at the end
     output: RequestOutput | None = None
     error: BaseException | None = None
@@ -94,7 +95,8 @@ class RequestHandle:
         self.metrics.finished_time = now
         self.output = RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, self.text,
                                     list(self.token_ids), reason, stop_reason, self.metrics, self.simulated, error,
-                                    self.logprobs, self.prompt_logprobs)
+                                    self.logprobs, self.prompt_logprobs,
+                                    num_cached_tokens=self.num_cached_tokens)
         if self.streaming:
             if reason == "error":
                 self.deltas.put(failure(f"request {self.request_id} failed: {error}"))

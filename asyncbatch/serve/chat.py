@@ -105,7 +105,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
     texts = token_texts(engine.tokenizer)
     gen = Generation(state, response_id, model, requests, len(ids),
                      include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                     continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats))
+                     continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats),
+                     choices_per_prompt=body.n)
     if body.stream:
         head = gen.chunk_head(_OBJECT)
         parsers = [plan.parser() for _ in range(body.n)] if plan is not None else None
@@ -140,7 +141,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request, 
         return SSEResponse(gen.sse(_OBJECT, first, chunk))
     outputs = await gen.collect(request)
     choices = [_choice(k, output, plan, top, texts, return_ids) for k, output in enumerate(outputs)]
-    response = {**gen.chunk_head("chat.completion"), "choices": choices, "usage": gen.usage()}
+    response = {**gen.chunk_head("chat.completion"), "choices": choices, "usage": gen.usage(final=True)}
     if body.prompt_logprobs is not None and outputs:
         response["prompt_logprobs"] = vllm_prompt_logprobs(outputs[0].prompt_token_ids, outputs[0].prompt_logprobs,
                                                            texts, body.prompt_logprobs)

@@ -66,7 +66,8 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
     return_ids = body.return_token_ids if body.return_token_ids is not None else engine.tokenizer is None
     gen = Generation(state, response_id, model, requests, sum(len(ids) for ids in prompt_ids),
                      include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                     continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats))
+                     continuous_usage=bool(body.stream_options and body.stream_options.continuous_usage_stats),
+                     choices_per_prompt=body.n)
     texts = token_texts(engine.tokenizer)
     top = body.logprobs
     if body.stream:
@@ -103,7 +104,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
             choice["token_ids"] = output.token_ids
             choice["prompt_token_ids"] = output.prompt_token_ids
         choices.append(choice)
-    return JSONResponse({**gen.chunk_head(_OBJECT), "choices": choices, "usage": gen.usage()})
+    return JSONResponse({**gen.chunk_head(_OBJECT), "choices": choices, "usage": gen.usage(final=True)})
 
 
 def _prompt_text(prompt: str | list[int], tokenizer) -> str:

@@ -46,18 +46,26 @@ class Generation:
     prompt_tokens: int  # every distinct prompt counted once
     include_usage: bool = False
     continuous_usage: bool = False
+    choices_per_prompt: int = 1  # ``n``: the choices of one prompt are adjacent in ``requests``
 
     def __post_init__(self) -> None:
         self.created = int(time.time())
         self.outputs: list[RequestOutput | None] = [None] * len(self.requests)
         self.streamed = [0] * len(self.requests)  # tokens each choice's stream has carried so far
 
-    def usage(self) -> dict:
+    def usage(self, final: bool = False) -> dict:
         """Tokens so far: a finished choice's output, an unfinished one's streamed tokens (``continuous_usage``
-        chunks count up as the tokens go out, as vLLM's do)."""
+        chunks count up as the tokens go out, as vLLM's do). ``final`` (the response's usage, every choice
+        finished) adds OpenAI's ``prompt_tokens_details``."""
         completion = sum(len(o.token_ids) if o is not None else n for o, n in zip(self.outputs, self.streamed))
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": self.prompt_tokens + completion}
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                 "total_tokens": self.prompt_tokens + completion}
+        if final and all(o is not None for o in self.outputs):
+            # OpenAI's field: prompt tokens served from the prefix cache, each prompt counted once (its first
+            # choice's first admission, as ``prompt_tokens`` counts it once).
+            cached = sum(o.num_cached_tokens or 0 for o in self.outputs[::self.choices_per_prompt])
+            usage["prompt_tokens_details"] = {"cached_tokens": cached}
+        return usage
 
     def _finished(self, index: int, delta: StreamDelta) -> None:
         if delta.output is not None and self.outputs[index] is None:
@@ -149,7 +157,7 @@ class Generation:
                     body.update(usage_field)
                 yield _event(body)
             if self.include_usage:
-                yield _event({**self.chunk_head(object_name), "choices": [], "usage": self.usage()})
+                yield _event({**self.chunk_head(object_name), "choices": [], "usage": self.usage(final=True)})
         except (RequestFailedError, EngineDeadError) as exc:
             status, code = _failure_status(exc)
             yield _event(error_body(status, str(exc), code=code))
