@@ -21,6 +21,12 @@ from asyncbatch.engine.request import Request
 from asyncbatch.sampling_params import SamplingParams
 from asyncbatch.speculative.config import MAX_SPECULATIVE_TOKENS
 
+# The output history's dtype. The appends cast the step's int64 ids to it *before* their scatter: numpy releases
+# the GIL inside a scatter that casts, at any size (numpy 2.4: 256 ids), and the planner, on the device's
+# critical path, then waits for whichever thread took the GIL to hand it back (measured with a thread spinning
+# beside it: a 256-row append took 5.3 ms instead of 12 us; tests/test_row_state_gil.py).
+_HISTORY = np.int32
+
 NO_SEQ = -1  # ``RowState.seq`` of a row no request holds
 # A request's parameters as ``RowState.admit_many`` writes them (``RowState.constants_of``, made on arrival): the
 # int64 constants (max_tokens, seed, top_k, logprobs, min_tokens), the float32 ones (temperature, top_p, min_p,
@@ -111,7 +117,7 @@ class RowState:
         # critical path, 0.2-5 ms per 2 MiB huge page on the 2-core VMs (5 ms of every step that admitted 64
         # into 1,024 rows; profiles/admission-burst-intel-xeon-2core). S x (max_model_len + 9) x 4 bytes:
         # 34 MB at 1,024 rows of 8,192, as vLLM's host token table.
-        self.history = np.full((s, max_outputs + _RUN_PADDING), 0, dtype=np.int32)  # [S, max_outputs + pad]
+        self.history = np.full((s, max_outputs + _RUN_PADDING), 0, dtype=_HISTORY)  # [S, max_outputs + pad]
         self._history_flat = self.history.reshape(-1)  # [S * stride] view
         self._stride = self.history.shape[1]
         self._columns = np.arange(_RUN_PADDING, dtype=np.int64)
@@ -160,7 +166,7 @@ class RowState:
     def append_outputs(self, rows: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
         """Append one output to each of ``rows`` (distinct); returns their new output counts ``[R]``."""
         n = self.num_outputs[rows]  # [R]
-        self._history_flat[rows * self._stride + n] = token_ids
+        self._history_flat[rows * self._stride + n] = token_ids.astype(_HISTORY, copy=False)  # cast first (``_HISTORY``)
         n += 1
         self.num_outputs[rows] = n
         return n
@@ -171,7 +177,8 @@ class RowState:
         (fewer array operations than selecting the counted ones): the rest land past the row's outputs, in
         columns its next outputs overwrite or in the padding, and nothing reads past ``num_outputs``."""
         n = self.num_outputs[rows]  # [R]
-        self._history_flat[(rows * self._stride + n)[:, None] + self._columns[:token_ids.shape[1]]] = token_ids
+        self._history_flat[(rows * self._stride + n)[:, None] + self._columns[:token_ids.shape[1]]] = (
+            token_ids.astype(_HISTORY, copy=False))  # cast first (``_HISTORY``)
         self.num_outputs[rows] = n + counts
 
     def outputs(self, row: int) -> list[int]:
