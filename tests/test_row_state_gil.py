@@ -1,54 +1,18 @@
 """The planner's per-step output appends keep the GIL: numpy releases it inside a scatter that casts, at any
 size, and a planner that lets go of the GIL on the device's critical path waits for whichever thread took it
-(``asyncbatch/engine/row_state.py``, ``_HISTORY``).
-
-Whether an operation let go of the GIL is seen without a clock: with a switch interval of a minute, a thread
-that wants the GIL runs only when the holder lets go of it, so a counter it advances moves across an operation
-exactly when that operation released the GIL (or blocked). The control is the casting scatter itself, which
-must be seen to release; otherwise this check could not fail.
+(``asyncbatch/engine/row_state.py``, ``_HISTORY``). ``GilWatch`` sees a release without a clock; its control is
+the casting scatter itself, which must be seen to release, or these checks could not fail.
 """
 
 from __future__ import annotations
-
-import sys
-import threading
-import time
-from collections.abc import Callable
 
 import numpy as np
 import pytest
 
 from asyncbatch.engine.row_state import RowState
+from asyncbatch.profiling.gil_release import GilWatch
 
 ROWS = 256  # a decode step's rows: below numpy's size threshold for releasing the GIL in a plain scatter
-
-
-def times_the_gil_was_let_go(operation: Callable[[], object], tries: int = 20) -> int:
-    """Of ``tries`` calls of ``operation``, how many let another thread run."""
-    counter = [0]
-    stop = threading.Event()
-
-    def waiter() -> None:
-        while not stop.is_set():
-            counter[0] += 1
-            time.sleep(0)  # hand the GIL back at once: the caller gets it again after each of our turns
-
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(60.0)
-    thread = threading.Thread(target=waiter, daemon=True)
-    thread.start()
-    try:
-        released = 0
-        for _ in range(tries):
-            time.sleep(0.001)  # the waiter runs, and is waiting for the GIL when the operation starts
-            before = counter[0]
-            operation()
-            released += counter[0] != before
-        return released
-    finally:
-        stop.set()
-        sys.setswitchinterval(old)
-        thread.join(5)
 
 
 @pytest.fixture
@@ -56,22 +20,25 @@ def state() -> RowState:
     return RowState(ROWS, 512)
 
 
-def test_the_check_sees_a_casting_scatter_let_go_of_the_gil(state):
+def test_the_watch_sees_a_casting_scatter_let_go_of_the_gil(state):
     rows = np.arange(ROWS, dtype=np.int64)
     tokens = np.arange(ROWS, dtype=np.int64)  # int64 into the int32 history: numpy casts inside the scatter
-    assert times_the_gil_was_let_go(lambda: state._history_flat.__setitem__(rows * state._stride, tokens)) > 0
+    with GilWatch() as watch:
+        assert watch.let_go(lambda: state._history_flat.__setitem__(rows * state._stride, tokens)) > 0
+        assert watch.let_go(lambda: state._history_flat[rows * state._stride]) == 0  # a gather of 256 keeps it
 
 
 def test_appending_a_steps_outputs_keeps_the_gil(state):
     rng = np.random.default_rng(0)
     rows = rng.permutation(ROWS).astype(np.int64)
     tokens = rng.integers(0, 50_000, ROWS, dtype=np.int64)  # as the device's outputs come
-    assert times_the_gil_was_let_go(lambda: state.append_outputs(rows, tokens)) == 0
     # A verify step's runs, 3 tokens a row: one scatter of rows x 3 ids. Numpy lets go of the GIL in any loop
     # of more than 500 elements, cast or not, so 64 rows here (256 x 3 would release it whatever the dtypes).
     spec_rows = rows[:64]
     runs = rng.integers(0, 50_000, (64, 3), dtype=np.int64)
     counts = np.full(64, 2, dtype=np.int64)
-    assert times_the_gil_was_let_go(lambda: state.append_runs(spec_rows, runs, counts)) == 0
+    with GilWatch() as watch:
+        assert watch.let_go(lambda: state.append_outputs(rows, tokens)) == 0
+        assert watch.let_go(lambda: state.append_runs(spec_rows, runs, counts)) == 0
     row = int(rows[0])  # and the appends landed: 20 single ids, then 20 runs of 2
     assert state.outputs(row) == [int(tokens[0])] * 20 + [int(t) for t in runs[0, :2]] * 20
