@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import threading
+from collections.abc import Callable, Iterator
 
 from asyncbatch import LLM, SamplingParams
 from asyncbatch.config import SimConfig
 from asyncbatch.engine import (
     admission,
     block_manager,
-    prefill_metadata,
     row_state,
     scheduler,
     step_apply,
@@ -43,41 +44,37 @@ WATCHED = [
 PLANNER_THREAD = "asyncbatch-planner"
 
 
-def watch_calls(watch: GilWatch) -> tuple[collections.Counter, collections.Counter]:
-    """Wrap every ``WATCHED`` method: (calls, calls that let the GIL go), by name, on the planner thread."""
+@contextlib.contextmanager
+def watch_calls(watch: GilWatch) -> Iterator[tuple[collections.Counter, collections.Counter]]:
+    """Wrap every ``WATCHED`` method while open: (calls, calls that let the GIL go), by name, on the planner
+    thread. The originals are put back on exit."""
     calls: collections.Counter = collections.Counter()
     released: collections.Counter = collections.Counter()
 
-    def wrap(owner: type, name: str) -> None:
-        method = getattr(owner, name)
-        label = f"{owner.__name__}.{name}"
-
-        @functools.wraps(method)
+    def counted(label: str, function: Callable) -> Callable:
+        @functools.wraps(function)
         def watched(*args, **kwargs):
             if threading.current_thread().name != PLANNER_THREAD:
-                return method(*args, **kwargs)
+                return function(*args, **kwargs)
             before = watch.count
-            result = method(*args, **kwargs)
+            result = function(*args, **kwargs)
             calls[label] += 1
             released[label] += watch.count != before
             return result
 
-        setattr(owner, name, watched)
+        return watched
 
-    for owner, names in WATCHED:
-        for name in names:
-            wrap(owner, name)
-    original = prefill_metadata.write_prefill  # a module function, imported by name into step_metadata
-
-    def write_prefill(*args, **kwargs):
-        before = watch.count
-        result = original(*args, **kwargs)
-        calls["write_prefill"] += 1
-        released["write_prefill"] += watch.count != before
-        return result
-
-    step_metadata.write_prefill = write_prefill
-    return calls, released
+    # write_prefill is a module function, imported by name into step_metadata.
+    targets = [(owner, name, f"{owner.__name__}.{name}") for owner, names in WATCHED for name in names]
+    targets.append((step_metadata, "write_prefill", "write_prefill"))
+    originals = [(owner, name, owner.__dict__[name]) for owner, name, _ in targets]
+    for owner, name, label in targets:
+        setattr(owner, name, counted(label, getattr(owner, name)))
+    try:
+        yield calls, released
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
 
 
 def main() -> None:
@@ -86,18 +83,16 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=40)
     args = parser.parse_args()
-    with GilWatch() as watch:
-        calls, released = watch_calls(watch)
+    with GilWatch() as watch, watch_calls(watch) as (calls, released):
         # No planner warm-up: it rehearses admissions on the planner thread, and its calls would be counted.
-        llm = LLM("smollm2-135m", device="sim", engine_process=False, max_num_seqs=args.rows, switch_interval_s=None,
-                  planner_warmup=False, max_num_batched_tokens=max(8192, args.rows * args.prompt_len),
-                  skip_tokenizer_init=True,
-                  sim=SimConfig(step_fixed_ms=1.0, per_token_us=0.0, per_context_token_ns=0.0))
-        prompts = [{"prompt_token_ids": [100 + (i * 7 + j) % 1000 for j in range(args.prompt_len)]}
-                   for i in range(args.rows)]
-        llm.generate(prompts, SamplingParams(max_tokens=args.output_len, ignore_eos=True), use_tqdm=False)
-        steps = llm.stats()["steps"]
-        llm.close()
+        with LLM("smollm2-135m", device="sim", engine_process=False, max_num_seqs=args.rows, switch_interval_s=None,
+                 planner_warmup=False, max_num_batched_tokens=max(8192, args.rows * args.prompt_len),
+                 skip_tokenizer_init=True,
+                 sim=SimConfig(step_fixed_ms=1.0, per_token_us=0.0, per_context_token_ns=0.0)) as llm:
+            prompts = [{"prompt_token_ids": [100 + (i * 7 + j) % 1000 for j in range(args.prompt_len)]}
+                       for i in range(args.rows)]
+            llm.generate(prompts, SamplingParams(max_tokens=args.output_len, ignore_eos=True), use_tqdm=False)
+            steps = llm.stats()["steps"]
     print(f"{args.rows} requests x {args.output_len} outputs, {steps} steps (sim, in-process)")
     print(f"{'function':46s} {'calls':>6s} {'let go of the GIL':>18s}")
     for label in sorted(calls):

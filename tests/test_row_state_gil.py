@@ -6,10 +6,14 @@ the casting scatter itself, which must be seen to release, or these checks could
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
+from in_process import ROOT, run_program
 
 from asyncbatch.engine.row_state import RowState
+from asyncbatch.engine.scheduler import Scheduler
 from asyncbatch.profiling.gil_release import GilWatch
 
 ROWS = 256  # a decode step's rows: below numpy's size threshold for releasing the GIL in a plain scatter
@@ -42,3 +46,14 @@ def test_appending_a_steps_outputs_keeps_the_gil(state):
         assert watch.let_go(lambda: state.append_runs(spec_rows, runs, counts)) == 0
     row = int(rows[0])  # and the appends landed: 20 single ids, then 20 runs of 2
     assert state.outputs(row) == [int(tokens[0])] * 20 + [int(t) for t in runs[0, :2]] * 20
+
+
+def test_the_scan_script_counts_each_planner_functions_releases_and_unwraps_them():
+    schedule = Scheduler.__dict__["schedule"]
+    done = run_program([sys.executable, str(ROOT / "scripts" / "gil_release_scan.py"), "--rows", "64",
+                        "--output-len", "8"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = {line.split()[0]: [int(x) for x in line.split()[1:]] for line in done.stdout.splitlines()[2:]}
+    assert table["RowState.append_outputs"] == [8, 0]  # one a step, and never a release
+    assert table["Scheduler.schedule"][0] >= 8  # the 8 steps, and any pass that found nothing to run
+    assert Scheduler.__dict__["schedule"] is schedule  # the wrappers are gone
