@@ -83,16 +83,15 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=40)
     args = parser.parse_args()
-    with GilWatch() as watch, watch_calls(watch) as (calls, released):
-        # No planner warm-up: it rehearses admissions on the planner thread, and its calls would be counted.
-        with LLM("smollm2-135m", device="sim", engine_process=False, max_num_seqs=args.rows, switch_interval_s=None,
-                 planner_warmup=False, max_num_batched_tokens=max(8192, args.rows * args.prompt_len),
-                 skip_tokenizer_init=True,
-                 sim=SimConfig(step_fixed_ms=1.0, per_token_us=0.0, per_context_token_ns=0.0)) as llm:
-            prompts = [{"prompt_token_ids": [100 + (i * 7 + j) % 1000 for j in range(args.prompt_len)]}
-                       for i in range(args.rows)]
-            llm.generate(prompts, SamplingParams(max_tokens=args.output_len, ignore_eos=True), use_tqdm=False)
-            steps = llm.stats()["steps"]
+    # No planner warm-up: it rehearses admissions on the planner thread, and its calls would be counted.
+    engine = {"device": "sim", "engine_process": False, "max_num_seqs": args.rows, "switch_interval_s": None,
+              "planner_warmup": False, "max_num_batched_tokens": max(8192, args.rows * args.prompt_len),
+              "skip_tokenizer_init": True, "sim": SimConfig(step_fixed_ms=1.0, per_token_us=0.0, per_context_token_ns=0.0)}
+    prompts = [{"prompt_token_ids": [100 + (i * 7 + j) % 1000 for j in range(args.prompt_len)]}
+               for i in range(args.rows)]
+    with GilWatch() as watch, watch_calls(watch) as (calls, released), LLM("smollm2-135m", **engine) as llm:
+        llm.generate(prompts, SamplingParams(max_tokens=args.output_len, ignore_eos=True), use_tqdm=False)
+        steps = llm.stats()["steps"]
     print(f"{args.rows} requests x {args.output_len} outputs, {steps} steps (sim, in-process)")
     print(f"{'function':46s} {'calls':>6s} {'let go of the GIL':>18s}")
     for label in sorted(calls):
