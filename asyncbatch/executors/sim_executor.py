@@ -431,7 +431,7 @@ class SimExecutor(ThreadedExecutor):
         k = self.num_speculative_tokens
         index = self.num_outputs[rows]  # [G] the output index of the next step's first position
         fed = self.token_buffer[rows]
-        lengths = self.output_length(seeds) if self.eos_token_id is not None else None
+        lengths = self.row_output_length(rows, seeds) if self.eos_token_id is not None else None
         drafts = np.zeros((len(rows), k), dtype=np.int64)
         for j in range(k):
             h = self._hash(seeds, index + j, fed)
