@@ -6,8 +6,9 @@ prefix of others (so entirely cached once those ran). Chunked prefill spreads
 admissions over steps so later requests find earlier ones' blocks; a KV
 cache of 14 blocks forces preemption (recompute reuses what is still cached)
 and eviction (20 did until requests sharing a prefix with a chunk of the same
-plan waited a step for its blocks: the cache then went further). Overlap and synchronous mode. Penalties and seeded sampling
-must see a reused prefix exactly as a computed one.
+plan waited a step for its blocks: the cache then went further). Overlap and
+synchronous mode. Penalties and seeded sampling must see a reused prefix
+exactly as a computed one.
 
 In float32 the tokens are identical; in bfloat16 a cached prefix's KV was
 computed in another batch, so its rounding differs and the runs may part at
