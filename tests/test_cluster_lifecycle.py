@@ -208,7 +208,12 @@ def test_sigint_twice_aborts_at_once_and_leaves_no_process_with_the_pow2_router(
             per_replica(m, "asyncbatch:prefix_cache_queries_total")) == 2)
         assert not any(name == "asyncbatch:router_decisions_total" for name, _ in seen)
         results, threads = start_streams(url, 1, 2000, [8, 9, 10])
-        wait_metrics(url, "a request running", lambda m: total(m, "asyncbatch:num_requests_running") == 1)
+        # The ingress's own counts, read at the scrape: the replicas' gauges are published every 0.5 s, and
+        # one published while the request above ran could pass for this stream before it reached the ingress.
+        ingress = (("model_name", MODEL),)
+        wait_metrics(url, "the stream in flight, with a token", lambda m: m[(
+            "asyncbatch:ingress_requests_in_flight", ingress)] == 1 and m[("asyncbatch:ingress_requests_waiting",
+                                                                          ingress)] == 0)
         start = time.monotonic()
         out = stop_and_check(server, watch, signal.SIGINT, exit_within_s=60, again_after_s=1.0)
         for t in threads:

@@ -34,6 +34,7 @@ from ray import serve
 from asyncbatch.cluster.cluster_metrics import ClusterCollector
 from asyncbatch.config import EngineConfig
 from asyncbatch.serve.app import build_app
+from asyncbatch.serve.asgi_guard import ASGIGuard
 from asyncbatch.serve.settings import ServeSettings
 from asyncbatch.serve.state import ServerState
 
@@ -77,6 +78,7 @@ class Ingress:
         self._max_retries = max_retries
         self._engine: ClusterEngine | None = None
         self._state: ServerState | None = None
+        self._guard: ASGIGuard | None = None
         self._abort_requested = False
 
     async def __serve_build_asgi_app__(self):
@@ -91,14 +93,14 @@ class Ingress:
         guard, self._state = build_app(engine, self._settings, unhealthy=self._no_replica_answers,
                                        engine_metrics=ClusterCollector(self._settings.served_model_names[0],
                                                                        engine.num_requests))
-        self._engine = engine
+        self._engine, self._guard = engine, guard
         return guard
 
     async def drain(self, timeout_s: float) -> dict:
         """Stop admitting, let in-flight requests finish for up to ``timeout_s`` (or until ``abort_now``),
         then abort the rest; returns a ``DrainReport`` as a dict once every stream has ended."""
         engine, state = self._engine, self._state
-        if engine is None or state is None:  # never served: nothing in flight
+        if engine is None or state is None or self._guard is None:  # never served: nothing in flight
             return DrainReport(0, 0, 0).to_dict()
         state.draining = True
         in_flight = engine.num_requests()[0]
@@ -109,9 +111,13 @@ class Ingress:
         aborted = engine.abort_all() if engine.num_requests()[0] else 0
         if aborted:
             log.warning("shutdown timeout: aborting %d in-flight requests", aborted)
+        # A request's end reaches its response a few awaits later: wait for the responses too, or the proxy,
+        # stopped next, could cut a stream before its last frames ("abort", [DONE]).
         deadline = time.monotonic() + ABORTED_END_S
-        while engine.num_requests()[0] and time.monotonic() < deadline:
+        while (engine.num_requests()[0] or self._guard.open_posts) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        if self._guard.open_posts:
+            log.warning("%d responses still open at the end of the drain", self._guard.open_posts)
         return DrainReport(in_flight, aborted, engine.num_requests()[0]).to_dict()
 
     async def abort_now(self) -> None:

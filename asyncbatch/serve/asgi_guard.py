@@ -13,6 +13,11 @@ already answered with a whole 500 (``openai_errors``, which logs it) is not
 raised on to uvicorn. Starlette re-raises it after answering, and uvicorn then
 closes the connection, so a keep-alive client's next request met a reset
 connection instead of an answer.
+
+It counts the POST requests (generation, tokenization) it is still answering (``open_posts``; probes and
+scrapes are GETs): the cluster ingress's drain waits for them, so that a stream aborted at shutdown has
+handed its last frames (``finish_reason`` "abort", ``[DONE]``) on before Ray Serve's proxy is stopped.
+(uvicorn does this wait itself for the single-engine server.)
 """
 
 from __future__ import annotations
@@ -53,11 +58,22 @@ class ASGIGuard:
         self._key = f"Bearer {api_key}".encode() if api_key else None
         self._limit = max_body_bytes
         self._on_reject = on_reject
+        self.open_posts = 0  # POST requests whose answer has not ended (invariant: >= 0)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if scope.get("method") != "POST":
+            await self._answer(scope, receive, send)
+            return
+        self.open_posts += 1
+        try:
+            await self._answer(scope, receive, send)
+        finally:
+            self.open_posts -= 1
+
+    async def _answer(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = dict(scope.get("headers") or ())
         if self._key is not None and scope.get("path", "").startswith("/v1"):
             given = headers.get(b"authorization", b"")
