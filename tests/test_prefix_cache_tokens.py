@@ -96,13 +96,17 @@ def caching_off_runs() -> dict:
     {"max_num_batched_tokens": 48},  # chunked prefill; admissions spread over steps
     {"max_num_batched_tokens": 64, "num_kv_blocks": 14},  # preemption and eviction
 ], ids=["chunked", "tight"])
-def test_greedy_tokens_identical_with_caching_on_and_off(make_llm, overlap, engine_kwargs, caching_off_runs):
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+def test_tokens_identical_with_caching_on_and_off(make_llm, overlap, engine_kwargs, caching_off_runs):
+    """Greedy rows beside rows with penalties and seeded sampling (which must see a reused prefix exactly as a
+    computed one), in float32: the same tokens."""
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    params = [greedy if i % 2 else PENALISED_SEEDED for i in range(12)]  # 10 batch prompts, then the 2 prefixes
     on = run(make_llm, True, params, overlap=overlap, **engine_kwargs)
     key = tuple(sorted(engine_kwargs.items()))
     if key not in caching_off_runs:
         caching_off_runs[key] = run(make_llm, False, params, overlap=overlap, **engine_kwargs)
     off = caching_off_runs[key]
+    assert len(on.prompts) == len(params)
     assert on.batch == off.batch
     assert on.again == off.again
     assert on.stats["prefix_cache_hit_rate"] > 0.3, on.cache
@@ -115,15 +119,6 @@ def test_greedy_tokens_identical_with_caching_on_and_off(make_llm, overlap, engi
         # Prompts that are entirely cached: every full block but the one holding the last token is reused.
         assert on.again_cache == {"prompt_tokens": sum(on.prefix_lens),
                                   "cached_tokens": sum((n - 1) // BLOCK * BLOCK for n in on.prefix_lens)}
-
-
-def test_penalties_and_seeded_sampling_see_a_reused_prefix_as_computed(make_llm):
-    params = PENALISED_SEEDED
-    on = run(make_llm, True, params, overlap=True, max_num_batched_tokens=48)
-    off = run(make_llm, False, params, overlap=True, max_num_batched_tokens=48)
-    assert on.stats["prefix_cache_hit_rate"] > 0.3
-    assert on.batch == off.batch
-    assert on.again == off.again
 
 
 @pytest.mark.slow
