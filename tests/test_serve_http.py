@@ -135,6 +135,30 @@ def test_stream_n_choices_and_usage(served) -> None:
                      "prompt_tokens_details": {"cached_tokens": 0}}  # no full block to reuse
 
 
+def test_streamed_echo_leads_each_choice_with_the_prompt_in_a_chunk_like_the_others(served) -> None:
+    """``echo`` with ``stream``: each choice's first chunk is the prompt's text, with the fields every later
+    chunk has (``stop_reason``, and ``token_ids`` empty: no completion token yet); then the same text and
+    tokens as the whole response."""
+    server, _engine = served
+    body = {**GOOD, "n": 2, "max_tokens": 5, "seed": 3, "temperature": 1.0, "echo": True, "return_token_ids": True}
+    with client(server) as http:
+        whole = http.post("/v1/completions", json=body).json()
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+            events = sse_events(response)
+    assert events[-1] == "[DONE]"
+    choices = [choice for event in events[:-1] for choice in event["choices"]]
+    assert {frozenset(choice) for choice in choices} == {
+        frozenset({"index", "text", "logprobs", "finish_reason", "stop_reason", "token_ids"})}
+    for expected in whole["choices"]:
+        mine = [choice for choice in choices if choice["index"] == expected["index"]]
+        prompt_text = mine[0]["text"]
+        assert prompt_text and mine[0]["token_ids"] == [] and mine[0]["finish_reason"] is None
+        assert expected["text"].startswith(prompt_text)
+        assert "".join(choice["text"] for choice in mine) == expected["text"]
+        assert [t for choice in mine for t in choice["token_ids"]] == expected["token_ids"]
+        assert mine[-1]["finish_reason"] == expected["finish_reason"] == "length"
+
+
 def test_continuous_usage_counts_the_tokens_streamed_so_far(served) -> None:
     """``continuous_usage_stats``: every chunk's usage counts the completion tokens sent up to it (vLLM's)."""
     server, _engine = served

@@ -85,7 +85,9 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
                 choice["token_ids"] = delta.token_ids
             return {**head, "choices": [choice]}
 
-        first = [{**head, "choices": [{"index": k, "text": text, "logprobs": None, "finish_reason": None}]}
+        # The echoed prompt leads each choice, in a chunk with every field the later ones have (no tokens yet).
+        first = [{**head, "choices": [{"index": k, "text": text, "logprobs": None, "finish_reason": None,
+                                       "stop_reason": None, **({"token_ids": []} if return_ids else {})}]}
                  for k, text in enumerate(echo) if text]
         return SSEResponse(gen.sse(_OBJECT, first, chunk))
     outputs = await gen.collect(request)
