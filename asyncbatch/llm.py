@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import queue
 import threading
 import time
 import uuid
@@ -117,13 +118,14 @@ class LLM:
     # -- submission -----------------------------------------------------------
     def submit(self, requests: Sequence[ProcessedRequest], request_ids: Sequence[str | None] | None = None, *,
                streaming: bool = False, make_sink: Callable[[], DeltaSink] | None = None,
-               text_by_caller: bool = False) -> list[RequestHandle]:
+               text_by_caller: bool = False, parent_id: str | None = None) -> list[RequestHandle]:
         """Register a handle per request, then send them to the core in one message.
 
         ``requests`` come from ``self.processor`` and are not checked again. ``request_ids`` names each one
         (None: ``req-<n>``); ``make_sink`` gives each streaming handle its delta sink (the asyncio API's),
         instead of a blocking queue. ``text_by_caller``: the caller decodes the texts the output thread would
         decode at each end (``RequestHandle.text_by_caller``; ``generate`` does, with ``decode_deferred``).
+        ``parent_id``: they are the completions of that stream (``submit_stream``).
         """
         names = list(request_ids) if request_ids is not None else [None] * len(requests)
         if len(names) != len(requests):
@@ -146,8 +148,8 @@ class LLM:
             for request in requests:
                 if request.params.n != 1:
                     raise ValueError(f"SamplingParams.n must be 1 for a request submitted alone, got {request.params.n}"
-                                     ": generate() and chat() serve n > 1 (one RequestOutput, n outputs); a stream "
-                                     "or the asyncio API takes one completion a request")
+                                     ": generate() and chat() serve n > 1 (one RequestOutput, n outputs), stream() "
+                                     "and the asyncio API's generate() n streams (submit_stream)")
             for name, request in zip(names, requests):
                 ids, params = request.prompt_token_ids, request.params
                 seq = next(self._ids)
@@ -162,7 +164,7 @@ class LLM:
                     logprobs=None if params.logprobs is None else Logprobs(),
                     prompt_logprobs=None if params.prompt_logprobs is None else Logprobs(),
                     text_by_caller=text_by_caller, include_stop_token=params.include_stop_str_in_output,
-                    min_tokens=params.min_tokens)
+                    min_tokens=params.min_tokens, parent_id=parent_id)
                 if make_sink is not None:
                     handle.deltas = make_sink()
                 self._handles[seq] = handle
@@ -295,25 +297,53 @@ class LLM:
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                request_id: str | None = None) -> Iterator[StreamDelta]:
-        """Yield deltas as tokens arrive; leaving the loop early aborts the request."""
+        """Yield deltas as tokens arrive; leaving the loop early aborts the request. With ``n > 1`` the
+        completions' deltas interleave, each with its ``index``, until every one has finished (``StreamDelta``)."""
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], Integral):  # token ids: numpy's too
             raise TypeError("stream takes one prompt (a string, a list of token ids or a prompt dict), got a list of "
                             f"{type(prompt[0]).__name__}; generate takes a list, or stream each prompt")
-        handle = self.submit([self.processor.process(prompt, sampling_params)], [request_id], streaming=True)[0]
-        return self._stream(handle)
+        request = self.processor.process(prompt, sampling_params)
+        shared: queue.SimpleQueue = queue.SimpleQueue()  # every completion's deltas, in arrival order
+        parent, handles = self.submit_stream(request, request_id, make_sink=lambda: shared)
+        return self._stream(parent, handles, shared)
 
-    def _stream(self, handle: RequestHandle) -> Iterator[StreamDelta]:
+    def submit_stream(self, request: ProcessedRequest, request_id: str | None,
+                      make_sink: Callable[[], DeltaSink]) -> tuple[str, list[RequestHandle]]:
+        """Submit one streamed request's ``params.n`` completions; returns the stream's request id and their
+        handles in index order. With ``n > 1`` completion ``k`` runs as request ``<request_id>-<k>`` (the id
+        is made here when None) and ``abort(request_id)`` stops them all."""
+        children = request.completions()
+        if len(children) == 1:
+            (handle,) = self.submit(children, [request_id], streaming=True, make_sink=make_sink)
+            return handle.request_id, [handle]
+        if request_id is not None and not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
+        parent = request_id if request_id is not None else f"req-{next(self._ids)}"
+        with self._lock:
+            live = self._by_id.get(parent)
+            if (live is not None and not live.finished) or any(h.parent_id == parent for h in self._handles.values()):
+                raise ValueError(f"request_id {parent!r} is already in use by a live request")
+        handles = self.submit(children, [f"{parent}-{k}" for k in range(len(children))], streaming=True,
+                              make_sink=make_sink, parent_id=parent)
+        return parent, handles
+
+    def _stream(self, parent: str, handles: list[RequestHandle], deltas: queue.SimpleQueue) -> Iterator[StreamDelta]:
+        index = {handle.request_id: k for k, handle in enumerate(handles)}
+        unfinished = len(handles)
         try:
-            while True:
-                item = handle.deltas.get()
+            while unfinished:
+                item = deltas.get()
                 if isinstance(item, BaseException):
                     raise item
+                if len(handles) > 1:
+                    item.request_id, item.index = parent, index[item.request_id]
                 yield item
                 if item.finish_reason is not None:
-                    return
+                    unfinished -= 1
         finally:
-            if not handle.finished:
-                self.abort(handle.request_id)
+            for handle in handles:
+                if not handle.finished:
+                    self.abort(handle.request_id)
 
     def num_requests(self) -> tuple[int, int]:
         """(unfinished, not yet scheduled) requests as this process sees them now; asks the core nothing."""
@@ -321,10 +351,16 @@ class LLM:
         return len(handles), sum(h.metrics.first_scheduled_time is None for h in handles)
 
     def abort(self, request_id: str) -> None:
-        """Stop a request; it finishes with ``finish_reason="abort"`` within one step."""
+        """Stop a request (or every completion of a stream of ``n > 1``); it finishes with
+        ``finish_reason="abort"`` within one step."""
         handle = self._by_id.get(request_id)
-        if handle is not None and not handle.finished and self._client.alive:
-            self._client.send(AbortRequests([handle.seq]))
+        if handle is not None:
+            handles = [handle]
+        else:  # a stream's id names its completions: rare, so the live handles are scanned
+            handles = [h for h in list(self._handles.values()) if h.parent_id == request_id]
+        seqs = [h.seq for h in handles if not h.finished]
+        if seqs and self._client.alive:
+            self._client.send(AbortRequests(seqs))
 
     def abort_all(self) -> int:
         """Abort every unfinished request (a server's drain timeout); returns how many."""

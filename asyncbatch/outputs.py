@@ -168,8 +168,12 @@ def _earliest(times: Iterable[float | None]) -> float | None:
 
 @dataclass(slots=True)
 class StreamDelta:
-    """New text and tokens since the previous delta of the same request; the last one (``finish_reason``
-    set) carries the whole ``RequestOutput`` as ``output`` (its metrics and token counts)."""
+    """New text and tokens since the previous delta of the same completion; the last one (``finish_reason``
+    set) carries the whole ``RequestOutput`` as ``output`` (its metrics and token counts).
+
+    A stream of ``SamplingParams.n > 1`` completions interleaves theirs: ``index`` says whose (vLLM's
+    ``CompletionOutput.index``), each ends with its own finishing delta, and ``request_id`` is the stream's
+    (its completions run as requests ``<request_id>-<index>``, the names their ``output`` carries)."""
 
     request_id: str
     text: str
@@ -178,3 +182,4 @@ class StreamDelta:
     stop_reason: int | str | None = None
     output: RequestOutput | None = None
     logprobs: Logprobs | None = None  # of this delta's token_ids, when the request asked for logprobs
+    index: int = 0  # which of the stream's n completions

@@ -65,7 +65,7 @@ class SamplingParams:
 
     ``n`` (1-128, vLLM's): completions of the prompt, each its own request with its own samples; ``LLM.generate``
     and ``LLM.chat`` return them as one ``RequestOutput``'s ``outputs`` (with a ``seed``, completion ``i`` is
-    seeded ``seed + i``); the streaming and asyncio APIs take one completion a request.
+    seeded ``seed + i``); ``LLM.stream`` and ``AsyncLLM.generate`` interleave their deltas (``StreamDelta.index``).
     ``max_tokens=None`` (vLLM's) lets each request fill the rest of the context (``max_model_len`` less its
     prompt). ``temperature == 0`` means greedy. ``top_k`` of -1 or 0 disables top-k.
     ``seed`` makes the request's tokens reproducible regardless of what else is

@@ -92,9 +92,10 @@ def test_metrics_span_every_completion(engine):
     assert m.latency >= m.ttft > 0
 
 
-def test_n_is_refused_where_one_completion_is_returned_and_the_engine_serves_on(engine):
+def test_n_is_refused_where_one_completion_is_submitted_and_the_engine_serves_on(engine):
+    """``submit`` takes one completion a request (``stream`` and ``generate`` split ``n`` into them)."""
     with pytest.raises(ValueError, match=r"SamplingParams\.n must be 1"):
-        next(engine.stream(PROMPTS[0], SamplingParams(n=2, max_tokens=4)))
+        engine.submit([engine.processor.process(PROMPTS[0], SamplingParams(n=2, max_tokens=4))])
     assert_idle_and_clean(engine)
     (out,) = engine.generate([PROMPTS[0]], SamplingParams(n=1, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out.outputs) == 1 and len(out.token_ids) == 4

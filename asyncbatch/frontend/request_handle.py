@@ -64,6 +64,7 @@ class RequestHandle:
     # (vLLM's rule: its detokenizer leaves out the token that stopped a request only without this flag).
     include_stop_token: bool = False
     min_tokens: int = 0  # stop strings end the output only in the text of later tokens (vLLM's rule)
+    parent_id: str | None = None  # one of a stream's n completions: the stream's request id (``LLM.abort`` takes it)
     token_only: bool = field(init=False)  # nothing per token but the id (see the module doc)
     has_text: bool = field(init=False)  # the engine has a tokenizer: outputs carry text
     text_ids: list[int] | None = field(init=False)  # token_only with text: the ids to decode at the end

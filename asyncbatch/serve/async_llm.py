@@ -15,6 +15,7 @@ taking them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
@@ -27,7 +28,7 @@ from asyncbatch.profiling.timeline import Timeline
 from asyncbatch.sampling_params import SamplingParams
 from asyncbatch.serve.async_stream import AsyncDeltaStream, LoopWaker, merge_deltas
 from asyncbatch.serve.engine_protocol import AsyncEngineClient
-from asyncbatch.serve.request_stream import RequestStream
+from asyncbatch.serve.request_stream import RequestStream, interleave
 
 # Text prompts longer than this are tokenized on a worker thread (a few ms of tokenizer work would stall
 # every stream on the loop); shorter ones cost less than the thread hop.
@@ -150,10 +151,24 @@ class AsyncLLM(AsyncEngineClient):
 
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[StreamDelta]:
-        """Stream one request's deltas; the last has ``finish_reason`` and the whole ``output``."""
-        (request,) = await self.submit([prompt], [sampling_params], [request_id])  # None: submit's defaults
-        async for delta in request:
-            yield delta
+        """Stream one request's deltas; the last has ``finish_reason`` and the whole ``output``. With
+        ``n > 1`` the completions' deltas interleave, each with its ``index``, until every one has finished
+        (``StreamDelta``); ``abort(request_id)`` stops them all."""
+        prompt, params = unpack_prompt(prompt, sampling_params if sampling_params is not None
+                                       else self.processor.default_params())
+        if params.n == 1:
+            (request,) = await self.submit([prompt], [params], [request_id])
+            async for delta in request:
+                yield delta
+            return
+        processed = self.processor.request(await self.prompt_ids(prompt), params,
+                                           prompt if isinstance(prompt, str) else None)
+        parent, handles = self.llm.submit_stream(processed, request_id, self._sink_factory())
+        streams = [AsyncRequest(self.llm, handle, handle.deltas) for handle in handles]
+        async with contextlib.aclosing(interleave(streams)) as merged:  # leaving early aborts every completion
+            async for index, delta in merged:
+                delta.request_id, delta.index = parent, index
+                yield delta
 
     async def abort(self, request_id: str) -> None:
         """Stop a request; its stream ends with ``finish_reason="abort"`` within a step."""

@@ -100,4 +100,4 @@ def merge_deltas(deltas: list[StreamDelta]) -> StreamDelta:
             if d.logprobs is not None:
                 logprobs.extend(d.logprobs)
     return StreamDelta(last.request_id, "".join(d.text for d in deltas), token_ids, last.finish_reason,
-                       last.stop_reason, last.output, logprobs)
+                       last.stop_reason, last.output, logprobs, last.index)

@@ -14,6 +14,7 @@ aborts its requests too.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -26,7 +27,7 @@ from starlette.responses import StreamingResponse
 from asyncbatch.errors import ConstraintConflictError, EngineDeadError, RequestFailedError
 from asyncbatch.outputs import RequestOutput, StreamDelta
 from asyncbatch.serve.openai_errors import OpenAIError, error_body
-from asyncbatch.serve.request_stream import RequestStream
+from asyncbatch.serve.request_stream import RequestStream, interleave
 from asyncbatch.serve.state import ServerState
 
 ChunkBuilder = Callable[[int, StreamDelta], dict | None]  # None: the delta gives the client nothing to send
@@ -101,32 +102,9 @@ class Generation:
     # -- streaming -------------------------------------------------------------
     async def events(self) -> AsyncIterator[tuple[int, StreamDelta]]:
         """(choice index, delta) as deltas arrive, until every choice finished."""
-        if len(self.requests) == 1:
-            async for delta in self.requests[0]:
-                yield 0, delta
-            return
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(index: int, request: RequestStream) -> None:
-            try:
-                async for delta in request:
-                    queue.put_nowait((index, delta))
-            except Exception as exc:  # noqa: BLE001 - handed to the response, which reports it
-                queue.put_nowait((index, exc))
-
-        tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(self.requests)]
-        try:
-            remaining = len(tasks)
-            while remaining:
-                index, item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield index, item
-                if item.finish_reason is not None:
-                    remaining -= 1
-        finally:
-            for task in tasks:  # cancelling a pump closes its choice's iterator, which aborts the request
-                task.cancel()
+        async with contextlib.aclosing(interleave(self.requests)) as merged:  # closed now: its requests abort now
+            async for index, delta in merged:
+                yield index, delta
 
     def chunk_head(self, object_name: str) -> dict:
         return {"id": self.response_id, "object": object_name, "created": self.created, "model": self.model}

@@ -10,9 +10,10 @@ kinds; the routes (``serve.generation``) only see this surface. Invariants, kept
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 from asyncbatch.outputs import RequestOutput, StreamDelta
 
@@ -56,3 +57,36 @@ class RequestStream(ABC):
                     yield delta
         finally:  # cancelled, closed early, or failed: the engine stops working on it
             self.abort()
+
+
+async def interleave(requests: Sequence[RequestStream]) -> AsyncIterator[tuple[int, StreamDelta]]:
+    """(index in ``requests``, delta) as the requests' deltas arrive, until every one has finished. A failure
+    of one is raised here; leaving early, or a failure, cancels the pumps, and a cancelled pump closes its
+    request's iteration, which aborts it."""
+    if len(requests) == 1:
+        async with contextlib.aclosing(aiter(requests[0])) as deltas:
+            async for delta in deltas:
+                yield 0, delta
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, request: RequestStream) -> None:
+        try:
+            async for delta in request:
+                queue.put_nowait((index, delta))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait((index, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(requests)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield index, item
+            if item.finish_reason is not None:
+                remaining -= 1
+    finally:
+        for task in tasks:
+            task.cancel()
