@@ -32,6 +32,7 @@ def test_user_errors_are_one_line_naming_the_option(capsys, argv, option):
 @pytest.mark.parametrize(("argv", "message"), [
     (["profile", "--num-requests", "0"], "argument --num-requests: expected an integer >= 1, got '0'"),
     (["profile", "--request-rate", "-1"], "argument --request-rate: expected a float >= 0, got '-1'"),
+    (["profile", "--repeats", "0"], "argument --repeats: expected an integer >= 1, got '0'"),
     (["demo", "--rounds", "0"], "argument --rounds: expected an integer >= 1, got '0'"),
     (["demo", "--num-requests", "x"], "argument --num-requests: expected an integer >= 1, got 'x'"),
     (["generate", "--prompt", "hi", "--speculative-config", "{bad"], "argument --speculative-config: not valid JSON"),

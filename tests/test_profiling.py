@@ -390,3 +390,32 @@ def test_profile_command_writes_report_trace_and_plot(tmp_path, capsys):
     assert_well_nested(trace)
     assert (out / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "Idle-gap report" in (out / "report.md").read_text()
+
+
+def test_profile_repeats_shows_the_median_run_and_the_range_of_every_run(tmp_path, capsys):
+    """``--repeats 3``: three runs of each mode; the table is the median one by device busy, and the summary
+    and ``report.json`` carry every run's figures."""
+    from asyncbatch.cli.main import main
+
+    out = tmp_path / "prof"
+    code = main(["profile", "--num-requests", "4", "--prompt-len", "8", "--output-len", "6", "--warmup-requests",
+                 "1", "--sim-step-ms", "0.5", "--repeats", "3", "--out", str(out)])
+    assert code == 0
+    text = capsys.readouterr().out
+    report = json.loads((out / "report.json").read_text())
+    assert report["identical_tokens"] is True
+    for mode in ("overlap", "sync"):
+        runs = report["repeats"][mode]
+        assert len(runs) == 3
+        busy = sorted(r["device_busy"] for r in runs)
+        assert report["runs"][mode]["gap_report"]["device_busy_fraction"] == busy[1]  # the table's: the median
+    summary = text[text.index("over 3 runs of each mode: median [min - max]"):]
+    row = next(line for line in summary.splitlines() if line.strip().startswith("device busy"))
+    shown = re.findall(r"(\d+\.\d)% \[(\d+\.\d)-(\d+\.\d)\]", row)
+    expected = []
+    for mode in ("overlap", "sync"):
+        busy = sorted(100 * r["device_busy"] for r in report["repeats"][mode])
+        expected.append((f"{busy[1]:.1f}", f"{busy[0]:.1f}", f"{busy[2]:.1f}"))
+    assert shown == expected
+    assert main(["profile", "--repeats", "2", "--torch-profiler"]) == 2  # a usage error, before any engine starts
+    assert "--torch-profiler records one run" in capsys.readouterr().err

@@ -5,6 +5,11 @@ warmup; the table gives device busy fraction, idle time per step and the share
 of idle time per cause (``asyncbatch.profiling.gap_report``). With ``--out DIR`` it also
 writes ``report.json``, ``report.md``, ``trace.json`` (both runs, Perfetto /
 chrome://tracing) and ``timeline.png`` (a window of steps of both runs).
+
+``--repeats N`` runs each mode N times, interleaved, each in a fresh engine: on a
+noisy machine (a small VM's busy fraction can move by 30 points between two runs
+of the same command) the table shows each mode's median run by device busy, and a
+summary gives the median and range of every run's figures.
 """
 
 from __future__ import annotations
@@ -84,6 +89,9 @@ def add_profile_command(subparsers, engine_args_fn: Callable[[argparse.ArgumentP
     p.add_argument("--sim-per-token-us", type=float, default=_SIM.per_token_us)
     p.add_argument("--sim-per-context-ns", type=float, default=_SIM.per_context_token_ns)
     p.add_argument("--num-threads", type=int, default=None, help="torch threads (cpu backend)")
+    p.add_argument("--repeats", type=positive_int, default=1,
+                   help="runs of each mode, interleaved, each in a fresh engine: the table shows the median run "
+                        "(by device busy), a summary the median and range of all")
     p.add_argument("--window", type=int, default=16, help="steps shown in timeline.png")
     p.add_argument("--window-start", type=int, default=None, help="first step index of the plot window")
     p.add_argument("--out", default=None, help="directory for report.json, report.md, trace.json, timeline.png")
@@ -247,6 +255,40 @@ def format_table(runs: list[ModeRun]) -> str:
     return "\n".join(lines)
 
 
+def run_figures(run: ModeRun) -> dict[str, float]:
+    """The figures of one run that ``--repeats`` summarises."""
+    rep = run.report
+    return {"device_busy": rep.busy_fraction, "steady_busy": rep.kind_busy_fraction("steady"),
+            "planner_ms_per_step": run.stats["planner_ms_per_step"],
+            "admission_cpu_us_per_request": rep.admission_cpu_us_per_request,
+            "output_ms_per_step": run.stats["output_ms_per_step"]}
+
+
+def median_run(runs: list[ModeRun]) -> ModeRun:
+    """The run whose device busy fraction is the median (the lower middle one of an even count)."""
+    return sorted(runs, key=lambda r: r.report.busy_fraction)[(len(runs) - 1) // 2]
+
+
+_REPEAT_LABELS = {"device_busy": "device busy", "steady_busy": "steady (the rest): busy",
+                  "planner_ms_per_step": "planner ms per step", "admission_cpu_us_per_request":
+                  "admission CPU us per admitted request", "output_ms_per_step": "output ms per step"}
+
+
+def format_repeats(every: dict[str, list[ModeRun]]) -> str:
+    """Median [min - max] of each figure over every run of each mode, a column per mode."""
+    count = len(next(iter(every.values())))
+    lines = [f"{f'over {count} runs of each mode: median [min - max]':<44}" + "".join(f" {m:>24}" for m in every)]
+    figures = {mode: [run_figures(r) for r in runs] for mode, runs in every.items()}
+    for key, label in _REPEAT_LABELS.items():
+        scale, unit, digits = (100.0, "%", 1) if key.endswith("busy") else (1.0, "", 3)
+        cells = []
+        for mode_figures in figures.values():
+            values = np.array([f[key] for f in mode_figures]) * scale
+            cells.append(f"{np.median(values):.{digits}f}{unit} [{values.min():.{digits}f}-{values.max():.{digits}f}]")
+        lines.append(f"  {label:<42}" + "".join(f" {c:>24}" for c in cells))
+    return "\n".join(lines)
+
+
 def _nvtx_line(overhead: MarkOverhead, per_step: float) -> str:
     off = overhead.disabled_ns - overhead.baseline_ns
     line = (f"NVTX: {per_step:.1f} ranges per step; a range costs {off:.0f} ns when off -> "
@@ -263,16 +305,25 @@ def cmd_profile(args: argparse.Namespace) -> int:
     out_dir = Path(args.out) if args.out else None
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
+    if args.torch_profiler and args.repeats > 1:
+        raise ValueError("--torch-profiler records one run: use it with --repeats 1")
     overhead = measure_mark_overhead(100_000)
-    runs = [_run_mode(args, overlap, out_dir) for overlap in ([False] if args.no_overlap else [True, False])]
+    every: dict[str, list[ModeRun]] = {}
+    for _ in range(args.repeats):  # interleaved: a slow spell of the machine falls on both modes
+        for overlap in [False] if args.no_overlap else [True, False]:
+            run = _run_mode(args, overlap, out_dir)
+            every.setdefault(run.mode, []).append(run)
+    runs = [median_run(mode_runs) for mode_runs in every.values()]
     first = runs[0]
     env = environment(first.backend, _engine_kwargs(args, True).get("sim"))
-    same = all([o.token_ids for o in r.outputs] == [o.token_ids for o in first.outputs] for r in runs)
+    same = all([o.token_ids for o in r.outputs] == [o.token_ids for o in first.outputs]
+               for mode_runs in every.values() for r in mode_runs)
     sim = " (SIMULATED device: modelled step times, pseudo-tokens)" if first.simulated else ""
     arrivals = "all at once" if args.request_rate <= 0 else f"{args.request_rate:g} req/s Poisson"
     text = (f"asyncbatch profile on {first.backend}{sim}\nhardware: {env['hardware']}\ncommit: {env['commit']}\n"
             f"command: {env['command']}\nworkload: {args.num_requests} requests, prompts {args.prompt_len} tokens, "
             f"outputs {args.output_len} tokens (ignore_eos), greedy, {arrivals}\n\n{format_table(runs)}\n\n"
+            f"{format_repeats(every) + chr(10) + chr(10) if args.repeats > 1 else ''}"
             f"identical tokens in every mode: {same}\n{_nvtx_line(overhead, first.ranges_per_step)}\n"
             f"NVTX during the measured runs: {'on' if args.nvtx or nvtx_enabled() else 'off'}")
     print(text)
@@ -290,7 +341,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
               "identical_tokens": same,
               "nvtx": {"overhead": dataclasses.asdict(overhead), "ranges_per_step": first.ranges_per_step,
                        "ranges_by_name_per_step": first.ranges_by_name},
-              "runs": {r.mode: r.to_dict() for r in runs}}
+              "runs": {r.mode: r.to_dict() for r in runs},
+              "repeats": {mode: [run_figures(r) for r in mode_runs] for mode, mode_runs in every.items()}}
     (out_dir / "report.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     (out_dir / "report.md").write_text(f"# Idle-gap report\n\n```\n{text}\n```\n\nFiles: `trace.json` (open in "
                                        "ui.perfetto.dev or chrome://tracing), `timeline.png`, `report.json`.\n")
