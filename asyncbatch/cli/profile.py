@@ -320,10 +320,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
                for mode_runs in every.values() for r in mode_runs)
     sim = " (SIMULATED device: modelled step times, pseudo-tokens)" if first.simulated else ""
     arrivals = "all at once" if args.request_rate <= 0 else f"{args.request_rate:g} req/s Poisson"
+    repeats = format_repeats(every) + "\n\n" if args.repeats > 1 else ""
     text = (f"asyncbatch profile on {first.backend}{sim}\nhardware: {env['hardware']}\ncommit: {env['commit']}\n"
             f"command: {env['command']}\nworkload: {args.num_requests} requests, prompts {args.prompt_len} tokens, "
             f"outputs {args.output_len} tokens (ignore_eos), greedy, {arrivals}\n\n{format_table(runs)}\n\n"
-            f"{format_repeats(every) + chr(10) + chr(10) if args.repeats > 1 else ''}"
+            f"{repeats}"
             f"identical tokens in every mode: {same}\n{_nvtx_line(overhead, first.ranges_per_step)}\n"
             f"NVTX during the measured runs: {'on' if args.nvtx or nvtx_enabled() else 'off'}")
     print(text)
