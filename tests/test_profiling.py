@@ -385,6 +385,11 @@ def test_profile_command_writes_report_trace_and_plot(tmp_path, capsys):
     expected = [(f"{g['admission_us_per_request']:.2f}", f"{g['admission_cpu_us_per_request']:.2f}")
                 for g in (report["runs"][mode]["gap_report"] for mode in ("overlap", "sync"))]
     assert shown == expected and all(float(wall) > 0 for wall, _ in shown)
+    # Applying a step's tokens, wall and the planner thread's CPU: a thread's CPU time never exceeds the wall.
+    for label in ("apply ms per step: wall / CPU", "  the longest apply: wall / CPU"):
+        row = next(line for line in text.splitlines() if line.startswith(label))
+        pairs = [(float(w), float(c)) for w, c in re.findall(r"(\d+\.\d+) / (\d+\.\d+)", row)]
+        assert len(pairs) == 2 and all(0 < c <= w + 0.01 for w, c in pairs), row
     trace = json.loads((out / "trace.json").read_text())
     assert set(run_pids(trace)) == {"overlap", "sync"}
     assert_well_nested(trace)

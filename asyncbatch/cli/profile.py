@@ -239,6 +239,9 @@ def format_table(runs: list[ModeRun]) -> str:
     # Schedule and prefill metadata of the steps that admitted requests, over the requests they admitted.
     row("admission us per admitted request: wall / CPU", [f"{rep.admission_us_per_request:.2f} / "
                                                          f"{rep.admission_cpu_us_per_request:.2f}" for rep in reports])
+    applies = [_applies(r.records) for r in runs]
+    row("apply ms per step: wall / CPU (planner thread)", [f"{a[0]:.3f} / {a[1]:.3f}" for a in applies])
+    row("  the longest apply: wall / CPU", [f"{a[2]:.2f} / {a[3]:.2f}" for a in applies])
     row("output ms per step (timeline)", [f"{r.stats['output_ms_per_step']:.3f}" for r in runs])
     row("generate's texts decoded after its outputs, ms (texts)",
         [f"{r.stats['generate_detok_ms']:.1f} ({r.stats['generate_detok_texts']})" for r in runs])
@@ -253,6 +256,17 @@ def format_table(runs: list[ModeRun]) -> str:
         row("  emitted tokens per step", [f"{s['emitted_tokens_per_step']:.1f}" for s in spec])
         row("  reconcile ms per step (one step late)", [f"{s['reconcile_ms_per_step']:.3f}" for s in spec])
     return "\n".join(lines)
+
+
+def _applies(records: list) -> tuple[float, float, float, float]:
+    """Applying a step's tokens: mean wall and CPU ms per step, and the longest apply's wall and CPU (a step
+    where many requests finish, typically); wall beyond CPU is the planner waiting, mostly for the GIL."""
+    spans = [((r.apply_end - r.wait_end) * 1e3, r.apply_cpu_ms) for r in records if r.apply_end and r.wait_end]
+    if not spans:
+        return 0.0, 0.0, 0.0, 0.0
+    walls, cpus = np.array(spans).T
+    longest = int(walls.argmax())
+    return float(walls.mean()), float(cpus.mean()), float(walls[longest]), float(cpus[longest])
 
 
 def run_figures(run: ModeRun) -> dict[str, float]:

@@ -343,6 +343,7 @@ class EngineCore:
         record.h2d_ms, record.forward_ms = result.h2d_ms, result.forward_ms
         record.sample_ms, record.d2h_ms = result.sample_ms, result.d2h_ms
         record.mask_wait_ms, record.mask_wait_start = result.mask_wait_ms, result.mask_wait_start
+        apply_cpu = time.thread_time()
         with stage(record, None, "apply_end", "apply"):
             if result.num_emitted is None:
                 applied = self.scheduler.apply(step.plan, result.token_ids, result.finite)
@@ -358,6 +359,7 @@ class EngineCore:
             if result.grammar_drafts is not None:  # what the grammar rows' next verify checks
                 self.grammar.note_drafts(step.meta.extras.grammar.seqs, result.grammar_drafts,
                                          result.grammar_num_drafts)
+        record.apply_cpu_ms = (time.thread_time() - apply_cpu) * 1e3
         if fill is not None and self._fills_after(fill):
             self._fill_launched(fill)
         step_end(step.nvtx)

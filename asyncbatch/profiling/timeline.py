@@ -40,6 +40,8 @@ class StepRecord:
     wait_start: float = 0.0  # planner waits for this step's tokens
     wait_end: float = 0.0
     apply_end: float = 0.0  # planner applied the tokens (appends, EOS/stop ids, frees)
+    # The planner thread's CPU time in that apply: wall time beyond it was spent waiting (for the GIL, mostly).
+    apply_cpu_ms: float = 0.0
     output_start: float = 0.0  # output thread: detokenize, stop strings, stream
     output_end: float = 0.0
     detok_ms: float = 0.0  # of the output thread's time, rows with detokenizer work (0: no text this step)
