@@ -120,19 +120,25 @@ class StepApplier:
             return AppliedStep(seqs, tokens, codes, [])
 
         errored: list[int] = []
+        # The special rows' values as Python lists, read once: a finishing wave (many requests ending in one
+        # step, most of their last tokens arriving off their rows) pays per row, and a numpy scalar read costs
+        # more than a list's.
+        n = len(special)
+        kept = [True] * n if keep is None else keep[special].tolist()
+        held = [True] * n if on_row is None else on_row[special].tolist()
         # In plan order: finishing frees rows and blocks, and their order is the free lists' order.
-        for i in special.tolist():
-            if keep is None or keep[i]:
-                code = Finish(int(codes[i]))
-                stop_reason = int(tokens[i]) if code is Finish.STOP_TOKEN else None
-                self.finish(self.owners[int(rows[i])], code.reason, stop_reason)
-            elif on_row is None or on_row[i]:  # non-finite logits on a held row
-                row = int(rows[i])
+        for i, row, seq, token, code_value, ok, is_kept, is_held in zip(
+                special.tolist(), rows[special].tolist(), seqs[special].tolist(), tokens[special].tolist(),
+                codes[special].tolist(), good[special].tolist(), kept, held):
+            if is_kept:
+                code = Finish(code_value)
+                self.finish(self.owners[row], code.reason, token if code is Finish.STOP_TOKEN else None)
+            elif is_held:  # non-finite logits on a held row
                 st.num_scheduled[row] -= 1  # this token never comes
-                errored.append(int(seqs[i]))
+                errored.append(seq)
                 self.finish(self.owners[row], Finish.ERROR.reason)
             else:
-                code = self._apply_off_row(self.off_row[int(seqs[i])], int(tokens[i]), bool(good[i]), errored)
+                code = self._apply_off_row(self.off_row[seq], token, ok, errored)
                 if code is not None:
                     keep[i] = True
                     codes[i] = code
