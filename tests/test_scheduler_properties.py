@@ -134,7 +134,11 @@ def test_scheduler_never_violates_budget_or_loses_requests(specs, block_size, nu
             assert n == stop_at
     assert not sched._off_row, "a request's in-flight tokens were never accounted"
     assert blocks.num_free_blocks == blocks.num_usable_blocks
-    assert admitted == sorted(admitted), "first admissions must follow arrival order"
+    if admitted != sorted(admitted):
+        # Only the prefix-sharing wait lets a later request go first (``admission.py``): one whose next block to
+        # reuse is computed by a chunk of the same plan waits a step, and the requests behind it may be admitted
+        # meanwhile (hypothesis found [0, 2, 1] for prompts [0], [0, 1], [0] in 1-token blocks).
+        assert caching and blocks.prefix.stats.deferred_admissions > 0, "first admissions must follow arrival order"
 
 
 def test_preemption_recomputes_and_frees_once():
