@@ -239,9 +239,9 @@ def format_table(runs: list[ModeRun]) -> str:
     # Schedule and prefill metadata of the steps that admitted requests, over the requests they admitted.
     row("admission us per admitted request: wall / CPU", [f"{rep.admission_us_per_request:.2f} / "
                                                          f"{rep.admission_cpu_us_per_request:.2f}" for rep in reports])
-    applies = [_applies(r.records) for r in runs]
-    row("apply ms per step: wall / CPU (planner thread)", [f"{a[0]:.3f} / {a[1]:.3f}" for a in applies])
-    row("  the longest apply: wall / CPU", [f"{a[2]:.2f} / {a[3]:.2f}" for a in applies])
+    row("apply ms per step: wall / CPU (planner thread)", [f"{r.stats['apply_ms_per_step']:.3f} / "
+                                                           f"{r.stats['apply_cpu_ms_per_step']:.3f}" for r in runs])
+    row("  the longest apply: wall / CPU", ["{:.2f} / {:.2f}".format(*_longest_apply(r.records)) for r in runs])
     row("output ms per step (timeline)", [f"{r.stats['output_ms_per_step']:.3f}" for r in runs])
     row("generate's texts decoded after its outputs, ms (texts)",
         [f"{r.stats['generate_detok_ms']:.1f} ({r.stats['generate_detok_texts']})" for r in runs])
@@ -258,15 +258,13 @@ def format_table(runs: list[ModeRun]) -> str:
     return "\n".join(lines)
 
 
-def _applies(records: list) -> tuple[float, float, float, float]:
-    """Applying a step's tokens: mean wall and CPU ms per step, and the longest apply's wall and CPU (a step
-    where many requests finish, typically); wall beyond CPU is the planner waiting, mostly for the GIL."""
-    spans = [((r.apply_end - r.wait_end) * 1e3, r.apply_cpu_ms) for r in records if r.apply_end and r.wait_end]
-    if not spans:
-        return 0.0, 0.0, 0.0, 0.0
-    walls, cpus = np.array(spans).T
-    longest = int(walls.argmax())
-    return float(walls.mean()), float(cpus.mean()), float(walls[longest]), float(cpus[longest])
+def _longest_apply(records: list) -> tuple[float, float]:
+    """The longest apply of a step's tokens, wall and CPU ms (a step where many requests finish, typically); wall
+    beyond CPU is the planner waiting, mostly for the GIL. The means are ``stats()``' ``apply_*ms_per_step``."""
+    if not records:
+        return 0.0, 0.0
+    longest = max(records, key=lambda r: r.apply_end - r.wait_end)
+    return (longest.apply_end - longest.wait_end) * 1e3, longest.apply_cpu_ms
 
 
 def run_figures(run: ModeRun) -> dict[str, float]:

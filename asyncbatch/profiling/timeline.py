@@ -249,6 +249,7 @@ def summarize(records: list[StepRecord]) -> dict:
         "planner_ms_per_step": float(np.mean([r.planner_ms for r in records])),
         "fence_wait_ms_per_step": float(np.mean([(r.fence_end - r.fence_start) * 1e3 for r in records])),
         "apply_ms_per_step": float(np.mean([(r.apply_end - r.wait_end) * 1e3 for r in records])),
+        "apply_cpu_ms_per_step": float(np.mean([r.apply_cpu_ms for r in records])),
         "output_ms_per_step": float(np.mean([(r.output_end - r.output_start) * 1e3 for r in records])),
         "detok_ms_per_step": float(np.mean([r.detok_ms for r in records])),
         "settle_ms_per_step": float(np.mean([r.settle_ms for r in records])),
