@@ -321,11 +321,15 @@ class LLM:
         parent = request_id if request_id is not None else f"req-{next(self._ids)}"
         with self._lock:
             live = self._by_id.get(parent)
-            if (live is not None and not live.finished) or any(h.parent_id == parent for h in self._handles.values()):
+            if (live is not None and not live.finished) or self._completions_of(parent):
                 raise ValueError(f"request_id {parent!r} is already in use by a live request")
         handles = self.submit(children, [f"{parent}-{k}" for k in range(len(children))], streaming=True,
                               make_sink=make_sink, parent_id=parent)
         return parent, handles
+
+    def _completions_of(self, parent: str) -> list[RequestHandle]:
+        """The live completions of stream ``parent`` (``submit_stream``): rare, so the live handles are scanned."""
+        return [h for h in list(self._handles.values()) if h.parent_id == parent]
 
     def _stream(self, parent: str, handles: list[RequestHandle], deltas: queue.SimpleQueue) -> Iterator[StreamDelta]:
         index = {handle.request_id: k for k, handle in enumerate(handles)}
@@ -356,8 +360,8 @@ class LLM:
         handle = self._by_id.get(request_id)
         if handle is not None:
             handles = [handle]
-        else:  # a stream's id names its completions: rare, so the live handles are scanned
-            handles = [h for h in list(self._handles.values()) if h.parent_id == request_id]
+        else:
+            handles = self._completions_of(request_id)
         seqs = [h.seq for h in handles if not h.finished]
         if seqs and self._client.alive:
             self._client.send(AbortRequests(seqs))
