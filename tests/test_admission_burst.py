@@ -8,7 +8,8 @@ evictable blocks, and admissions that evict cached blocks (evicted as each is
 decided, handed out with the batch's pop).
 The lockstep test drives two schedulers over the same bursts, one with
 ``Admitter.batch = False`` (each admission applied as it is decided, as the
-per-request planner did), with a KV cache small enough that admissions evict
+per-request planner did) and ``Scheduler.batch_release = False`` (drained
+requests released one by one), with a KV cache small enough that admissions evict
 cached blocks and running requests get preempted, and requires every plan,
 block table, free list, cache counter and staging write to agree.
 """
@@ -41,9 +42,18 @@ class Planner:
         self.blocks = BlockManager(num_blocks, BLOCK, ROWS, MAX_BLOCKS, prefix_caching=True)
         self.sched = Scheduler(self.blocks, BUDGET, eos_token_id=EOS)
         self.sched.admitter.batch = batch
+        self.sched.batch_release = batch
         self.writer = StepMetadataWriter(self.sched.rows, self.blocks)
         self.staging = StagingPair(BUDGET, ROWS, MAX_BLOCKS, pinned=False)
         self.requests: dict[int, Request] = {}
+        self.release_batches: list[int] = []  # sizes of the batched releases (``Scheduler._release_many``)
+        release_many = self.sched._release_many
+
+        def counted(requests: list[Request]) -> None:
+            self.release_batches.append(len(requests))
+            release_many(requests)
+
+        self.sched._release_many = counted
 
     def add(self, seq: int, prompt: list[int], params: SamplingParams) -> None:
         request = Request(str(seq), seq, list(prompt), params, seq * 7 + 1, 0.0)
@@ -71,6 +81,12 @@ def _staging_view(meta) -> tuple:
             s.token_is_output[:t].tolist(), s.token_owner_row[:t].tolist(), s.logits_indices[:r].tolist(),
             s.sample_token_rows[:r].tolist(), s.sample_step[:r].tolist(), s.sample_seed[:r].tolist(), spans,
             tables, list(meta.first_chunk_rows), meta.context_tokens)
+
+
+def _parked(planner: Planner) -> list[tuple]:
+    """The releases waiting to be settled, oldest first: request, blocks, outputs to hash, full blocks."""
+    return [(p.request.arrival_seq, p.parked.blocks.tolist(), p.parked.chain, p.outputs.tolist(), p.num_full)
+            for p in planner.sched.prefix._pending]
 
 
 def _held_tables(planner: Planner) -> dict[int, list[int]]:
@@ -115,6 +131,8 @@ def test_batched_admission_equals_one_at_a_time(seed: int) -> None:
             p.sched.check_integrity()
         assert _held_tables(batched) == _held_tables(single)
         assert batched.blocks.free_blocks() == single.blocks.free_blocks()
+        assert list(batched.blocks.prefix._lru) == list(single.blocks.prefix._lru)
+        assert _parked(batched) == _parked(single)
         assert batched.sched._free_rows == single.sched._free_rows
         assert batched.sched.prefix_cache_stats() == single.sched.prefix_cache_stats()
         if step > max(waves) and not in_flight and not batched.sched.has_work():
@@ -123,6 +141,7 @@ def test_batched_admission_equals_one_at_a_time(seed: int) -> None:
     stats = batched.sched.prefix_cache_stats()
     # The workload reached the paths under test: cache hits, evictions within a batch, preemptions.
     assert stats["cached_tokens"] > 0 and stats["evictions"] > 0 and batched.sched.num_preemptions > 0
+    assert max(batched.release_batches) > 1  # and several drained requests were released at once
     assert batched.blocks.num_free_blocks == batched.blocks.num_usable_blocks
 
 

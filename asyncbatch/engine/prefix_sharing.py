@@ -225,6 +225,39 @@ class PrefixSharer:
         else:
             self._settle_one(pending)
 
+    def release_many(self, requests: list[Request], rows: list[int], num_outputs: list[int]) -> None:
+        """``release(request, row, park=True)`` for each of ``requests`` in order (``rows`` their rows,
+        ``num_outputs`` the rows' output counts), with the row reads, the frees and the parks each done once
+        for all of them."""
+        blocks = self.blocks
+        if blocks.prefix is None:
+            blocks.free_many(rows)
+            return
+        st, bs, chains = self.rows, blocks.block_size, blocks.chains
+        index = np.asarray(rows, dtype=np.int64)  # [R]
+        freed: list[int] = []
+        parks: list[tuple[Request, int, int, int, int]] = []  # (request, row, outputs from, outputs to, num_full)
+        for request, row, outputs, computed in zip(requests, rows, num_outputs, st.num_computed[index].tolist()):
+            prompt_len = len(request.prompt_token_ids)
+            num_full = min(prompt_len + outputs, computed) // bs
+            if num_full <= len(chains[row]):
+                freed.append(row)
+                continue
+            hashed = len(request.block_keys) * bs
+            parks.append((request, row, max(hashed - prompt_len, 0), outputs if hashed < num_full * bs else 0,
+                          num_full))
+        # Frees and parks are independent (a park keeps its blocks' references), so each group in order
+        # leaves the free stack and the pending queue as the one-by-one releases would.
+        blocks.free_many(freed)
+        if not parks:
+            return
+        park_rows = [row for _, row, _, _, _ in parks]
+        widest = max(end for _, _, _, end, _ in parks)
+        # The outputs after the hashed tokens, copied in one gather: the rows' history belongs to their next owners.
+        history = st.history[np.asarray(park_rows, dtype=np.int64), :widest]  # [P, widest]
+        for i, ((request, _, start, end, num_full), parked) in enumerate(zip(parks, blocks.park_many(park_rows))):
+            self._pending.append(_PendingRelease(request, parked, history[i, start:end] if end else _NONE, num_full))
+
     @property
     def num_pending(self) -> int:
         """Released requests whose blocks are parked until ``settle``."""
