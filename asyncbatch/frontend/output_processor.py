@@ -13,7 +13,8 @@ when its stop was seen) are dropped: never emitted, never counted.
 
 Per row and step the work is what the request needs (``RequestHandle``): a
 ``token_only`` request (not streamed, no stop strings, no logprobs) only gets
-its id appended until its last token, and its text is decoded once at the
+its id appended until its last token (after its first, by ``TokenLog``, a
+few array operations for all such rows of a step), and its text is decoded once at the
 end (here, or for ``LLM.generate`` by its caller with the whole batch:
 ``RequestHandle.text_by_caller``); without a tokenizer
 (``skip_tokenizer_init``) no detokenizer is called.
@@ -43,6 +44,7 @@ from asyncbatch.engine.messages import (
 )
 from asyncbatch.errors import ConstraintConflictError, RequestFailedError
 from asyncbatch.frontend.request_handle import RequestHandle
+from asyncbatch.frontend.token_log import TokenLog
 from asyncbatch.outputs import Logprobs, StreamDelta
 from asyncbatch.profiling.marks import mark
 from asyncbatch.profiling.timeline import Timeline
@@ -65,6 +67,10 @@ class OutputProcessor:
         self._hidden_ids = np.fromiter(hidden_token_ids, dtype=np.int64, count=len(hidden_token_ids))
         self.send = send
         self._ack_steps = ack_steps  # synchronous mode: the core waits for our StepAck
+        # token_only requests' ids after their first, cut out of each step's arrays (``TokenLog``); False: every
+        # row one by one (the reference the log is tested against).
+        self.log_tokens = True
+        self._log = TokenLog(handles, hidden_token_ids)
 
     def process(self, out: StepOutputs) -> None:
         start = time.perf_counter()
@@ -91,8 +97,14 @@ class OutputProcessor:
             text_rows: list[tuple[int, RequestHandle, int, int]] = []  # rows with detokenizer work
             other_rows: list[tuple[int, RequestHandle, int, int]] = []  # last tokens of requests without text
             if out.num_tokens is None:
-                for i, (seq, token, code) in enumerate(zip(out.seqs.tolist(), out.token_ids.tolist(),
-                                                           out.finish.tolist())):
+                seqs, tokens, codes, index = out.seqs, out.token_ids, out.finish, None
+                rest = self._log.log(seqs, tokens, codes) if self.log_tokens else None
+                if rest is not None:  # the rows of tracked requests are logged: they are live, so accepted
+                    index = rest.nonzero()[0]  # [K] the other rows
+                    accepted += len(seqs) - len(index)
+                    seqs, tokens, codes = seqs[index], tokens[index], codes[index]
+                rows = zip(seqs.tolist(), tokens.tolist(), codes.tolist())
+                for i, (seq, token, code) in zip(range(len(seqs)) if index is None else index.tolist(), rows):
                     handle = handles.get(seq)
                     if handle is None or handle.done.is_set():
                         continue
@@ -103,10 +115,17 @@ class OutputProcessor:
                         handle.token_ids.append(token)
                         if handle.text_ids is not None and token not in hidden:
                             handle.text_ids.append(token)
+                        if self.log_tokens:
+                            self._log.track(seq)
                         continue
                     (text_rows if handle.has_text else other_rows).append((i, handle, token, code))
             else:
+                self._log.flush()  # a speculative step extends the lists itself
                 accepted = self._accept_runs(out, start, text_rows, other_rows)
+            if self._log.num_steps and (other_rows or text_rows or len(out.ended_seqs)):
+                # Requests about to end (or to fail): their lists are read from here on.
+                self._log.flush([h.seq for _, h, _, _ in other_rows] + [h.seq for _, h, _, _ in text_rows]
+                                + out.ended_seqs.tolist())
             if other_rows:
                 accepted -= self._accept_rows(other_rows, out, start, finishes, ended, ended_codes)
             if text_rows:  # rows are independent, so the ones with text work run together, timed and marked
@@ -131,6 +150,9 @@ class OutputProcessor:
         for handle, args in finishes:
             handle.finish(*args)
             self._handles.pop(handle.seq, None)
+            self._log.untrack(handle.seq)
+        if self._log.num_steps >= self._log.max_steps:
+            self._log.flush()
         if record is not None and self._ack_steps:
             self.send(StepAck(record.step_id))
 
@@ -262,6 +284,7 @@ class OutputProcessor:
         if not handle.finished:
             handle.finish("error", None, now, error=f"output processing failed: {exc!r}")
         self._handles.pop(handle.seq, None)
+        self._log.untrack(handle.seq)
 
     @staticmethod
     def _emit(handle: RequestHandle, text: str, token_ids: list[int], logprobs: Logprobs | None = None) -> None:
