@@ -28,6 +28,7 @@ from asyncbatch.frontend.request_handle import RequestHandle
 from asyncbatch.frontend.stop_strings import StopStringMatcher
 from asyncbatch.frontend.token_log import TokenLog
 from asyncbatch.outputs import RequestMetrics
+from asyncbatch.profiling.timeline import Timeline
 
 VOCAB = 12
 EOS = 2
@@ -51,8 +52,6 @@ class Side:
         self.handles: dict[int, RequestHandle] = {}
         self.all: dict[int, RequestHandle] = {}
         self.sent: list[object] = []
-        from asyncbatch.profiling.timeline import Timeline
-
         self.processor = OutputProcessor(self.handles, Timeline(), frozenset({EOS}), self.sent.append, False)
         self.processor.log_tokens = log_tokens
         self.processor._log = TokenLog(self.handles, frozenset({EOS}), max_steps)

@@ -45,7 +45,7 @@ planning step N safe to read from step N+1 on (``docs/prefix-caching.md``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -308,7 +308,7 @@ class BlockManager:
         backwards = counts[:, None] - 1 - np.arange(width)  # [R, W] column of the j-th block from the end
         listed = backwards >= 0  # [R, W]
         order = self.block_table[index[:, None], np.maximum(backwards, 0)][listed]  # [N]
-        self._drop_in_order(order, f"rows {rows}", distinct=False)
+        self._drop_in_order(order, lambda: f"rows {rows}", distinct=False)
         self.num_row_blocks[index] = 0
         chains = self.chains
         for row in rows:
@@ -356,16 +356,17 @@ class BlockManager:
     def _drop(self, blocks: np.ndarray, holder: str) -> None:
         """One reference fewer to each of ``blocks`` ([n], a holder's list in order); blocks nobody holds any more
         go to the free stack or, if cached, to the evictable LRU, the holder's last block first."""
-        self._drop_in_order(blocks[::-1], holder, distinct=True)
+        self._drop_in_order(blocks[::-1], lambda: holder, distinct=True)
 
-    def _drop_in_order(self, order: np.ndarray, holder: str, distinct: bool) -> None:
+    def _drop_in_order(self, order: np.ndarray, holder: Callable[[], str], distinct: bool) -> None:
         """One reference fewer for each entry of ``order`` ([n]: one or more holders' blocks, in the order they
         are dropped); a block nobody holds any more goes to the free stack or, if cached, to the evictable LRU,
-        at its last entry. ``distinct``: no block appears twice (one holder)."""
+        at its last entry. ``distinct``: no block appears twice (one holder). ``holder()`` names the holders
+        (called only for the error: a wave's row list is long)."""
         ref = self.ref
         if distinct:
             if (ref[order] <= 0).any():
-                raise IntegrityError(f"{holder} frees blocks no row holds")
+                raise IntegrityError(f"{holder()} frees blocks no row holds")
             ref[order] -= 1
             idle = order[ref[order] == 0]  # [I]
         else:
@@ -373,7 +374,7 @@ class BlockManager:
             # the entry that drops its last (the last one: the holders drop in this order).
             ids, last_from_end, times = np.unique(order[::-1], return_index=True, return_counts=True)  # [U]
             if (ref[ids] < times).any():
-                raise IntegrityError(f"{holder} free blocks no row holds")
+                raise IntegrityError(f"{holder()} free blocks no row holds")
             ref[ids] -= times
             last = np.sort(len(order) - 1 - last_from_end[ref[ids] == 0])  # [I] entries, in order
             idle = order[last]

@@ -18,8 +18,9 @@ order, are its ids so far; ``flush`` moves logged ids to the lists (its text
 ids too, hidden ids left out), in that order, and the output processor flushes
 a request before anything reads or appends to its lists. Only the output
 thread uses this object. Tracking is by seq, in a flag array over the seqs
-from the oldest tracked one (``_base``), so a long-running server's memory does
-not grow with the requests it has served.
+from the oldest tracked one (``_base``) to the newest, so a long-running
+server's memory grows with the span of the requests live at once, not with
+every request it has served.
 """
 
 from __future__ import annotations
