@@ -5,7 +5,8 @@ Two ``OutputProcessor``s get the same random steps: one logs the rows of
 (``log_tokens = False``) appends each row as it comes. Every request's final
 output (ids, text, finish reason) and every streamed delta must agree, over
 steps that finish requests (length, EOS, stop ids), end them without a token
-(aborts), emit hidden ids (EOS under ``ignore_eos``) mid-output, and mix
+(aborts), emit hidden ids (EOS under ``ignore_eos``) mid-output, carry several
+tokens a row (a speculative step, which flushes the log first), and mix
 ``token_only`` requests with streamed ones, with and without a tokenizer; a
 small ``max_steps`` makes the log flush whole often, and requests arrive
 between steps as a server's do.
@@ -84,14 +85,15 @@ def workloads(draw):
     arrive = [draw(st.integers(0, 6)) for _ in range(num)]
     steps = []
     for step in range(draw(st.integers(1, 30))):
+        runs = draw(st.integers(0, 3)) == 0  # a speculative step: 1-3 tokens a row
         rows = []
         for seq in range(num):
             if arrive[seq] <= step and draw(st.integers(0, 4)):
-                token = draw(st.integers(0, VOCAB - 1))
+                tokens = [draw(st.integers(0, VOCAB - 1)) for _ in range(draw(st.integers(1, 3)) if runs else 1)]
                 code = draw(st.sampled_from([Finish.NONE] * 8 + [Finish.LENGTH, Finish.EOS, Finish.STOP_TOKEN]))
-                rows.append((seq, token, int(code)))
+                rows.append((seq, tokens, int(code)))
         ended = [seq for seq in range(num) if arrive[seq] <= step and draw(st.integers(0, 30)) == 0]
-        steps.append((rows, ended))
+        steps.append((runs, rows, ended))
     return kinds, arrive, steps, draw(st.integers(1, 4))
 
 
@@ -101,7 +103,7 @@ def test_logged_outputs_equal_row_by_row(workload) -> None:
     kinds, arrive, steps, max_steps = workload
     sides = [Side(True, max_steps), Side(False, max_steps)]
     finished: set[int] = set()
-    for step, (rows, ended) in enumerate(steps):
+    for step, (runs, rows, ended) in enumerate(steps):
         for seq, at in enumerate(arrive):
             if at == step:
                 for side in sides:
@@ -111,9 +113,10 @@ def test_logged_outputs_equal_row_by_row(workload) -> None:
         finished.update(seq for seq, _, code in rows if code)
         finished.update(ended)
         out = StepOutputs(step, np.array([r[0] for r in rows], dtype=np.int64),
-                          np.array([r[1] for r in rows], dtype=np.int64), np.array([r[2] for r in rows], dtype=np.int8),
+                          np.array([t for r in rows for t in r[1]], dtype=np.int64),
+                          np.array([r[2] for r in rows], dtype=np.int8),
                           np.array(ended, dtype=np.int64), np.full(len(ended), int(Finish.ABORT), dtype=np.int8),
-                          _EMPTY)
+                          _EMPTY, num_tokens=np.array([len(r[1]) for r in rows], dtype=np.int64) if runs else None)
         for side in sides:
             side.processor.process(out)
     logged, reference = (side.view() for side in sides)
@@ -158,4 +161,14 @@ def test_tracking_survives_seqs_far_apart() -> None:
     log.untrack(5)
     log.flush()
     assert [side.handles[s].token_ids for s in (5, 70_000, 3_000_000)] == [[4], [5], [6]]
-    assert len(log._flags) < 8 * 1024 * 1024
+    assert len(log._flags) <= 8 * 1024 * 1024
+    for seq in (70_000, 3_000_000):
+        log.untrack(seq)
+    log.track(3_000_001)  # inside the array: no rebase
+    assert log._base == 5
+    log.untrack(3_000_001)
+    side.add(9_000_000, streaming=False, text=False)
+    log.track(9_000_000)  # past the array: rebased at the oldest tracked seq, the ended span gone
+    assert log._base == 9_000_000 and len(log._flags) == 1024
+    assert log.log(np.array([9_000_000], dtype=np.int64), np.array([8], dtype=np.int64),
+                   np.zeros(1, dtype=np.int8)).tolist() == [False]

@@ -106,13 +106,18 @@ class TokenLog:
             self._append(seqs, tokens)
             return
         chosen = np.isin(seqs, np.fromiter(only, dtype=np.int64, count=len(only)))  # [L]
+        if not chosen.any():
+            return
         kept = ~chosen
-        # The rest stays logged as one chunk (its order is the log's); ``num_steps`` counts steps, not chunks.
-        self._seqs[:], self._tokens[:] = [seqs[kept]], [tokens[kept]]
-        if chosen.any():
-            self._append(seqs[chosen], tokens[chosen])
+        # The rest stays logged as one chunk (its order is the log's; none when nothing is left); ``num_steps``
+        # counts steps, not chunks.
+        self._seqs[:], self._tokens[:] = ([seqs[kept]], [tokens[kept]]) if kept.any() else ([], [])
+        self._append(seqs[chosen], tokens[chosen])
 
     def _append(self, seqs: np.ndarray, tokens: np.ndarray) -> None:
+        """Move logged entries (``[L]`` seqs and ids, in log order) to their handles' lists."""
+        if not len(seqs):
+            return
         order = np.argsort(seqs, kind="stable")  # [L] by request, each one's ids in log order
         seqs, tokens = seqs[order], tokens[order]
         starts = np.flatnonzero(np.diff(seqs, prepend=seqs[0] - 1))  # [G] first entry of each request
@@ -135,14 +140,14 @@ class TokenLog:
                                 [t for t in run if t not in self._hidden])
 
     def _rebase(self, seq: int) -> int:
-        """Make room for ``seq`` in the flags: the array starts at the oldest tracked seq (or ``seq``) and grows
-        by doubling; returns ``seq``'s index."""
-        flags = self._flags
-        tracked = np.flatnonzero(flags)
+        """Make room for ``seq`` in the flags: the array starts at the oldest tracked seq (or ``seq``) and holds at
+        least twice the tracked span (so that rebases stay rare as new seqs arrive), shrinking once long-lived
+        requests have ended; returns ``seq``'s index."""
+        tracked = np.flatnonzero(self._flags)
         low = min(seq, self._base + int(tracked[0])) if len(tracked) else seq
         high = max(seq, self._base + int(tracked[-1])) if len(tracked) else seq
-        size = max(_MIN_FLAGS, len(flags))
-        while size <= high - low:
+        size = _MIN_FLAGS
+        while size <= 2 * (high - low):
             size *= 2
         moved = np.zeros(size, dtype=bool)
         moved[tracked + self._base - low] = True
