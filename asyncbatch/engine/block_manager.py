@@ -316,22 +316,26 @@ class BlockManager:
 
     def park(self, row: int) -> ParkedBlocks:
         """Empty ``row`` at once, its blocks keeping their references in the returned record until ``unpark``."""
-        return self.park_many([row])[0]
+        n = int(self.num_row_blocks[row])
+        self.num_row_blocks[row] = 0
+        return self._park_record(row, self.block_table[row, :n].copy())
 
     def park_many(self, rows: list[int]) -> list[ParkedBlocks]:
-        """``park`` for each of ``rows`` (distinct), their tables copied in one gather."""
+        """``park`` for each of ``rows`` (distinct), their tables copied in one gather. (``park`` stays apart:
+        one request ending on EOS parks alone, and this gather costs it three times as much.)"""
         index = np.asarray(rows, dtype=np.int64)  # [R]
         counts = self.num_row_blocks[index].tolist()
         table = self.block_table[index, :max(counts)]  # [R, W] a copy (advanced indexing): rows change hands
         self.num_row_blocks[index] = 0
-        chains, records, out = self.chains, self._parked, []
-        for i, (row, n) in enumerate(zip(rows, counts)):
-            parked = ParkedBlocks(table[i, :n], chains[row])
-            chains[row] = []
-            records[id(parked)] = parked
-            out.append(parked)
-        self.num_parked_blocks += sum(counts)
-        return out
+        return [self._park_record(row, table[i, :n]) for i, (row, n) in enumerate(zip(rows, counts))]
+
+    def _park_record(self, row: int, blocks: np.ndarray) -> ParkedBlocks:
+        """Move ``row``'s chain and its (copied) ``blocks`` into a parked record."""
+        parked = ParkedBlocks(blocks, self.chains[row])
+        self.chains[row] = []
+        self._parked[id(parked)] = parked
+        self.num_parked_blocks += len(blocks)
+        return parked
 
     def unpark(self, parked: ParkedBlocks) -> None:
         """Drop a parked record's references, as ``free`` drops a row's."""
