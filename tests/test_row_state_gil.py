@@ -14,21 +14,21 @@ from in_process import ROOT, run_program
 
 from asyncbatch.engine.row_state import RowState
 from asyncbatch.engine.scheduler import Scheduler
-from asyncbatch.profiling.gil_release import GilWatch
+from asyncbatch.profiling.gil_release import TRIES, GilWatch
 
 ROWS = 256  # a decode step's rows: below numpy's size threshold for releasing the GIL in a plain scatter
 
 
 @pytest.fixture
 def state() -> RowState:
-    return RowState(ROWS, 512)
+    return RowState(ROWS, 4 * TRIES)  # room for TRIES single appends and TRIES runs of 2
 
 
 def test_the_watch_sees_a_casting_scatter_let_go_of_the_gil(state):
     rows = np.arange(ROWS, dtype=np.int64)
     tokens = np.arange(ROWS, dtype=np.int64)  # int64 into the int32 history: numpy casts inside the scatter
     with GilWatch() as watch:
-        assert watch.let_go(lambda: state._history_flat.__setitem__(rows * state._stride, tokens)) > 0
+        assert watch.first_release(lambda: state._history_flat.__setitem__(rows * state._stride, tokens))
         assert watch.let_go(lambda: state._history_flat[rows * state._stride]) == 0  # a gather of 256 keeps it
 
 
@@ -44,8 +44,8 @@ def test_appending_a_steps_outputs_keeps_the_gil(state):
     with GilWatch() as watch:
         assert watch.let_go(lambda: state.append_outputs(rows, tokens)) == 0
         assert watch.let_go(lambda: state.append_runs(spec_rows, runs, counts)) == 0
-    row = int(rows[0])  # and the appends landed: 20 single ids, then 20 runs of 2
-    assert state.outputs(row) == [int(tokens[0])] * 20 + [int(t) for t in runs[0, :2]] * 20
+    row = int(rows[0])  # and the appends landed: TRIES single ids, then TRIES runs of 2
+    assert state.outputs(row) == [int(tokens[0])] * TRIES + [int(t) for t in runs[0, :2]] * TRIES
 
 
 def test_the_scan_script_counts_each_planner_functions_releases_and_unwraps_them():
