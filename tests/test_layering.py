@@ -38,7 +38,7 @@ LAYERS = {  # longest matching prefix wins
     "asyncbatch.executors": 4,
     "asyncbatch.engine.core": 5, "asyncbatch.engine.builder": 5, "asyncbatch.engine.core_process": 5,
     "asyncbatch.engine.core_preload": 5, "asyncbatch.engine.control": 5, "asyncbatch.engine.core_control": 5,
-    "asyncbatch.engine.client": 5, "asyncbatch.engine.planner_loop": 5,
+    "asyncbatch.engine.client": 5, "asyncbatch.engine.planner_loop": 5, "asyncbatch.engine.fork_server": 5,
     "asyncbatch.frontend": 6,
     "asyncbatch.llm": 7,
     "asyncbatch.cli": 8, "asyncbatch.bench": 8, "asyncbatch.serve": 8, "asyncbatch.cluster": 8, "asyncbatch.__main__": 8,

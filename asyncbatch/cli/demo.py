@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from asyncbatch.bench.workloads import uniform_requests
 from asyncbatch.cli.args import engine_kwargs, precision_text
+from asyncbatch.engine.fork_server import start_early
 from asyncbatch.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -59,6 +60,7 @@ def _chat(llm: LLM, load_s: float) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    start_early()  # the core's fork server imports the engine beside this process (engine.fork_server)
     from asyncbatch.llm import LLM  # torch, transformers: not for other commands (asyncbatch/__init__.py)
 
     rounds = args.rounds  # >= 1: the option's type (positive_int)

@@ -23,14 +23,16 @@ from asyncbatch.cli.args import (
 from asyncbatch.cli.demo import run_demo
 from asyncbatch.cli.profile import add_profile_command
 from asyncbatch.cli.serve import add_serve_command
+from asyncbatch.engine.fork_server import start_early
 
 USAGE_ERROR = 2
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    params = sampling_params(args)  # before loading the model: a bad value fails at once
+    start_early()  # the core's fork server imports the engine beside this process (engine.fork_server)
     from asyncbatch.llm import LLM
 
-    params = sampling_params(args)  # before loading the model: a bad value fails at once
     t0 = time.perf_counter()
     with LLM(args.model, **engine_kwargs(args, overlap=not args.no_overlap)) as llm:
         load_s = time.perf_counter() - t0

@@ -33,6 +33,7 @@ import numpy as np
 from asyncbatch.bench.workloads import WorkItem, uniform_requests
 from asyncbatch.cli.args import engine_kwargs, non_negative, positive_int
 from asyncbatch.config import SimConfig
+from asyncbatch.engine.fork_server import start_early
 from asyncbatch.profiling.gap_report import CAUSES, STEP_KINDS, GapReport, gap_report, lifetimes_of
 from asyncbatch.profiling.host_info import cpu_name, git_commit
 from asyncbatch.profiling.marks import (
@@ -141,6 +142,7 @@ def _generate(llm, items: list[WorkItem], rate: float, seed: int) -> list:
 
 
 def _run_mode(args: argparse.Namespace, overlap: bool, out_dir: Path | None) -> ModeRun:
+    start_early()  # the core's fork server imports the engine beside this process (engine.fork_server)
     from asyncbatch.llm import LLM
 
     nvtx_was_on = nvtx_enabled()  # ASYNCBATCH_NVTX=1 counts as --nvtx

@@ -86,6 +86,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     sock = bind_socket(args.host, args.port)  # a busy port fails before the model loads
     try:
+        if kwargs["engine_process"]:
+            # The core's fork server imports the engine on the other core while this process does
+            # (engine.fork_server: ready about 5 s sooner on 2 cores).
+            from asyncbatch.engine.fork_server import start_early
+
+            start_early()
         # The engine (torch, transformers: ~6 s of CPU on 2 cores) is imported after the port check, so a
         # busy port is reported at once.
         from asyncbatch.serve.async_llm import AsyncLLM

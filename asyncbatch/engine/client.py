@@ -22,7 +22,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import itertools
-import multiprocessing
 import multiprocessing.spawn as mp_spawn
 import os
 import queue
@@ -37,13 +36,13 @@ from asyncbatch.engine.builder import ModelSpec, build_core
 from asyncbatch.engine.control import Call, ControlCall, Reply
 from asyncbatch.engine.core import EngineCore
 from asyncbatch.engine.core_process import core_main
+from asyncbatch.engine.fork_server import process_context
 from asyncbatch.engine.messages import CoreFailed, CoreReady, Shutdown
 from asyncbatch.errors import EngineDeadError
 from asyncbatch.profiling import stack_dump
 
 R = TypeVar("R")
 _live: weakref.WeakSet[CoreClient] = weakref.WeakSet()
-_context = None
 _context_lock = threading.RLock()
 _CLOSED = object()  # ends the in-process receiver
 
@@ -72,16 +71,6 @@ def _without_main_module():
             mp_spawn.get_preparation_data = original
 
 
-def _process_context():
-    """The fork server context, preloaded with the engine so each core starts by a cheap fork."""
-    global _context
-    with _context_lock:
-        if _context is None:
-            _context = multiprocessing.get_context("forkserver")
-            _context.set_forkserver_preload(["asyncbatch.engine.core_preload"])
-        return _context
-
-
 class CoreClient:
     """Starts the core, forwards messages to it, and delivers its messages to ``on_message``.
 
@@ -101,7 +90,7 @@ class CoreClient:
         self.process = None
         self.core: EngineCore | None = None  # in-process mode only (tests and debugging reach into it)
         if config.engine_process:
-            ctx = _process_context()
+            ctx = process_context()
             self._conn, child = ctx.Pipe(duplex=True)
             self.process = ctx.Process(target=core_main, args=(config, spec, child, dict(os.environ)),
                                        name="asyncbatch-core", daemon=True)
