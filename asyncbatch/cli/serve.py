@@ -88,7 +88,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         if kwargs["engine_process"]:
             # The core's fork server imports the engine on the other core while this process does
-            # (engine.fork_server: ready about 5 s sooner on 2 cores).
+            # (engine.fork_server: ready about 4 s sooner on 2 cores).
             from asyncbatch.engine.fork_server import start_early
 
             start_early()

@@ -43,7 +43,7 @@ from asyncbatch.profiling import stack_dump
 
 R = TypeVar("R")
 _live: weakref.WeakSet[CoreClient] = weakref.WeakSet()
-_context_lock = threading.RLock()
+_preparation_lock = threading.RLock()  # one patched multiprocessing.spawn at a time (_without_main_module)
 _CLOSED = object()  # ends the in-process receiver
 
 
@@ -63,7 +63,7 @@ def _without_main_module():
         data.pop("init_main_from_name", None)
         return data
 
-    with _context_lock:
+    with _preparation_lock:
         mp_spawn.get_preparation_data = prepare
         try:
             yield
