@@ -306,15 +306,19 @@ def _grammar_workload() -> tuple[list[list[int]], list[SamplingParams]]:
     return prompts, params
 
 
-def _own_continuations(llm, most: int = 3) -> tuple[list[list[int]], list[SamplingParams]]:
+@pytest.fixture(scope="module")
+def own_continuations(tiny_model) -> tuple[list[list[int]], list[SamplingParams]]:
     """Greedy requests whose only choice is the model's own greedy continuation of their prompt, where that is
     one printable ASCII character a token: the grammar allows what the model prefers anyway, so a draft model
     drafting for itself has its drafts accepted under the mask of each position (a random model's grammar rows
-    otherwise accept few: its unconstrained argmax is rarely allowed)."""
+    otherwise accept few: its unconstrained argmax is rarely allowed). Found once for the module (503 prompts):
+    in float32 a row's greedy tokens do not depend on the engine's mode or batch."""
     candidates = [[i] * 4 for i in range(3, 259)] + [[i, i + 1, i + 2] * 2 for i in range(3, 250)]
-    outs = llm.generate(candidates, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    with LLM(str(tiny_model), device="cpu", dtype="float32", engine_process=False) as llm:
+        outs = llm.generate(candidates, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+                            use_tqdm=False)
     own = [(p, o.text) for p, o in zip(candidates, outs)
-           if o.text.isascii() and o.text.isprintable() and len(o.text) == len(o.token_ids)][:most]
+           if o.text.isascii() and o.text.isprintable() and len(o.text) == len(o.token_ids)][:3]
     assert own, "no prompt of the tiny model continues in printable ASCII"
     return [p for p, _ in own], [SamplingParams(max_tokens=40, temperature=0.0,
                                                 structured_outputs=StructuredOutputsParams(choice=[text]))
@@ -326,8 +330,8 @@ def _own_continuations(llm, most: int = 3) -> tuple[list[list[int]], list[Sampli
                                                               (True, False, "chunked")],
                          ids=["overlap", "sync", "core-process", "preempting", "chunked"])
 @pytest.mark.parametrize("method", ["ngram", "draft_self"])
-def test_grammar_rows_verify_drafts_under_a_mask_per_position(make_llm, tiny_model, method, overlap, engine_process,
-                                                              engine):
+def test_grammar_rows_verify_drafts_under_a_mask_per_position(make_llm, tiny_model, own_continuations, method, overlap,
+                                                              engine_process, engine):
     """The host fills a grammar row's mask at each position along its drafts, so grammar rows verify drafts like
     any other row: n-gram drafts reach the host with the step that made them, a draft model's mid-step, from
     the step that checks them (``GrammarMask.device_drafts``: in sync mode and after idle the fill waits for
@@ -341,7 +345,7 @@ def test_grammar_rows_verify_drafts_under_a_mask_per_position(make_llm, tiny_mod
     common = {"device": "cpu", "dtype": "float32", "engine_process": engine_process, "debug_check_integrity": True,
               "overlap": overlap, **ENGINES.get(engine, {})}
     plain = make_llm(tiny_model, **common)
-    own_prompts, own_params = _own_continuations(plain)
+    own_prompts, own_params = own_continuations
     prompts, params = prompts + own_prompts, params + own_params
     reference = run(plain, prompts, params)
     llm = make_llm(tiny_model, speculative_config=proposer(method, tiny_model, None), **common)
