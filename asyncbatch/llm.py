@@ -39,6 +39,7 @@ from asyncbatch.engine.control import (
     ResetPrefixCache,
     SetNvtx,
 )
+from asyncbatch.engine.fork_server import start_early
 from asyncbatch.engine.gil_tuning import hold_switch_interval, release_switch_interval
 from asyncbatch.engine.messages import AbortRequests, AddRequests, NewRequest
 from asyncbatch.errors import EngineDeadError
@@ -70,6 +71,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: object) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
+        if self.config.engine_process:
+            start_early()  # the core's fork server imports the engine while the model resolves (engine.fork_server)
         resolved = resolve_model(self.config)
         defaults = sampling_defaults(resolved.spec.path, self.config.generation_config,
                                      self.config.override_generation_config)
