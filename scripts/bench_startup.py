@@ -1,0 +1,115 @@
+"""How long a user waits before the engine answers: ``asyncbatch serve`` and ``generate`` on ``sim``, this tree
+against an older one, side by side.
+
+    python scripts/bench_startup.py --ref HEAD~2 --repeat 3     # a temporary worktree of the older commit
+    python scripts/bench_startup.py --ref-tree /tmp/wt          # an existing checkout
+    python scripts/bench_startup.py                             # this tree only
+
+Each command runs as a user runs it, a fresh ``python -m asyncbatch`` with ``PYTHONPATH`` = the tree and the
+tree as its working folder; the trees alternate within each repeat, so load from other users of the machine
+hits both alike. Medians are printed, every run goes to ``--json``:
+
+- ``serve_health_s``: from the start of ``asyncbatch serve --device sim`` to its first ``/health`` 200;
+- ``serve_first_answer_s``: to the first answered completion (3 tokens) after that;
+- ``generate_s``: the whole of ``asyncbatch generate --device sim --prompt Hello --max-tokens 8``, to its exit.
+
+Only ``sim``: what these measure is imports and process starts (the weights are not read), the same on every
+device. The model's files must be in the cache already (``scripts/setup_env.sh``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from harness.common import ROOT, free_port, parser, ref_worktree
+
+SERVE_TIMEOUT_S = 180.0
+
+
+def _env(tree: Path) -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(tree))
+
+
+def _status(url: str, body: dict | None = None) -> int:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError), \
+            urllib.request.urlopen(request, timeout=30) as response:
+        return response.status
+    return 0
+
+
+def serve_times(tree: Path) -> dict[str, float]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "asyncbatch", "serve", "--device", "sim", "--port", str(port),
+                             "--sim-step-ms", "10"], cwd=tree, env=_env(tree), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT)
+    try:
+        while _status(url + "/health") != 200:
+            if proc.poll() is not None or time.perf_counter() - start > SERVE_TIMEOUT_S:
+                raise RuntimeError(f"serve in {tree} did not become healthy (exit status {proc.poll()})")
+            time.sleep(0.05)
+        health = time.perf_counter() - start
+        if _status(url + "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 3}) != 200:
+            raise RuntimeError(f"serve in {tree} did not answer a completion")
+        return {"serve_health_s": health, "serve_first_answer_s": time.perf_counter() - start}
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def generate_time(tree: Path) -> dict[str, float]:
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "asyncbatch", "generate", "--device", "sim", "--prompt", "Hello",
+                           "--max-tokens", "8"], cwd=tree, env=_env(tree), capture_output=True, text=True,
+                          timeout=SERVE_TIMEOUT_S, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"generate in {tree} failed:\n{done.stderr[-2000:]}")
+    return {"generate_s": time.perf_counter() - start}
+
+
+def main() -> int:
+    cli = parser(__doc__)
+    cli.add_argument("--ref", help="commit to compare against (a temporary worktree is made)")
+    cli.add_argument("--ref-tree", type=Path, help="an existing checkout to compare against")
+    cli.add_argument("--repeat", type=int, default=3, help="runs of each command per tree (default 3)")
+    cli.add_argument("--json", type=Path, help="write every run here")
+    args = cli.parse_args()
+    if args.repeat < 1:
+        cli.error(f"--repeat must be >= 1, got {args.repeat}")
+    with contextlib.ExitStack() as stack:
+        trees = {"this": ROOT}
+        if args.ref is not None:
+            trees = {"ref": stack.enter_context(ref_worktree(args.ref, [])), **trees}
+        elif args.ref_tree is not None:
+            trees = {"ref": args.ref_tree.resolve(), **trees}
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
+        for _ in range(args.repeat):
+            for name, tree in trees.items():
+                runs[name].append({**serve_times(tree), **generate_time(tree)})
+    keys = list(next(iter(runs.values()))[0])
+    print(f"{'median of ' + str(args.repeat):<24}" + "".join(f"{name:>10}" for name in runs)
+          + ("     this/ref" if "ref" in runs else ""))
+    for key in keys:
+        medians = {name: statistics.median(r[key] for r in rs) for name, rs in runs.items()}
+        ratio = f"{medians['this'] / medians['ref']:>13.2f}" if "ref" in medians else ""
+        print(f"{key:<24}" + "".join(f"{m:>10.2f}" for m in medians.values()) + ratio)
+    if args.json is not None:
+        doc = {"ref": args.ref, "trees": {k: str(v) for k, v in trees.items()}, "runs": runs}
+        args.json.write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
