@@ -30,7 +30,6 @@ def test_the_fork_servers_imports_start_no_thread_pool():
     assert _threads_after_import("asyncbatch.engine.core_preload") == _threads_after_import("torch")
 
 
-
 EARLY = """
 import multiprocessing.forkserver as fs
 from asyncbatch.engine.fork_server import start_early

@@ -25,9 +25,9 @@ from collections.abc import Callable
 _WATCH_SWITCH_INTERVAL_S = 60.0
 # A release as short as numpy's casting scatter of 256 ids (about a microsecond) is seen only when the OS wakes
 # the waiter inside it: on 3 to 35 % of tries on an idle 2-vCPU Zen 1 VM, run to run, and on far fewer while
-# other processes hold both cores (20 tries saw none in 4 runs of 10 idle, and failed a CI run; 400 saw none in
-# 1 run of 12 beside two spinning processes). So ``let_go`` asks for 400, and a control that must be seen asks
-# ``first_release`` to go on until it is.
+# other processes hold both cores (20 tries saw none in 12 rounds of 30 idle, and failed a CI run; 400 saw none
+# in 1 run of 12 beside two spinning processes). So ``let_go`` asks for 400, and a control that must be seen
+# asks ``first_release`` to go on until it is.
 TRIES = 400
 CONTROL_TRIES = 10_000
 
