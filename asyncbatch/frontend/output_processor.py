@@ -103,8 +103,8 @@ class OutputProcessor:
                     index = rest.nonzero()[0]  # [K] the other rows
                     accepted += len(seqs) - len(index)
                     seqs, tokens, codes = seqs[index], tokens[index], codes[index]
-                rows = zip(seqs.tolist(), tokens.tolist(), codes.tolist())
-                for i, (seq, token, code) in zip(range(len(seqs)) if index is None else index.tolist(), rows):
+                positions = range(len(seqs)) if index is None else index.tolist()  # rows of ``out``
+                for i, seq, token, code in zip(positions, seqs.tolist(), tokens.tolist(), codes.tolist()):
                     handle = handles.get(seq)
                     if handle is None or handle.done.is_set():
                         continue
