@@ -38,11 +38,22 @@ VOCAB = 50
 class Planner:
     """A scheduler, its metadata writer and staging pair (planner thread only, driven by the test)."""
 
-    def __init__(self, batch: bool, num_blocks: int) -> None:
+    def __init__(self, batch: bool, num_blocks: int, min_new_run: int | None = None) -> None:
         self.blocks = BlockManager(num_blocks, BLOCK, ROWS, MAX_BLOCKS, prefix_caching=True)
         self.sched = Scheduler(self.blocks, BUDGET, eos_token_id=EOS)
         self.sched.admitter.batch = batch
         self.sched.batch_release = batch
+        if min_new_run is not None:
+            self.sched.admitter.min_new_run = min_new_run
+        # The runs of new prompts admitted as one (``Admitter._admit_run``), as their lengths.
+        self.new_runs: list[int] = []
+        admit_run = self.sched.admitter._admit_run
+
+        def counted_runs(run, *rest) -> None:
+            self.new_runs.append(len(run.requests))
+            admit_run(run, *rest)
+
+        self.sched.admitter._admit_run = counted_runs
         self.writer = StepMetadataWriter(self.sched.rows, self.blocks)
         self.staging = StagingPair(BUDGET, ROWS, MAX_BLOCKS, pinned=False)
         self.requests: dict[int, Request] = {}
@@ -95,18 +106,25 @@ def _held_tables(planner: Planner) -> dict[int, list[int]]:
             for r in planner.sched.running.values()}
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_batched_admission_equals_one_at_a_time(seed: int) -> None:
+@pytest.mark.parametrize(("seed", "min_new_run", "distinct"), [(0, None, 0.0), (1, None, 0.0), (2, None, 0.0),
+                                                               (3, 1, 0.7), (4, 1, 0.7)])
+def test_batched_admission_equals_one_at_a_time(seed: int, min_new_run: int | None, distinct: float) -> None:
+    """``distinct``: the share of prompts of their own (no shared prefix); ``min_new_run`` 1: every run of new
+    prompts at the queue's head, however short, is admitted as one (``Admitter._admit_run``), between hits, deferrals
+    and evictions of the general pass."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(4, VOCAB) for _ in range(2 * BLOCK)] for _ in range(3)]
-    batched, single = Planner(True, 72), Planner(False, 72)
+    batched, single = Planner(True, 72, min_new_run), Planner(False, 72)
     waves = {0: 40, 6: 60, 20: 50, 45: 70}  # arrival step -> burst size
     seq = 0
     in_flight: list = []  # (plan, tokens, finite) of both, applied one step late as in overlap mode
     for step in range(400):
         for _ in range(waves.get(step, 0)):
-            prompt = rng.choice(prefixes)[:rng.randrange(BLOCK, 2 * BLOCK + 1)] + [
-                rng.randrange(4, VOCAB) for _ in range(rng.randrange(0, 20))]
+            if rng.random() < distinct:
+                prompt = [rng.randrange(4, VOCAB) for _ in range(rng.randrange(1, 3 * BLOCK))]
+            else:
+                prompt = rng.choice(prefixes)[:rng.randrange(BLOCK, 2 * BLOCK + 1)] + [
+                    rng.randrange(4, VOCAB) for _ in range(rng.randrange(0, 20))]
             params = SamplingParams(max_tokens=rng.randrange(1, 60), temperature=0.0,
                                     ignore_eos=rng.random() < 0.3)
             batched.add(seq, prompt, params)
@@ -142,6 +160,8 @@ def test_batched_admission_equals_one_at_a_time(seed: int) -> None:
     # The workload reached the paths under test: cache hits, evictions within a batch, preemptions.
     assert stats["cached_tokens"] > 0 and stats["evictions"] > 0 and batched.sched.num_preemptions > 0
     assert max(batched.release_batches) > 1  # and several drained requests were released at once
+    if min_new_run == 1:  # and runs of new prompts, several of them longer than one
+        assert len(batched.new_runs) > 5 and max(batched.new_runs) >= 3, batched.new_runs
     assert batched.blocks.num_free_blocks == batched.blocks.num_usable_blocks
 
 
@@ -234,14 +254,16 @@ def _run_until_idle(planner: Planner) -> None:
         planner.sched.apply(plan, *_fake_tokens(meta.staging, meta.num_sampled))
 
 
-def test_a_burst_into_a_full_cache_is_one_batch_with_the_blocks_single_pops_would_take(monkeypatch) -> None:
+@pytest.mark.parametrize("burst", [12, 16])
+def test_a_burst_into_a_full_cache_is_one_batch_with_the_blocks_single_pops_would_take(monkeypatch, burst) -> None:
     """Every block cached (a first wave ended), then a burst that hits nothing: each admission evicts. The batched
     admission decides them all in one batch (one array pass), evicting as it decides, and ends with the same rows,
-    block tables, free stack, cache records and counters as admitting them one at a time."""
+    block tables, free stack, cache records and counters as admitting them one at a time. 12 requests: the general
+    pass (a run of new prompts shorter than ``min_new_run``); 16: ``Admitter._admit_run``, which evicts once for
+    the run."""
     from asyncbatch.engine import admission
 
     rng = random.Random(5)
-    burst = 12
     waves = [[[rng.randrange(4, VOCAB) for _ in range(2 * BLOCK)] for _ in range(burst)] for _ in range(2)]
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     planners = [Planner(True, 2 * burst + 1), Planner(False, 2 * burst + 1)]
@@ -260,6 +282,7 @@ def test_a_burst_into_a_full_cache_is_one_batch_with_the_blocks_single_pops_woul
     plans = [p.sched.schedule() for p in planners]
     assert _plan_view(plans[0]) == _plan_view(plans[1]) and plans[0].num_admitted == burst
     assert [n for batch, n in batches if batch] == [burst]  # one batch, not one per evicting request
+    assert planners[0].new_runs == ([burst] if burst >= planners[0].sched.admitter.min_new_run else [])
     assert _held_tables(planners[0]) == _held_tables(planners[1])
     assert planners[0].blocks.free_blocks() == planners[1].blocks.free_blocks()
     stats = [p.sched.prefix_cache_stats() for p in planners]

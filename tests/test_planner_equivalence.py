@@ -106,10 +106,12 @@ class Lockstep:
     """Drives the array planner and the reference with the same requests, tokens and frontend events."""
 
     def __init__(self, specs_: list[Spec], block_size: int, num_blocks: int, max_seqs: int, budget: int,
-                 lag: int) -> None:
+                 lag: int, min_new_run: int | None = None) -> None:
         max_blocks = blocks_for_tokens(MAX_PROMPT + MAX_OUTPUT, block_size)
         self.blocks = BlockManager(num_blocks, block_size, max_seqs, max_blocks)
         self.sched = Scheduler(self.blocks, budget, eos_token_id=EOS)
+        if min_new_run is not None:  # 1: every run of new prompts at the queue's head takes the run path
+            self.sched.admitter.min_new_run = min_new_run
         self.writer = StepMetadataWriter(self.sched.rows, self.blocks)
         self.staging = StagingPair(budget, max_seqs, max_blocks, pinned=False)
         self.ref_blocks = RefBlocks(num_blocks, block_size)
@@ -209,10 +211,11 @@ class Lockstep:
 
 @settings(max_examples=120, deadline=None)
 @given(workload=specs(), block_size=st.sampled_from([1, 2, 4, 16]), num_blocks=st.integers(6, 60),
-       max_seqs=st.integers(1, 8), extra_budget=st.integers(0, 40), lag=st.sampled_from([0, 1, 2]))
+       max_seqs=st.integers(1, 8), extra_budget=st.integers(0, 40), lag=st.sampled_from([0, 1, 2]),
+       min_new_run=st.sampled_from([None, 1]))
 def test_array_planner_matches_the_per_request_planner(workload, block_size, num_blocks, max_seqs, extra_budget,
-                                                       lag):
-    Lockstep(workload, block_size, num_blocks, max_seqs, max_seqs + extra_budget, lag).run()
+                                                       lag, min_new_run):
+    Lockstep(workload, block_size, num_blocks, max_seqs, max_seqs + extra_budget, lag, min_new_run).run()
 
 
 def random_workload(rng: random.Random, n: int, arrivals: int) -> list[Spec]:
@@ -229,7 +232,7 @@ def test_long_random_workloads_cover_every_path():
     for seed, (block_size, num_blocks, max_seqs, budget, lag) in enumerate(
             [(4, 40, 8, 24, 1), (16, 12, 16, 64, 1), (1, 90, 6, 20, 0), (2, 50, 12, 40, 2), (4, 30, 32, 48, 1)]):
         workload = random_workload(random.Random(seed), 150, 120)
-        run = Lockstep(workload, block_size, num_blocks, max_seqs, budget, lag)
+        run = Lockstep(workload, block_size, num_blocks, max_seqs, budget, lag, 1 if seed % 2 else None)
         run.run()
         for key, value in run.stats.items():
             totals[key] = totals.get(key, 0) + value

@@ -42,15 +42,18 @@ def test_the_warmup_runs_each_admission_function_enough_times(monkeypatch, block
 
         monkeypatch.setattr(owner, name, wrapper)
 
-    for owner, name in ((admission.Admitter, "_apply"), (row_state.RowState, "admit_many"),
+    for owner, name in ((admission.Admitter, "_apply"), (admission.Admitter, "_admit_run"),
+                        (admission.Admitter, "_new_prompt_run"), (row_state.RowState, "admit_many"),
                         (block_manager.BlockManager, "allocate_admitted"), (prefix_sharing.PrefixSharer, "share")):
         counting(owner, name)
     counting(step_metadata, "write_prefill")
     report = planner_warmup.warm_up_planner(block_size, max_num_seqs, budget, caching,
                                             lambda scheduler: planner_writer(scheduler, 49152), eos_token_id=2)
-    for name in ("_apply", "admit_many", "allocate_admitted", "write_prefill"):
+    for name in ("_apply", "_admit_run", "_new_prompt_run", "admit_many", "allocate_admitted", "write_prefill"):
         assert calls[name] >= SPECIALISE_AFTER, (name, calls)
-    assert report.admitting_steps == calls["_apply"] and report.steps > report.admitting_steps
+    # Each admitting step applies its admissions, in the small rounds each run of new prompts apart.
+    assert calls["_apply"] >= report.admitting_steps
+    assert report.steps > report.admitting_steps
     # One step admits as many requests as the token budget holds (the burst-sized temporaries), up to 256 rows.
     prompt_len = planner_warmup.PROMPT_BLOCKS * block_size
     assert report.admitted >= min(max_num_seqs, 256, budget // prompt_len) + planner_warmup.SMALL_ROUNDS

@@ -36,13 +36,23 @@ has its free blocks nearly all cached, so this is a burst's usual path there:
 it costs an admission one dict removal a block, where applying each evicting
 request alone cost it a batch's fixed array work
 (profiles/admission-burst-amd-epyc-2core: 30 -> 6 us a request).
+
+Most of a burst is new prompts that miss the cache, and for those the pass's
+decisions reduce to prefix sums (budget, rows, blocks; each prompt whole). So a
+run of at least ``MIN_NEW_RUN`` of them at the queue's head is admitted as one
+(``_new_prompt_run`` finds it, ``_admit_run`` admits it): a few statements per
+``Request`` and the table built by column operations, what the general pass
+decides for each of them, with what that pass decided first applied before it
+(the pop order). It halves the pass's Python for a burst of distinct prompts
+(profiles/admission-new-prompt-runs-amd-epyc-zen1-2core).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from itertools import chain
+from dataclasses import dataclass
+from itertools import chain, islice
 
 import numpy as np
 
@@ -55,7 +65,13 @@ from asyncbatch.engine.step_plan import (
     CHUNK_BLOCKS,
     CHUNK_COLUMNS,
     CHUNK_END,
+    CHUNK_FIRST,
+    CHUNK_N,
+    CHUNK_OFFSET,
+    CHUNK_PROMPT,
     CHUNK_ROW,
+    CHUNK_SAMPLES,
+    CHUNK_SEQ,
     ScheduledRow,
 )
 
@@ -67,6 +83,8 @@ _RUNNING, _DRAINING = RequestStatus.RUNNING, RequestStatus.DRAINING
 # index among them), and whether it decodes after this step.
 _COUNTERS = slice(CHUNK_END, CHUNK_END + len(ROW_COUNTERS))
 _ADMIT_KEY = CHUNK_END + ROW_COUNTERS.index("admit_key")
+_PREFILL_LEN, _SCHEDULED, _TOKEN_CAP = (CHUNK_END + ROW_COUNTERS.index(name)
+                                        for name in ("prefill_len", "num_scheduled", "token_cap"))
 _FRESH, _LAST, _FLAT, _DECODES = range(_COUNTERS.stop, _COUNTERS.stop + 4)
 _TABLE_WIDTH = _DECODES + 1
 
@@ -86,6 +104,10 @@ class Admitter:
     ``admit`` appended, one row each, in order (None when it admitted none): ``StepPlan.admitted``; ``tokens``
     their tokens, one int64 array each in the same order (``StepPlan.admitted_tokens``).
     """
+
+    # The shortest run of new prompts admitted as one (``_admit_run``); shorter ones take the general pass, since a
+    # run's array work costs about what 10-15 requests' Python costs there.
+    MIN_NEW_RUN = 16
 
     def __init__(self, rows: RowState, blocks: BlockManager, prefix: PrefixSharer, decode: DecodeSet,
                  waiting: deque[Request], running: dict[int, Request], prefilling: list[Request],
@@ -109,6 +131,7 @@ class Admitter:
         self.tokens: list[np.ndarray] = []
         self.num_sampling = 0  # of the last ``admit``'s chunks, those that end their prefill and sample
         self.short_of_blocks = False  # the last ``admit`` stopped at a request its free blocks could not hold
+        self.min_new_run = self.MIN_NEW_RUN  # tests and the planner's warm-up set 1
         self._tables: list[np.ndarray] = []
 
     def admit(self, prefill: list[ScheduledRow], budget: int, drained: list[Request]) -> int:
@@ -144,7 +167,30 @@ class Admitter:
         num_sampling = 0
         num_decoding = 0  # of the chunks not applied yet, those that decode after this step
         deferred: list[Request] = []  # waiting a step for blocks this plan computes, in queue order
+        # Requests the general pass decides before the next look for a run of new prompts, and how far a look that
+        # finds none puts off the next: doubling, so a burst of cache hits costs a few looks, not one a request.
+        look_in, look_back = 0, 1
         while waiting and budget > 0 and rows_left > 0:
+            if look_in <= 0 and self.batch and len(waiting) >= self.min_new_run:
+                run = self._new_prompt_run(budget, rows_left, available)
+                if len(run.requests) >= self.min_new_run:
+                    if batch:  # what the general pass decided first takes its blocks first, as single pops would
+                        self._apply(batch, _table(records), popped, num_decoding)
+                        batch, records, popped, num_decoding = [], [], 0, 0
+                    self._admit_run(run, prefill, blocks.num_unused_blocks, key, num_tokens)
+                    a = len(run.requests)
+                    key += a
+                    num_tokens += run.num_tokens
+                    budget -= run.num_tokens
+                    rows_left -= a
+                    num_sampling += a
+                    prompt_tokens += run.num_tokens
+                    available, unused = blocks.num_free_blocks, blocks.num_unused_blocks
+                    look_back = 1
+                    continue
+                look_in = max(len(run.requests) + 1, look_back)  # at least the short run and the request ending it
+                look_back = min(2 * look_back, 64)
+            look_in -= 1
             request = waiting[0]
             if request.num_pending:  # a preempted request waits for its in-flight tokens; nobody overtakes it
                 break
@@ -220,7 +266,7 @@ class Admitter:
                             0, fresh, popped - 1, row * max_blocks + shared + fresh - popped, decodes))
             num_tokens += n
             if not self.batch:  # the one-at-a-time reference: applied as decided
-                self._apply(batch, records, popped, num_decoding)
+                self._apply(batch, _table(records), popped, num_decoding)
                 batch, records, popped, num_decoding = [], [], 0, 0
                 available = blocks.num_free_blocks
                 unused = blocks.num_unused_blocks
@@ -239,7 +285,7 @@ class Admitter:
         self.num_admissions = key
         self.num_sampling = num_sampling
         if batch:
-            self._apply(batch, records, popped, num_decoding)
+            self._apply(batch, _table(records), popped, num_decoding)
         tables = self._tables
         if tables:
             self.table = tables[0] if len(tables) == 1 else np.concatenate(tables)
@@ -250,14 +296,94 @@ class Admitter:
         self.cpu_seconds += time.thread_time() - started_cpu
         return budget
 
-    def _apply(self, requests: list[Request], records: list[tuple[int, ...]], popped: int, num_decoding: int) -> None:
-        """Rows and blocks of the decided admissions ``requests`` (in queue order), with their admission table
-        rows ``records`` (``admit``), the fresh blocks they take (``popped``) and how many of them decode after
-        this step (``num_decoding``): the array side of admitting them, a few operations whatever their number
-        (``admit`` did each one's Python side as it decided it)."""
+    def _new_prompt_run(self, budget: int, rows_left: int, available: int) -> _NewPromptRun:
+        """The run of waiting requests from the queue's head that ``_admit_run`` may admit as one (nothing is
+        changed): new prompts that miss the cache, each whole in the budget.
+
+        A request is in the run only where ``admit``'s general pass would admit it whole without a lookup, a
+        share or a wait: no tokens in flight and no outputs to recompute (a new request), its first block's key
+        neither cached nor computed by this plan nor repeated in the run (so it can neither hit nor wait:
+        ``PrefixSharer.waits_for_computing``), more than one token to generate (it does not drain), its prompt
+        within the budget, the block table and the ``available`` blocks left."""
+        blocks = self.blocks
+        cached = self.prefix.cached_keys() if blocks.caching else ()
+        computing = self.prefix.computing
+        bs, max_blocks = blocks.block_size, self.max_blocks_per_seq
+        run = _NewPromptRun([], [], set(), 0)
+        lengths, firsts = run.lengths, run.firsts
+        num_tokens = num_blocks = 0
+        for request in islice(self.waiting, rows_left):
+            if request.num_pending or request.num_outputs:
+                break
+            n = len(request.prompt_token_ids)
+            fresh = -(-n // bs)
+            if (num_tokens + n > budget or num_blocks + fresh > available or fresh > max_blocks
+                    or request.params.max_tokens <= 1):
+                break
+            keys = request.block_keys  # empty without caching, and for a prompt shorter than a block
+            if keys:
+                first = keys[0]
+                if first in cached or first in computing or first in firsts:
+                    break
+                firsts.add(first)
+            num_tokens += n
+            num_blocks += fresh
+            run.requests.append(request)
+            lengths.append(n)
+        run.num_tokens = num_tokens
+        return run
+
+    def _admit_run(self, run: _NewPromptRun, prefill: list[ScheduledRow], unused: int, key: int, offset: int) -> None:
+        """Admit ``run`` (``_new_prompt_run``, the queue's head), deciding for each request what ``admit``'s
+        general pass would and leaving the same state, with the per-request Python down to the statements that
+        touch each ``Request``: the admission table is built with column operations, not a tuple a request.
+        ``unused``: blocks on the free stack (nothing decided is unapplied); ``key``: the last admission's key;
+        ``offset``: the tokens of this plan's admissions so far. The fresh blocks the free stack cannot hold are
+        evicted from the cache once for the run (``evict_for_admission``: no request of the run can hit, so no
+        lookup of theirs comes between) and ``_apply`` pops them: the blocks single pops would take, in order."""
+        requests, lengths = run.requests, run.lengths
         a = len(requests)
-        table = np.fromiter(chain.from_iterable(records), dtype=np.int64, count=_TABLE_WIDTH * a)
-        table = table.reshape(a, _TABLE_WIDTH)  # [A, _TABLE_WIDTH]
+        waiting, free_rows, owners, running, tokens = self.waiting, self.free_rows, self.owners, self.running, \
+            self.tokens
+        rows = free_rows[:-a - 1:-1]  # the rows single pops take, in order
+        del free_rows[-a:]
+        for request, row, n in zip(requests, rows, lengths):
+            waiting.popleft()
+            owners[row] = request
+            request.token_row = row
+            request.status = _RUNNING
+            running[request.arrival_seq] = request
+            prefill.append(ScheduledRow(request, row, 0, n, True, 0, True, 0))
+            tokens.append(request.prompt_array)  # ``chunk_tokens(0, n)`` of a whole prompt
+        self.prefix.computing.update(run.firsts)  # ``note_computing`` of each, as the general pass does
+        # The admission table (``admit``'s columns): whole prompts, nothing cached, sampling at step 0, decoding after.
+        bs = self.blocks.block_size
+        lens = np.array(lengths, dtype=np.int64)  # [A]
+        row_ids = np.array(rows, dtype=np.int64)  # [A]
+        fresh = -(-lens // bs)  # [A]
+        popped = np.cumsum(fresh)  # [A] the run's fresh blocks up to each one's last
+        table = np.zeros((a, _TABLE_WIDTH), dtype=np.int64)  # [A, _TABLE_WIDTH]
+        table[:, CHUNK_ROW] = row_ids
+        table[:, CHUNK_N] = table[:, CHUNK_PROMPT] = table[:, CHUNK_END] = table[:, _PREFILL_LEN] = lens
+        table[:, CHUNK_SAMPLES] = table[:, CHUNK_FIRST] = table[:, _SCHEDULED] = table[:, _DECODES] = 1
+        table[:, CHUNK_OFFSET] = np.cumsum(lens) + (offset - lens)
+        table[:, CHUNK_BLOCKS] = table[:, _FRESH] = fresh
+        table[:, CHUNK_SEQ] = np.fromiter((r.arrival_seq for r in requests), dtype=np.int64, count=a)
+        table[:, _ADMIT_KEY] = np.arange(key + 1, key + a + 1, dtype=np.int64)
+        table[:, _TOKEN_CAP] = lens + np.fromiter((r.params.max_tokens for r in requests), dtype=np.int64, count=a)
+        table[:, _LAST] = popped - 1
+        table[:, _FLAT] = row_ids * self.max_blocks_per_seq + fresh - popped
+        total = int(popped[-1])
+        if total > unused:
+            self.blocks.evict_for_admission(total - unused)
+        self._apply(requests, table, total, a)
+
+    def _apply(self, requests: list[Request], table: np.ndarray, popped: int, num_decoding: int) -> None:
+        """Rows and blocks of the decided admissions ``requests`` (in queue order), with their admission table
+        ``table`` (``[A, _TABLE_WIDTH]``, ``admit``'s columns: a row each), the fresh blocks they take (``popped``)
+        and how many of them decode after this step (``num_decoding``): the array side of admitting them, a few
+        operations whatever their number (``admit`` did each one's Python side as it decided it)."""
+        a = len(requests)
         rows = table[:, CHUNK_ROW]  # [A]
         self.blocks.allocate_admitted(rows, table[:, _FRESH], table[:, CHUNK_BLOCKS], table[:, _LAST], table[:, _FLAT],
                                       popped)
@@ -270,3 +396,19 @@ class Admitter:
             self.decode.add_many(rows[completed], table[completed, _ADMIT_KEY])
         self.prefix.note_prefills(requests)
         self._tables.append(table[:, :CHUNK_COLUMNS])  # [A, CHUNK_COLUMNS] the chunk table
+
+
+def _table(records: list[tuple[int, ...]]) -> np.ndarray:
+    """``admit``'s records (``_TABLE_WIDTH`` ints per admission) as the admission table ``[A, _TABLE_WIDTH]``."""
+    a = len(records)
+    return np.fromiter(chain.from_iterable(records), dtype=np.int64, count=_TABLE_WIDTH * a).reshape(a, _TABLE_WIDTH)
+
+
+@dataclass(slots=True)
+class _NewPromptRun:
+    """Waiting requests from the queue's head that ``Admitter._admit_run`` admits as one (``_new_prompt_run``)."""
+
+    requests: list[Request]
+    lengths: list[int]  # their prompts' lengths (each admitted whole)
+    firsts: set[int]  # their prompts' first block keys (a prompt with one has a full block: it computes it)
+    num_tokens: int  # the sum of ``lengths``

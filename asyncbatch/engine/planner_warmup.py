@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from asyncbatch.engine.admission import Admitter
 from asyncbatch.engine.block_manager import BlockManager
 from asyncbatch.engine.host_staging import StagingPair
 from asyncbatch.engine.request import Request
@@ -97,7 +98,11 @@ def _rehearse(block_size: int, max_num_seqs: int, max_num_batched_tokens: int, p
     shared = rng.integers(FIRST_TOKEN, FIRST_TOKEN + 30000, block_size).tolist()  # a prefix the small rounds share
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     steps = admitting = admitted = seq = 0
-    for round_size in (burst, *(SMALL_BURST,) * SMALL_ROUNDS):
+    for k, round_size in enumerate((burst, *(SMALL_BURST,) * SMALL_ROUNDS)):
+        # The large round (half its prompts share a first block, so no run of new prompts is long enough) is the
+        # general pass at a burst's size; in the small rounds every run of new prompts, however short, is admitted
+        # as one (``Admitter._admit_run``; the engine's takes runs of 16 and more), so each round rehearses both.
+        scheduler.admitter.min_new_run = 1 if k else Admitter.MIN_NEW_RUN
         for i in range(round_size):
             tail = rng.integers(FIRST_TOKEN, FIRST_TOKEN + 30000, prompt_len - (block_size if i % 2 else 0))
             prompt = (shared + tail.tolist()) if i % 2 else tail.tolist()
