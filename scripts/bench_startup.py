@@ -25,12 +25,16 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 from harness.common import ROOT, free_port, parser, ref_worktree
+from harness.serving_servers import ManagedServer, ServerSpec
+
+from asyncbatch.bench.serving_client import VLLM
 
 SERVE_TIMEOUT_S = 180.0
 
@@ -48,25 +52,18 @@ def _status(url: str, body: dict | None = None) -> int:
     return 0
 
 
-def serve_times(tree: Path) -> dict[str, float]:
+def serve_times(tree: Path, log_path: Path) -> dict[str, float]:
+    """``asyncbatch serve`` of ``tree`` (its working folder: ``-m`` puts it first on sys.path) as a
+    ``ManagedServer``, polled every 50 ms; its log at ``log_path``."""
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "asyncbatch", "serve", "--device", "sim", "--port", str(port),
-                             "--sim-step-ms", "10"], cwd=tree, env=_env(tree), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.STDOUT)
-    try:
-        while _status(url + "/health") != 200:
-            if proc.poll() is not None or time.perf_counter() - start > SERVE_TIMEOUT_S:
-                raise RuntimeError(f"serve in {tree} did not become healthy (exit status {proc.poll()})")
-            time.sleep(0.05)
-        health = time.perf_counter() - start
-        if _status(url + "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 3}) != 200:
-            raise RuntimeError(f"serve in {tree} did not answer a completion")
-        return {"serve_health_s": health, "serve_first_answer_s": time.perf_counter() - start}
-    finally:
-        proc.terminate()
-        proc.wait(60)
+    argv = [sys.executable, "-m", "asyncbatch", "serve", "--device", "sim", "--port", str(port), "--sim-step-ms", "10"]
+    spec = ServerSpec("asyncbatch", argv, port, VLLM, "asyncbatch serve --device sim", env={"PYTHONPATH": str(tree)},
+                      cwd=tree)
+    with ManagedServer(spec, log_path, startup_timeout_s=SERVE_TIMEOUT_S, poll_s=0.05) as server:
+        healthy = time.perf_counter()
+        if _status(server.base_url + "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 3}) != 200:
+            raise RuntimeError(f"serve in {tree} did not answer a completion; log {log_path}:\n{server.log_tail()}")
+        return {"serve_health_s": server.ready_s, "serve_first_answer_s": server.ready_s + time.perf_counter() - healthy}
 
 
 def generate_time(tree: Path) -> dict[str, float]:
@@ -89,15 +86,16 @@ def main() -> int:
     if args.repeat < 1:
         cli.error(f"--repeat must be >= 1, got {args.repeat}")
     with contextlib.ExitStack() as stack:
+        logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-startup-")))
         trees = {"this": ROOT}
         if args.ref is not None:
             trees = {"ref": stack.enter_context(ref_worktree(args.ref, [])), **trees}
         elif args.ref_tree is not None:
             trees = {"ref": args.ref_tree.resolve(), **trees}
         runs: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
-        for _ in range(args.repeat):
+        for k in range(args.repeat):
             for name, tree in trees.items():
-                runs[name].append({**serve_times(tree), **generate_time(tree)})
+                runs[name].append({**serve_times(tree, logs / f"serve-{name}-{k}.log"), **generate_time(tree)})
     keys = list(next(iter(runs.values()))[0])
     print(f"{'median of ' + str(args.repeat):<24}" + "".join(f"{name:>10}" for name in runs)
           + ("     this/ref" if "ref" in runs else ""))

@@ -56,6 +56,7 @@ class ServerSpec:
     description: str
     env: dict[str, str] = field(default_factory=dict)  # added to this process's environment
     host: str = "127.0.0.1"
+    cwd: Path | None = None  # its working folder (None: this process's); for ``python -m``, sys.path's first entry
 
     @property
     def base_url(self) -> str:
@@ -140,11 +141,12 @@ class ManagedServer:
     """One server subprocess; use as a context manager (``start`` + ``wait_ready`` ... ``stop``)."""
 
     def __init__(self, spec: ServerSpec, log_path: Path, startup_timeout_s: float = 300.0,
-                 stop_timeout_s: float = 30.0) -> None:
+                 stop_timeout_s: float = 30.0, poll_s: float = _POLL_S) -> None:
         self.spec = spec
         self.log_path = Path(log_path)
         self.startup_timeout_s = startup_timeout_s
         self.stop_timeout_s = stop_timeout_s
+        self.poll_s = poll_s  # between two GET /health: the resolution of ``ready_s``
         self.process: subprocess.Popen | None = None
         self.ready_s: float | None = None  # start to first 200 from /health
         self.returncode: int | None = None
@@ -163,7 +165,7 @@ class ManagedServer:
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(self.spec.argv, stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, env={**os.environ, **self.spec.env},
-                                            start_new_session=True)
+                                            cwd=self.spec.cwd, start_new_session=True)
         _RUNNING.add(self)
         self._started = time.perf_counter()
 
@@ -193,7 +195,7 @@ class ManagedServer:
                     self.stop()
                     raise ServerStartError(f"{self.spec.name} did not answer GET /health with 200 within "
                                            f"{self.startup_timeout_s:.0f} s; log {self.log_path}:\n{self.log_tail()}")
-                time.sleep(_POLL_S)
+                time.sleep(self.poll_s)
 
     def served_model(self) -> str:
         """The first model ``GET /v1/models`` lists: the name requests must give."""
