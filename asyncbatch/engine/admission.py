@@ -177,7 +177,7 @@ class Admitter:
                     if batch:  # what the general pass decided first takes its blocks first, as single pops would
                         self._apply(batch, _table(records), popped, num_decoding)
                         batch, records, popped, num_decoding = [], [], 0, 0
-                    self._admit_run(run, prefill, blocks.num_unused_blocks, key, num_tokens)
+                    self._admit_run(run, prefill, key, num_tokens)
                     a = len(run.requests)
                     key += a
                     num_tokens += run.num_tokens
@@ -333,14 +333,15 @@ class Admitter:
         run.num_tokens = num_tokens
         return run
 
-    def _admit_run(self, run: _NewPromptRun, prefill: list[ScheduledRow], unused: int, key: int, offset: int) -> None:
+    def _admit_run(self, run: _NewPromptRun, prefill: list[ScheduledRow], key: int, offset: int) -> None:
         """Admit ``run`` (``_new_prompt_run``, the queue's head), deciding for each request what ``admit``'s
         general pass would and leaving the same state, with the per-request Python down to the statements that
         touch each ``Request``: the admission table is built with column operations, not a tuple a request.
-        ``unused``: blocks on the free stack (nothing decided is unapplied); ``key``: the last admission's key;
-        ``offset``: the tokens of this plan's admissions so far. The fresh blocks the free stack cannot hold are
-        evicted from the cache once for the run (``evict_for_admission``: no request of the run can hit, so no
-        lookup of theirs comes between) and ``_apply`` pops them: the blocks single pops would take, in order."""
+        Everything decided before it is applied, so the block manager's free stack is current. ``key``: the last
+        admission's key; ``offset``: the tokens of this plan's admissions so far. The fresh blocks the free stack
+        cannot hold are evicted from the cache once for the run (``evict_for_admission``: no request of the run can
+        hit, so no lookup of theirs comes between) and ``_apply`` pops them: the blocks single pops would take, in
+        order."""
         requests, lengths = run.requests, run.lengths
         a = len(requests)
         waiting, free_rows, owners, running, tokens = self.waiting, self.free_rows, self.owners, self.running, \
@@ -373,7 +374,7 @@ class Admitter:
         table[:, _TOKEN_CAP] = lens + np.fromiter((r.params.max_tokens for r in requests), dtype=np.int64, count=a)
         table[:, _LAST] = popped - 1
         table[:, _FLAT] = row_ids * self.max_blocks_per_seq + fresh - popped
-        total = int(popped[-1])
+        total, unused = int(popped[-1]), self.blocks.num_unused_blocks
         if total > unused:
             self.blocks.evict_for_admission(total - unused)
         self._apply(requests, table, total, a)
