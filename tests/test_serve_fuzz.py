@@ -4,10 +4,11 @@ Each body is valid JSON of the right types (pydantic would refuse the rest with 
 code runs), with values at and past every bound: ints up to 2**64, token ids past the vocabulary, schemas
 that no grammar can satisfy, regexes the libraries refuse, conflicting constraints, streams with usage.
 What must hold for every one: a status below 500; a refusal is an OpenAI error object naming a message;
-a stream ends with ``[DONE]``, and an error event in it can only be the caller's own constraints excluding
-each other at a token (``constraints_conflict``: found when that token is sampled, after the 200 went out, as
-``serve/generation.py`` says), right before ``[DONE]``. After all of them the server is healthy, no request is
-left running and the KV cache's accounting is intact. This is how a top_k of 2**63 was found to take the whole engine down.
+a stream ends with ``[DONE]``, and an error event in it can only be the caller's own constraints
+excluding each other at a token (``constraints_conflict``: found when that token is sampled, after the 200
+went out, as ``serve/generation.py`` says), right before ``[DONE]``. After all of them the server is healthy,
+no request is left running and the KV cache's accounting is intact. This is how a top_k of 2**63 was found to
+take the whole engine down.
 Deterministic (fixed seeds), on ``sim`` with n-gram speculation (the most host logic per step).
 """
 
