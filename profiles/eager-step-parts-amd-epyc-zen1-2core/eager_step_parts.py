@@ -101,8 +101,8 @@ def main() -> None:
     bandwidth = read_bandwidth_gb_s()
     floor_ms = weight_bytes(bench.model) / (bandwidth * 1e9) * 1e3
     plain_ms, _ = median_step(bench, args.steps)
-    print(f"threads {args.threads}; read bandwidth {bandwidth:.1f} GB/s; weights {weight_bytes(bench.model) / 1e6:.0f} MB;"
-          f" memory floor {floor_ms:.1f} ms")
+    print(f"threads {args.threads}; read bandwidth {bandwidth:.1f} GB/s; "
+          f"weights {weight_bytes(bench.model) / 1e6:.0f} MB; memory floor {floor_ms:.1f} ms")
     print(f"one-row step (no timers): median {plain_ms:.1f} ms = {plain_ms / floor_ms:.2f}x the floor")
 
     acc: dict = {}
