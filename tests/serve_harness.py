@@ -203,6 +203,16 @@ def session_pids(sid: int) -> list[int]:
             and int(fields[3]) == sid]
 
 
+def sse_events(response: httpx.Response) -> list:
+    """A server-sent-events body's ``data:`` payloads in order: each decoded from JSON, ``"[DONE]"`` as it is."""
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            payload = line[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
+
+
 def stream_ids(url: str, body: dict, out: list, headers: dict | None = None) -> None:
     """POST a streamed completion; append (token ids, finish reasons, whether [DONE] came) to ``out``."""
     finishes, ids, done = [], [], False

@@ -14,13 +14,12 @@ Deterministic (fixed seeds), on ``sim`` with n-gram speculation (the most host l
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
 
 from asyncbatch.serve.settings import ServeSettings
-from tests.serve_harness import client, serving, wait_idle
+from tests.serve_harness import client, serving, sse_events, wait_idle
 
 INTS = [0, 1, 2, 5, 20, 21, 100, 300, 49151, 49152, 10**6, 2**31, 2**63 - 1, 2**63, 2**64, -1, -2, -2**63]
 FLOATS = [0.0, 1e-9, 0.5, 1.0, 1.5, 2.0, 2.5, 100.0, 1e30, -0.5, -2.0, -100.0]
@@ -110,13 +109,12 @@ def test_random_extreme_requests_never_fail_the_server(served, seed):
                 error = response.json()["error"]
                 assert error["message"] and error["type"], (body, error)
             elif body.get("stream"):
-                events = [line.removeprefix("data: ") for line in response.text.splitlines()
-                          if line.startswith("data: ")]
+                events = sse_events(response)
                 assert events and events[-1] == "[DONE]", (body, response.text[-500:])
-                errors = [i for i, event in enumerate(events[:-1]) if "error" in json.loads(event)]
+                errors = [i for i, event in enumerate(events[:-1]) if "error" in event]
                 assert errors in ([], [len(events) - 2]), (body, response.text[-500:])
                 if errors:
-                    error = json.loads(events[-2])["error"]
+                    error = events[-2]["error"]
                     assert error["code"] == "constraints_conflict" and error["message"], (body, error)
             else:
                 assert response.json()["choices"], body

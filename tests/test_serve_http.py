@@ -5,7 +5,6 @@ the body limit, token-only engines, and the auxiliary routes."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 import time
@@ -19,7 +18,7 @@ from asyncbatch import SamplingParams
 from asyncbatch.config import SimConfig
 from asyncbatch.serve.request_stream import RequestStream
 from asyncbatch.serve.settings import ServeSettings
-from tests.serve_harness import client, serving, wait_idle
+from tests.serve_harness import client, serving, sse_events, wait_idle
 
 GOOD = {"model": "test-model", "prompt": [1, 2, 3, 4], "max_tokens": 4, "ignore_eos": True}
 SIM = {"device": "sim", "max_model_len": 256, "max_num_seqs": 8, "max_num_batched_tokens": 256}
@@ -105,15 +104,6 @@ def test_bad_chat_requests(served) -> None:
         assert ok.json()["usage"]["completion_tokens"] == 3
         default = http.post("/v1/chat/completions", json={**chat, "max_tokens": None, "ignore_eos": False})
         assert default.status_code == 200, default.text
-
-
-def sse_events(response: httpx.Response) -> list:
-    events = []
-    for line in response.iter_lines():
-        if line.startswith("data: "):
-            payload = line[len("data: "):]
-            events.append(payload if payload == "[DONE]" else json.loads(payload))
-    return events
 
 
 def test_stream_n_choices_and_usage(served) -> None:
