@@ -43,9 +43,9 @@ def _env(tree: Path) -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(tree))
 
 
-def _status(url: str, body: dict | None = None) -> int:
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+def _post_status(url: str, body: dict) -> int:
+    """The status of a JSON POST to ``url`` (0: no answer)."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     with contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError), \
             urllib.request.urlopen(request, timeout=30) as response:
         return response.status
@@ -61,7 +61,7 @@ def serve_times(tree: Path, log_path: Path) -> dict[str, float]:
                       cwd=tree)
     with ManagedServer(spec, log_path, startup_timeout_s=SERVE_TIMEOUT_S, poll_s=0.05) as server:
         healthy = time.perf_counter()
-        if _status(server.base_url + "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 3}) != 200:
+        if _post_status(server.base_url + "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 3}) != 200:
             raise RuntimeError(f"serve in {tree} did not answer a completion; log {log_path}:\n{server.log_tail()}")
         return {"serve_health_s": server.ready_s, "serve_first_answer_s": server.ready_s + time.perf_counter() - healthy}
 
