@@ -165,6 +165,52 @@ def test_batched_admission_equals_one_at_a_time(seed: int, min_new_run: int | No
     assert batched.blocks.num_free_blocks == batched.blocks.num_usable_blocks
 
 
+
+@pytest.mark.parametrize("cut", [5, BLOCK, BLOCK + 3])
+def test_a_run_of_new_prompts_ends_with_the_budgets_chunk_of_the_next(monkeypatch, cut: int) -> None:
+    """A burst of new prompts whose token budget ends inside one (a burst's usual admitting step): the batched
+    planner admits the whole prompts and that one's first chunk, the budget's rest, as one run (one array batch,
+    ``Admitter._admit_run``); the chunked prompt then goes on prefilling. Every plan, staging write, block table,
+    free stack and cache counter equals one-at-a-time admission, step by step until all have finished. ``cut``: the
+    chunk's length (shorter than a block, one block, more)."""
+    from asyncbatch.engine import admission
+
+    rng = random.Random(cut)
+    lengths = [30] * 15 + [BUDGET - 15 * 30 - cut, 40, 33]  # 16 whole prompts leave ``cut`` of the budget
+    prompts = [[rng.randrange(4, VOCAB) for _ in range(n)] for n in lengths]
+    planners = [Planner(True, 80), Planner(False, 80)]
+    for p in planners:
+        for i, prompt in enumerate(prompts):
+            p.add(i, prompt, SamplingParams(max_tokens=3 + i % 4, temperature=0.0, ignore_eos=True))
+    batches = []
+    apply = admission.Admitter._apply
+    monkeypatch.setattr(admission.Admitter, "_apply", lambda self, requests, *rest: (
+        batches.append((self.batch, len(requests))), apply(self, requests, *rest))[1])
+    for step in range(40):
+        plans = [p.sched.schedule() for p in planners]
+        assert (plans[0] is None) == (plans[1] is None)
+        if plans[0] is None:
+            break
+        assert _plan_view(plans[0]) == _plan_view(plans[1])
+        if step == 0:
+            assert plans[0].num_admitted == 17 and sum(lengths[:16]) + cut == BUDGET
+            chunk = plans[0].prefill[-1]
+            assert (chunk.request.arrival_seq, chunk.num_tokens, chunk.samples) == (16, cut, False)
+            assert planners[0].new_runs == [17]
+            assert [n for batch, n in batches if batch] == [17]  # the chunk did not take a second batch
+        metas = [p.writer.write(plan, p.staging.next_buffer()) for p, plan in zip(planners, plans)]
+        assert _staging_view(metas[0]) == _staging_view(metas[1])
+        tokens, finite = _fake_tokens(metas[1].staging, metas[1].num_sampled)
+        for p, plan in zip(planners, plans):
+            p.sched.release_drained(plan)
+            p.sched.apply(plan, tokens, finite)
+            p.sched.check_integrity()
+        assert _held_tables(planners[0]) == _held_tables(planners[1])
+        assert planners[0].blocks.free_blocks() == planners[1].blocks.free_blocks()
+        assert planners[0].sched.prefix_cache_stats() == planners[1].sched.prefix_cache_stats()
+    assert not any(p.sched.has_work() for p in planners)
+    assert [r.num_outputs for r in planners[0].requests.values()] == [3 + i % 4 for i in range(len(prompts))]
+
 def test_admission_batch_allocates_the_blocks_single_pops_would() -> None:
     a = BlockManager(40, BLOCK, 4, MAX_BLOCKS)
     b = BlockManager(40, BLOCK, 4, MAX_BLOCKS)

@@ -38,8 +38,8 @@ request alone cost it a batch's fixed array work
 (profiles/admission-burst-amd-epyc-2core: 30 -> 6 us a request).
 
 Most of a burst is new prompts that miss the cache, and for those the pass's
-decisions reduce to prefix sums (budget, rows, blocks; each prompt whole). So a
-run of at least ``MIN_NEW_RUN`` of them at the queue's head is admitted as one
+decisions reduce to prefix sums (budget, rows, blocks; each prompt whole, but
+the last that the budget cuts short). So a run of at least ``MIN_NEW_RUN`` of them at the queue's head is admitted as one
 (``_new_prompt_run`` finds it, ``_admit_run`` admits it): a few statements per
 ``Request`` and the table built by column operations, what the general pass
 decides for each of them, with what that pass decided first applied before it
@@ -87,6 +87,10 @@ _PREFILL_LEN, _SCHEDULED, _TOKEN_CAP = (CHUNK_END + ROW_COUNTERS.index(name)
                                         for name in ("prefill_len", "num_scheduled", "token_cap"))
 _FRESH, _LAST, _FLAT, _DECODES = range(_COUNTERS.stop, _COUNTERS.stop + 4)
 _TABLE_WIDTH = _DECODES + 1
+# The admission table's row for every request of a run of new prompts (``Admitter._admit_run``) in the columns they
+# share: whole prompts from position 0, nothing cached, sampling at step 0 with no outputs before, decoding after.
+_RUN_CONSTANTS = np.zeros(_TABLE_WIDTH, dtype=np.int64)
+_RUN_CONSTANTS[[CHUNK_SAMPLES, CHUNK_FIRST, _SCHEDULED, _DECODES]] = 1
 
 
 class Admitter:
@@ -183,8 +187,8 @@ class Admitter:
                     num_tokens += run.num_tokens
                     budget -= run.num_tokens
                     rows_left -= a
-                    num_sampling += a
-                    prompt_tokens += run.num_tokens
+                    num_sampling += a - run.chunked
+                    prompt_tokens += run.prompt_tokens
                     available, unused = blocks.num_free_blocks, blocks.num_unused_blocks
                     look_back = 1
                     continue
@@ -298,39 +302,49 @@ class Admitter:
 
     def _new_prompt_run(self, budget: int, rows_left: int, available: int) -> _NewPromptRun:
         """The run of waiting requests from the queue's head that ``_admit_run`` may admit as one (nothing is
-        changed): new prompts that miss the cache, each whole in the budget.
+        changed): new prompts that miss the cache, each whole in the budget but perhaps the last, which gets the
+        budget's rest as its first chunk (``chunked``), as the general pass would give it.
 
-        A request is in the run only where ``admit``'s general pass would admit it whole without a lookup, a
-        share or a wait: no tokens in flight and no outputs to recompute (a new request), its first block's key
-        neither cached nor computed by this plan nor repeated in the run (so it can neither hit nor wait:
-        ``PrefixSharer.waits_for_computing``), more than one token to generate (it does not drain), its prompt
-        within the budget, the block table and the ``available`` blocks left."""
+        A request is in the run only where ``admit``'s general pass would admit it without a lookup, a share or a
+        wait: no tokens in flight and no outputs to recompute (a new request), its first block's key neither
+        cached nor computed by this plan nor repeated in the run (so it can neither hit nor wait:
+        ``PrefixSharer.waits_for_computing``), more than one token to generate (it does not drain), its first
+        chunk within the block table and the ``available`` blocks left. A chunked prompt in the run saves the
+        general pass a second ``_apply`` in the step: the usual end of a burst's admitting step, whose budget
+        leaves room for part of one more prompt."""
         blocks = self.blocks
         cached = self.prefix.cached_keys() if blocks.caching else ()
         computing = self.prefix.computing
         bs, max_blocks = blocks.block_size, self.max_blocks_per_seq
-        run = _NewPromptRun([], [], set(), 0)
+        run = _NewPromptRun([], [], set(), 0, 0, False)
         lengths, firsts = run.lengths, run.firsts
-        num_tokens = num_blocks = 0
+        num_tokens = num_blocks = prompt_tokens = 0
         for request in islice(self.waiting, rows_left):
-            if request.num_pending or request.num_outputs:
+            if request.num_pending or request.num_outputs or num_tokens == budget:
                 break
-            n = len(request.prompt_token_ids)
+            prompt_len = n = len(request.prompt_token_ids)
+            chunked = n > budget - num_tokens  # the budget's rest: the run ends with this prompt's first chunk
+            if chunked:
+                n = budget - num_tokens
             fresh = -(-n // bs)
-            if (num_tokens + n > budget or num_blocks + fresh > available or fresh > max_blocks
-                    or request.params.max_tokens <= 1):
+            if num_blocks + fresh > available or fresh > max_blocks or request.params.max_tokens <= 1:
                 break
             keys = request.block_keys  # empty without caching, and for a prompt shorter than a block
             if keys:
                 first = keys[0]
                 if first in cached or first in computing or first in firsts:
                     break
-                firsts.add(first)
+                if n >= bs:  # the chunk computes its first block (a short first chunk does not)
+                    firsts.add(first)
             num_tokens += n
             num_blocks += fresh
+            prompt_tokens += prompt_len
             run.requests.append(request)
             lengths.append(n)
-        run.num_tokens = num_tokens
+            if chunked:
+                run.chunked = True
+                break
+        run.num_tokens, run.prompt_tokens = num_tokens, prompt_tokens
         return run
 
     def _admit_run(self, run: _NewPromptRun, prefill: list[ScheduledRow], key: int, offset: int) -> None:
@@ -356,17 +370,23 @@ class Admitter:
             running[request.arrival_seq] = request
             prefill.append(ScheduledRow(request, row, 0, n, True, 0, True, 0))
             tokens.append(request.prompt_array)  # ``chunk_tokens(0, n)`` of a whole prompt
+        if run.chunked:  # the last one's first chunk: it samples nothing yet, and goes on prefilling
+            request, n = requests[-1], lengths[-1]
+            prefill[-1] = ScheduledRow(request, rows[-1], 0, n, False, 0, True, 0)
+            tokens[-1] = request.chunk_tokens(0, n)
+            self.prefilling.append(request)
         self.prefix.computing.update(run.firsts)  # ``note_computing`` of each, as the general pass does
-        # The admission table (``admit``'s columns): whole prompts, nothing cached, sampling at step 0, decoding after.
+        # The admission table (``admit``'s columns): whole prompts, nothing cached, sampling at step 0, decoding after
+        # (a chunked last one's row is corrected below).
         bs = self.blocks.block_size
         lens = np.array(lengths, dtype=np.int64)  # [A]
         row_ids = np.array(rows, dtype=np.int64)  # [A]
         fresh = -(-lens // bs)  # [A]
         popped = np.cumsum(fresh)  # [A] the run's fresh blocks up to each one's last
-        table = np.zeros((a, _TABLE_WIDTH), dtype=np.int64)  # [A, _TABLE_WIDTH]
+        table = np.empty((a, _TABLE_WIDTH), dtype=np.int64)  # [A, _TABLE_WIDTH]
+        table[:] = _RUN_CONSTANTS  # the columns equal for every request of a run; the rest are set below
         table[:, CHUNK_ROW] = row_ids
         table[:, CHUNK_N] = table[:, CHUNK_PROMPT] = table[:, CHUNK_END] = table[:, _PREFILL_LEN] = lens
-        table[:, CHUNK_SAMPLES] = table[:, CHUNK_FIRST] = table[:, _SCHEDULED] = table[:, _DECODES] = 1
         table[:, CHUNK_OFFSET] = np.cumsum(lens) + (offset - lens)
         table[:, CHUNK_BLOCKS] = table[:, _FRESH] = fresh
         table[:, CHUNK_SEQ] = np.fromiter((r.arrival_seq for r in requests), dtype=np.int64, count=a)
@@ -374,10 +394,15 @@ class Admitter:
         table[:, _TOKEN_CAP] = lens + np.fromiter((r.params.max_tokens for r in requests), dtype=np.int64, count=a)
         table[:, _LAST] = popped - 1
         table[:, _FLAT] = row_ids * self.max_blocks_per_seq + fresh - popped
+        if run.chunked:  # scalar writes: a fancy index costs more than these six
+            request, last = requests[-1], table[-1]
+            last[CHUNK_PROMPT] = last[_PREFILL_LEN] = prompt_len = len(request.prompt_token_ids)
+            last[CHUNK_SAMPLES] = last[_SCHEDULED] = last[_DECODES] = 0
+            last[_TOKEN_CAP] = prompt_len + request.params.max_tokens
         total, unused = int(popped[-1]), self.blocks.num_unused_blocks
         if total > unused:
             self.blocks.evict_for_admission(total - unused)
-        self._apply(requests, table, total, a)
+        self._apply(requests, table, total, a - run.chunked)
 
     def _apply(self, requests: list[Request], table: np.ndarray, popped: int, num_decoding: int) -> None:
         """Rows and blocks of the decided admissions ``requests`` (in queue order), with their admission table
@@ -410,6 +435,8 @@ class _NewPromptRun:
     """Waiting requests from the queue's head that ``Admitter._admit_run`` admits as one (``_new_prompt_run``)."""
 
     requests: list[Request]
-    lengths: list[int]  # their prompts' lengths (each admitted whole)
-    firsts: set[int]  # their prompts' first block keys (a prompt with one has a full block: it computes it)
+    lengths: list[int]  # their first chunks' lengths: each one's whole prompt, but a ``chunked`` last one's
+    firsts: set[int]  # the first block keys their first chunks compute (each full first block)
     num_tokens: int  # the sum of ``lengths``
+    prompt_tokens: int  # the sum of their prompts' lengths
+    chunked: bool  # the last one's first chunk is part of its prompt (it samples nothing yet)
