@@ -39,11 +39,12 @@ request alone cost it a batch's fixed array work
 
 Most of a burst is new prompts that miss the cache, and for those the pass's
 decisions reduce to prefix sums (budget, rows, blocks; each prompt whole, but
-the last that the budget cuts short). So a run of at least ``MIN_NEW_RUN`` of them at the queue's head is admitted as one
-(``_new_prompt_run`` finds it, ``_admit_run`` admits it): a few statements per
-``Request`` and the table built by column operations, what the general pass
-decides for each of them, with what that pass decided first applied before it
-(the pop order). It halves the pass's Python for a burst of distinct prompts
+the last that the budget cuts short). So a run of at least ``MIN_NEW_RUN`` of
+them at the queue's head is admitted as one (``_new_prompt_run`` finds it,
+``_admit_run`` admits it): a few statements per ``Request`` and the table
+built by column operations, what the general pass decides for each of them,
+with what that pass decided first applied before it (the pop order). It
+halves the pass's Python for a burst of distinct prompts
 (profiles/admission-new-prompt-runs-amd-epyc-zen1-2core).
 """
 

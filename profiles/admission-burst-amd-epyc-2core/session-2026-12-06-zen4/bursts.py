@@ -34,7 +34,7 @@ with LLM("smollm2-135m", device="sim", sim=sim, max_num_seqs=N, seed=0) as llm:
                  SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), use_tqdm=False)
     llm.wait_settled(5.0)
     if os.environ.get("PIN"):
-        core = [p.pid for p in multiprocessing.active_children() if p.name == "asyncbatch-core"][0]
+        core = next(p.pid for p in multiprocessing.active_children() if p.name == "asyncbatch-core")
         pin(core, {1})
         pin(os.getpid(), {0})
     params = [SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True, seed=i) for i in range(N)]
