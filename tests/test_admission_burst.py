@@ -165,7 +165,6 @@ def test_batched_admission_equals_one_at_a_time(seed: int, min_new_run: int | No
     assert batched.blocks.num_free_blocks == batched.blocks.num_usable_blocks
 
 
-
 @pytest.mark.parametrize("cut", [5, BLOCK, BLOCK + 3])
 def test_a_run_of_new_prompts_ends_with_the_budgets_chunk_of_the_next(monkeypatch, cut: int) -> None:
     """A burst of new prompts whose token budget ends inside one (a burst's usual admitting step): the batched
@@ -210,6 +209,7 @@ def test_a_run_of_new_prompts_ends_with_the_budgets_chunk_of_the_next(monkeypatc
         assert planners[0].sched.prefix_cache_stats() == planners[1].sched.prefix_cache_stats()
     assert not any(p.sched.has_work() for p in planners)
     assert [r.num_outputs for r in planners[0].requests.values()] == [3 + i % 4 for i in range(len(prompts))]
+
 
 def test_admission_batch_allocates_the_blocks_single_pops_would() -> None:
     a = BlockManager(40, BLOCK, 4, MAX_BLOCKS)
