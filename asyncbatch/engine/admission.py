@@ -135,6 +135,8 @@ class Admitter:
         self.table: np.ndarray | None = None
         self.tokens: list[np.ndarray] = []
         self.num_sampling = 0  # of the last ``admit``'s chunks, those that end their prefill and sample
+        # Whether one of the last ``admit``'s chunks reaches a preempted request's outputs (its end past its prompt).
+        self.reaches_outputs = False
         self.short_of_blocks = False  # the last ``admit`` stopped at a request its free blocks could not hold
         self.min_new_run = self.MIN_NEW_RUN  # tests and the planner's warm-up set 1
         self._tables: list[np.ndarray] = []
@@ -147,6 +149,7 @@ class Admitter:
         self.table = None
         self.tokens = tokens = []  # a new list: the last plan keeps the one before
         self.num_sampling = 0
+        self.reaches_outputs = False
         self.short_of_blocks = False
         if not waiting or budget <= 0 or len(self.running) >= self.max_num_seqs:
             return budget
@@ -237,6 +240,8 @@ class Admitter:
                 if following is not None and end >= start + bs:  # ``PrefixSharer.note_computing``, inlined
                     computing.add(following)
             outputs = target - prompt_len  # a preempted request's outputs, recomputed in this prefill
+            if end > prompt_len:
+                self.reaches_outputs = True
             samples = end == target  # the chunk ends the prefill, and samples
             max_tokens = request.params.max_tokens
             drains = samples and outputs >= max_tokens - 1  # its only output left is scheduled now

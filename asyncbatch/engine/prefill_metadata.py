@@ -35,7 +35,6 @@ from asyncbatch.engine.step_plan import (
     CHUNK_BLOCKS,
     CHUNK_CACHED,
     CHUNK_END,
-    CHUNK_FIRST,
     CHUNK_N,
     CHUNK_OFFSET,
     CHUNK_PROMPT,
@@ -79,11 +78,14 @@ def write_prefill(plan: StepPlan, staging: StagingBuffer, rows: RowState, blocks
     parts: list[np.ndarray] = []  # each chunk's tokens
     spec = []
     offset = 0
+    reach_outputs = plan.admitted_reach_outputs  # some chunk's end passes its prompt (a recompute's outputs)
     for row in running:  # the one Python pass per chunk of a running prefill
         request, start, n = row.request, row.start, row.num_tokens
+        prompt_len = len(request.prompt_token_ids)
         parts.append(request.chunk_tokens(start, start + n))
-        spec.append((row.token_row, start, n, len(request.prompt_token_ids), row.sample_step, row.samples, row.first,
+        spec.append((row.token_row, start, n, prompt_len, row.sample_step, row.samples, row.first,
                      row.num_cached, offset, blocks.blocks_for(start + n), start + n, request.arrival_seq))
+        reach_outputs = reach_outputs or start + n > prompt_len
         offset += n
     if admitted is None:
         c = np.array(spec, dtype=np.int64)  # [P, CHUNK_COLUMNS]
@@ -102,9 +104,8 @@ def write_prefill(plan: StepPlan, staging: StagingBuffer, rows: RowState, blocks
     np.concatenate(parts, out=staging.input_ids[nd:t])
     staging.positions[nd:t] = pos
     staging.slot_mapping[nd:t] = _slots(table, owner, pos, bs)
-    prompts = c[:, CHUNK_PROMPT]  # [P]
-    if (ends > prompts).any():  # a recompute after a preemption reaches its outputs
-        staging.token_is_output[nd:t] = pos >= np.repeat(prompts, ns)
+    if reach_outputs:  # a recompute after a preemption reaches its outputs
+        staging.token_is_output[nd:t] = pos >= np.repeat(c[:, CHUNK_PROMPT], ns)
     else:
         staging.token_is_output[nd:t] = False
     staging.token_owner_row[nd:t] = owner
@@ -117,7 +118,7 @@ def write_prefill(plan: StepPlan, staging: StagingBuffer, rows: RowState, blocks
     token_starts = columns[:, 0]  # [P] each chunk's first index in the step's tokens
     meta = PrefillRows(columns)
     staging.prefill_row_spans[:p] = columns[:, :3]  # [P, 3] token start, count, end
-    first = token_rows[c[:, CHUNK_FIRST] != 0]  # [F]
+    first = token_rows[len(spec):]  # [F] the admitted chunks: the first ones since (re)admission, and only they
     staging.first_chunk_token_rows[:len(first)] = first
     penalised = rows.uses_penalty[token_rows]  # [P]
     any_penalty = bool(penalised.any())
@@ -125,7 +126,10 @@ def write_prefill(plan: StepPlan, staging: StagingBuffer, rows: RowState, blocks
     # is not computed, so its tokens travel in the CachedContext.
     reused = (penalised & (c[:, CHUNK_CACHED] > 0)).nonzero()[0] if any_penalty else NO_ROWS
     sample_rows, sample_steps, logits_indices = token_rows, c[:, CHUNK_STEP], token_starts + ns - 1  # [P]
-    if len(plan.sample_rows) - plan.num_decode != p:  # not every chunk samples (the plan lists those that do)
+    num_sampling = len(plan.sample_rows) - plan.num_decode  # the plan lists the chunks that sample
+    if num_sampling == p - 1 and not c[-1, CHUNK_SAMPLES]:  # all but the last, a burst's chunked prompt
+        sample_rows, sample_steps, logits_indices = sample_rows[:-1], sample_steps[:-1], logits_indices[:-1]
+    elif num_sampling != p:
         samples = c[:, CHUNK_SAMPLES] != 0  # [P]
         sample_rows, sample_steps, logits_indices = sample_rows[samples], sample_steps[samples], logits_indices[samples]
     cached = (c[:, CHUNK_CACHED] > 0).nonzero()[0] if history else NO_ROWS

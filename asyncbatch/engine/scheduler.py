@@ -208,8 +208,13 @@ class Scheduler:
             row_parts.append(np.fromiter((p.token_row for p in sampling), np.int64, count=len(sampling)))
             seq_parts.append(np.fromiter((p.request.arrival_seq for p in sampling), np.int64, count=len(sampling)))
         if admitted is not None:
-            samples = admitted if self.admitter.num_sampling == num_admitted else \
-                admitted[admitted[:, CHUNK_SAMPLES] != 0]
+            num_sampling = self.admitter.num_sampling
+            if num_sampling == num_admitted:
+                samples = admitted
+            elif num_sampling == num_admitted - 1 and not admitted[-1, CHUNK_SAMPLES]:  # a burst's chunked last one
+                samples = admitted[:-1]
+            else:
+                samples = admitted[admitted[:, CHUNK_SAMPLES] != 0]
             row_parts.append(samples[:, CHUNK_ROW])
             seq_parts.append(samples[:, CHUNK_SEQ])
         sample_rows, sample_seqs = (decode.rows, decode.seqs) if len(row_parts) == 1 else (
@@ -218,7 +223,7 @@ class Scheduler:
                         decode.version, prefill, self.max_num_batched_tokens - budget, sample_rows, sample_seqs,
                         self.num_releases, preempted, drained, num_admitted, admit_s if num_admitted else 0.0,
                         decode.depth, admitted, admit_cpu_s if num_admitted else 0.0,
-                        self.admitter.tokens if num_admitted else [])
+                        self.admitter.tokens if num_admitted else [], self.admitter.reaches_outputs)
 
     def _schedule_decode(self, preempted: list[Request], drained: list[Request]) -> _DecodePart:
         """One token for every request in the decode phase (1 + depth in a verify step): array operations over

@@ -76,6 +76,9 @@ class StepPlan:
     admit_cpu_s: float = 0.0
     # Their tokens, one int64 array per admitted chunk in the same order (``Admitter.tokens``).
     admitted_tokens: list[np.ndarray] = field(default_factory=list)
+    # Whether an admitted chunk reaches its request's outputs (a recompute after a preemption; ``Admitter``):
+    # without one, no admitted token is an output, which ``write_prefill`` then need not look for.
+    admitted_reach_outputs: bool = False
 
     @property
     def num_decode(self) -> int:
