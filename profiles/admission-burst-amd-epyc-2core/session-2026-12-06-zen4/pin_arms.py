@@ -3,6 +3,8 @@
 
     PYTHONPATH=<tree with probe.diff> python pin_arms.py ROUNDS BURSTS ["arm;arm;..."]
 
+probe.diff applies to e7b13ac (the tree these runs measured), not to later admission code.
+
 Each arm: a fresh engine (the core process adopts the caller's environment), a four-request warm-up, then BURSTS
 bursts of 256 new 32-token prompts, 100 tokens each; arms alternate, reversed every other round.
 """
