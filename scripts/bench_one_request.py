@@ -5,7 +5,9 @@ The one-request prompts of ``bench_speculative.py``'s workloads (``--single-prom
 other, greedy, ``--max-tokens``, EOS honoured) through one engine per ``--configs`` entry (speculation against
 plain decoding at 1 and 32 requests is ``bench_speculative.py``'s subject), then llama.cpp on the same token
 ids when llama-cpp-python imports. A config is ``dtype[+quantization][+compiled][+ngram[K]]``:
-``float32``, ``bfloat16``, ``float32+w8a8``, ``float32+w8a8+compiled`` (``compile_decode=True``); ``+ngram`` adds
+``float32``, ``bfloat16``, ``float32+w8a8``, ``float32+w8a8+compiled`` (``compile_decode=True``),
+``bfloat16+nofp16kernel`` (its one- and two-row steps through oneDNN, not fbgemm's float16-weight kernel:
+``ASYNCBATCH_BF16_FP16_KERNEL=0`` for that engine, ``model/fp16_kernel.py``); ``+ngram`` adds
 n-gram speculation with ``SpeculativeConfig``'s defaults, ``+ngram6`` with ``num_speculative_tokens=6`` (its
 tokens are checked against the same config without it, and its mean acceptance length is reported). Every
 engine is built and warmed up first and stays alive; each repeat runs the configs in turn (the order reversed
@@ -30,6 +32,7 @@ from harness.common import parser as script_parser
 from harness.speculative_workloads import WORKLOADS, load_workload, prompt_ids, spread
 
 from asyncbatch import LLM, SamplingParams
+from asyncbatch.model.fp16_kernel import FP16_KERNEL_ENV
 from asyncbatch.profiling.host_info import cpu_name, git_commit
 
 
@@ -46,11 +49,23 @@ def speculative_config(flags: list[str]) -> dict | None:
     return {"method": "ngram", **({"num_speculative_tokens": int(flag[5:])} if flag != "ngram" else {})}
 
 
+NO_FP16_KERNEL = "nofp16kernel"
+
+
 def engine(config: str, threads: int) -> LLM:
     dtype, *flags = config.split("+")
-    quantization = next((f for f in flags if f != "compiled" and not _is_ngram(f)), None)
-    return LLM(None, device="cpu", dtype=dtype, quantization=quantization, compile_decode="compiled" in flags,
-               speculative_config=speculative_config(flags), num_threads=threads, seed=0)
+    quantization = next((f for f in flags if f not in ("compiled", NO_FP16_KERNEL) and not _is_ngram(f)), None)
+    kernel_env = os.environ.get(FP16_KERNEL_ENV)
+    if NO_FP16_KERNEL in flags:  # the core process takes the caller's environment as it is when it starts
+        os.environ[FP16_KERNEL_ENV] = "0"
+    try:
+        return LLM(None, device="cpu", dtype=dtype, quantization=quantization, compile_decode="compiled" in flags,
+                   speculative_config=speculative_config(flags), num_threads=threads, seed=0)
+    finally:
+        if kernel_env is None:
+            os.environ.pop(FP16_KERNEL_ENV, None)
+        else:
+            os.environ[FP16_KERNEL_ENV] = kernel_env
 
 
 def plain_twin(config: str) -> str:

@@ -15,7 +15,7 @@ import torch
 from tiny_models import save_tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode  # private-name: the op counter's base class
 
-from asyncbatch.model import llama
+from asyncbatch.model import fp16_kernel, llama
 from asyncbatch.model.forward_batch import ForwardBatch, PrefillRow
 from asyncbatch.model.fused_projections import is_fused
 from asyncbatch.model.llama import RMSNorm
@@ -173,6 +173,7 @@ def test_a_packed_decode_step_fuses_gate_up_and_casts_nothing(tiny_dirs, monkeyp
     ops a layer, 50 before (separate gate and up, two casts a norm, a reshape and a view a product)."""
     monkeypatch.setenv("ASYNCBATCH_BF16_EMULATION", "0")
     monkeypatch.setenv(F32_PACKED_ENV, "1")
+    monkeypatch.setenv(fp16_kernel.FP16_KERNEL_ENV, "0")  # oneDNN's products here; the float16 kernel's: below
     if not packs_weights(dtype, CPU):
         pytest.skip(f"oneDNN's packed {dtype} product is not available in this torch build")
     model = load_model(tiny_dirs["llama"], dtype, CPU, max_positions=32)
@@ -186,6 +187,25 @@ def test_a_packed_decode_step_fuses_gate_up_and_casts_nothing(tiny_dirs, monkeyp
     if dtype == torch.float32 or llama.rms_norm_upcasts(torch.bfloat16):
         assert ops.count("to") == float_ops.count("to")  # the step's own casts, none at the norms
     assert max(per_layer) <= 36, per_layer
+
+
+def test_a_one_row_bfloat16_step_through_the_float16_kernel_casts_only_around_its_products(tiny_dirs, monkeypatch):
+    """With fbgemm's float16 copies (``fp16_kernel``, forced on), a one-row bfloat16 step runs every product, the
+    LM head's too, through the kernel and none through oneDNN, at the cost of two casts a product (its rows go in
+    as float32 and come out rounded to bfloat16): the same step as oneDNN's otherwise."""
+    monkeypatch.setenv("ASYNCBATCH_BF16_EMULATION", "0")
+    monkeypatch.setenv(fp16_kernel.FP16_KERNEL_ENV, "1")
+    if not packs_weights(torch.bfloat16, CPU) or not fp16_kernel.fp16_kernel_works():
+        pytest.skip("oneDNN's packed bfloat16 product or fbgemm's float16-weight kernel is missing here")
+    ops, per_layer = count_decode_ops(load_model(tiny_dirs["llama"], torch.bfloat16, CPU, max_positions=32))
+    monkeypatch.setenv(fp16_kernel.FP16_KERNEL_ENV, "0")
+    onednn_ops, onednn_per_layer = count_decode_ops(
+        load_model(tiny_dirs["llama"], torch.bfloat16, CPU, max_positions=32))
+    products = onednn_ops.count("_linear_pointwise")
+    assert products == 4 * len(per_layer) + 1  # q/k/v, o, gate/up, down a layer; the LM head
+    assert ops.count("linear_dynamic_fp16") == products and "_linear_pointwise" not in ops
+    assert ops.count("to") == onednn_ops.count("to") + 2 * products
+    assert per_layer == [n + 8 for n in onednn_per_layer]
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import save_tiny_model, tiny_config
 from transformers import GPT2Config
 
-from asyncbatch.model import default_model, gguf_cache, packed_linears
+from asyncbatch.model import default_model, fp16_kernel, gguf_cache, packed_linears
 from asyncbatch.model.cpu_features import cpu_vendor
 from asyncbatch.model.default_model import INSTALL_COMMAND, DefaultModelMissingError
 from asyncbatch.model.llama import SUPPORTED_ARCHITECTURES
@@ -299,6 +299,7 @@ def test_packed_linears_give_the_plain_products(llama_dir: Path, monkeypatch, dt
     float32 rounding, with no plain decoder weight left (held once). A step's weight bytes are counted once."""
     monkeypatch.setenv("ASYNCBATCH_BF16_EMULATION", "0")
     monkeypatch.setenv(F32_PACKED_ENV, "1")
+    monkeypatch.setenv(fp16_kernel.FP16_KERNEL_ENV, "0")  # oneDNN's products here; the float16 kernel: below
     if not packs_weights(dtype, CPU):
         pytest.skip(f"oneDNN's packed {dtype} product is not available in this torch build")
     packed = load_model(llama_dir, dtype, CPU, max_positions=32)
@@ -335,6 +336,83 @@ def test_packed_linears_give_the_plain_products(llama_dir: Path, monkeypatch, dt
         hidden = torch.randn(rows, plain.config.hidden_size, generator=gen).to(dtype)
         check(packed.compute_logits(hidden), plain.compute_logits(hidden), rows)
     assert weight_bytes(packed) == weight_bytes(plain)
+
+
+def within_a_bfloat16_step(got: torch.Tensor, want: torch.Tensor) -> None:
+    """``got`` equals ``want`` but for float32 sums taken in another order: one bfloat16 step of each output at
+    most (an output near zero, where the sums cancel, within a step of the largest output's 2^-16)."""
+    want32, got32 = want.float(), got.float()
+    step = torch.ldexp(torch.ones_like(want32), torch.frexp(want32).exponent - 8)
+    assert ((got32 - want32).abs() <= step.clamp_min(want32.abs().max() * 2**-16)).all()
+
+
+def test_one_and_two_row_bfloat16_steps_take_the_float16_weight_kernel(llama_dir: Path, monkeypatch) -> None:
+    """bfloat16 linears and the LM head with fbgemm's float16 copy (``fp16_kernel``, forced on here) multiply
+    steps of one and two rows through it and larger ones through oneDNN's packed copy, bit for bit as before; the
+    kernel's outputs are the plain linears' within one bfloat16 step (another order of float32 sums); a step's
+    weight bytes are counted once."""
+    monkeypatch.setenv("ASYNCBATCH_BF16_EMULATION", "0")
+    monkeypatch.setenv(fp16_kernel.FP16_KERNEL_ENV, "1")
+    if not packs_weights(torch.bfloat16, CPU) or not fp16_kernel.fp16_kernel_works():
+        pytest.skip("oneDNN's packed bfloat16 product or fbgemm's float16-weight kernel is missing here")
+    model = load_model(llama_dir, torch.bfloat16, CPU, max_positions=32)
+    monkeypatch.setenv(fp16_kernel.FP16_KERNEL_ENV, "0")
+    without = load_model(llama_dir, torch.bfloat16, CPU, max_positions=32)
+    kernel_calls = []
+    product = packed_linears.fp16_product
+    monkeypatch.setattr(packed_linears, "fp16_product", lambda x, w: kernel_calls.append(len(x)) or product(x, w))
+    pairs = list(zip((m for m in model.modules() if isinstance(m, PackedLinear)),
+                     (m for m in without.modules() if isinstance(m, PackedLinear))))
+    assert pairs and all(m.fp16 is not None and w.fp16 is None for m, w in pairs)
+    gen = torch.Generator().manual_seed(1)
+    for module, reference in pairs:
+        for rows in (1, 2, 3, PACKED_MAX_ROWS):
+            x = torch.randn(rows, module.in_features, generator=gen).to(torch.bfloat16)
+            if rows <= fp16_kernel.FP16_KERNEL_MAX_ROWS:
+                within_a_bfloat16_step(module(x), torch.nn.functional.linear(x, reference.weight, reference.bias))
+            else:
+                assert torch.equal(module(x), reference(x)), rows
+    assert kernel_calls == [1, 2] * len(pairs)
+    assert model.packed_lm_head.fp16 is not None and without.packed_lm_head.fp16 is None
+    for rows in (1, 2, 3):
+        hidden = torch.randn(rows, model.config.hidden_size, generator=gen).to(torch.bfloat16)
+        got, want = model.compute_logits(hidden), without.compute_logits(hidden)
+        if rows <= fp16_kernel.FP16_KERNEL_MAX_ROWS:
+            within_a_bfloat16_step(got, torch.nn.functional.linear(hidden, without.output_weight).float())
+        else:
+            assert torch.equal(got, want)
+    assert kernel_calls[-2:] == [1, 2]
+    assert weight_bytes(model) == weight_bytes(without)
+
+
+def test_the_float16_weight_kernel_is_held_where_measured_and_only_for_weights_float16_holds(monkeypatch) -> None:
+    """``ASYNCBATCH_BF16_FP16_KERNEL`` decides; unset, AMD CPUs hold the copy for models whose copy fits
+    ``FP16_KERNEL_MAX_BYTES``, others do not. A weight with a value beyond float16's range keeps oneDNN alone;
+    tiny values (float16 subnormals) do not stop it."""
+    if not fp16_kernel.fp16_kernel_works():
+        pytest.skip("fbgemm's float16-weight kernel is missing in this torch build")
+    monkeypatch.delenv(fp16_kernel.FP16_KERNEL_ENV, raising=False)
+    small, large = 1 << 20, fp16_kernel.FP16_KERNEL_MAX_BYTES + 1
+    for vendor, wanted in (("AuthenticAMD", True), ("GenuineIntel", False), ("", False)):
+        monkeypatch.setattr(fp16_kernel, "cpu_vendor", lambda vendor=vendor: vendor)
+        assert fp16_kernel.wants_fp16_kernel(small) is wanted, vendor
+        assert not fp16_kernel.wants_fp16_kernel(large), vendor
+        monkeypatch.setenv(fp16_kernel.FP16_KERNEL_ENV, "1")
+        assert fp16_kernel.wants_fp16_kernel(large), vendor
+        monkeypatch.setenv(fp16_kernel.FP16_KERNEL_ENV, "0")
+        assert not fp16_kernel.wants_fp16_kernel(small), vendor
+        monkeypatch.delenv(fp16_kernel.FP16_KERNEL_ENV)
+    weight = torch.full((4, 8), 0.5, dtype=torch.bfloat16)
+    assert fp16_kernel.pack_fp16(weight, None) is not None
+    for bad in (70000.0, float("inf"), float("nan")):
+        edited = weight.clone()
+        edited[1, 3] = bad
+        assert fp16_kernel.pack_fp16(edited, None) is None, bad
+    tiny = weight.clone()
+    tiny[0, 0] = 3e-7  # a float16 subnormal: off by at most 2^-25, no harm to the sum
+    x = torch.ones(1, 8, dtype=torch.bfloat16)
+    assert torch.equal(fp16_kernel.fp16_product(x, fp16_kernel.pack_fp16(tiny, None)),
+                       torch.nn.functional.linear(x, tiny))
 
 
 def test_float32_weights_are_packed_on_amd_cpus_unless_told(monkeypatch) -> None:

@@ -29,11 +29,15 @@ The LM head gets a packed copy of its weight in both dtypes (``PackedHead``; the
 the tied embedding's lookup): SmolLM2's 49,152 x 576 bfloat16 head at one row, 2 threads, 2.54 -> 1.27 ms,
 bit-identical. Never with ``compile_decode`` (the compiler does not trace opaque oneDNN tensors), nor where
 oneDNN is missing.
+
+**bfloat16 steps of one or two rows** can go through a third copy, fbgemm's float16 one (``fp16_kernel``), which
+reads the weights faster than oneDNN at those sizes on the CPUs where it was measured.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
@@ -41,12 +45,14 @@ from torch import nn
 
 from asyncbatch.model.cpu_features import cpu_vendor
 from asyncbatch.model.emulated_bf16 import swap_decoder_linears
+from asyncbatch.model.fp16_kernel import FP16_KERNEL_MAX_ROWS, fp16_product, pack_fp16, wants_fp16_kernel
 
 BF16_PACKED_ENV = "ASYNCBATCH_BF16_PACKED"
 F32_PACKED_ENV = "ASYNCBATCH_F32_PACKED"
 PACKED_MAX_ROWS = 32  # bfloat16: the most rows measured bit-identical to F.linear (module docstring)
 # CPUs whose float32 products go through the packed copy unless ASYNCBATCH_F32_PACKED says otherwise.
 F32_PACKED_VENDORS = ("AuthenticAMD",)
+logger = logging.getLogger(__name__)
 
 
 def packs_weights(dtype: torch.dtype, device: torch.device) -> bool:
@@ -103,6 +109,8 @@ class PackedLinear(nn.Module):
         # A fused group (gate/up): the output sizes of its parts, multiplied apart above ``max_rows`` so that
         # large steps keep the separate linears' numbers (``pack_linears``); None: one product.
         self.splits: tuple[int, ...] | None = None
+        # bfloat16: fbgemm's float16 copy for steps of at most FP16_KERNEL_MAX_ROWS rows (``fp16_kernel``), or None.
+        self.fp16: torch.ScriptObject | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:  # the model's activations are [T, hidden]: no reshape and view back (two ops a linear)
@@ -110,6 +118,8 @@ class PackedLinear(nn.Module):
         return self._forward_2d(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
 
     def _forward_2d(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp16 is not None and x.shape[0] <= FP16_KERNEL_MAX_ROWS:
+            return fp16_product(x, self.fp16)
         if self.max_rows is None or x.shape[0] <= self.max_rows:
             return _packed_product(x, self.packed, self.bias)
         if self.splits is None:
@@ -129,9 +139,12 @@ class PackedHead(nn.Module):
         super().__init__()
         self.max_rows = max_rows
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+        self.fp16: torch.ScriptObject | None = None  # as ``PackedLinear.fp16``
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``[R, hidden]`` -> ``[R, vocab]`` in the weight's dtype (``weight``: the plain ``output_weight``)."""
+        if self.fp16 is not None and hidden.shape[0] <= FP16_KERNEL_MAX_ROWS:
+            return fp16_product(hidden, self.fp16)
         if self.max_rows is not None and hidden.shape[0] > self.max_rows:
             return nn.functional.linear(hidden, weight)
         return _packed_product(hidden, self.packed, None)
@@ -146,12 +159,34 @@ def pack_linears(model: nn.Module) -> int:
     bfloat16 to the two separate ones (oneDNN computes each output from the same dot product; checked at 1, 8
     and 32 rows) and one call fewer a layer (SmolLM2 at one row: 78 -> 65 us for gate, up and the activation);
     above ``PACKED_MAX_ROWS`` its halves are multiplied apart: ``F.linear`` on the fused weight rounds
-    differently at 2,048 rows, and large steps keep the separate linears' numbers."""
-    max_rows = PACKED_MAX_ROWS if model.output_weight.dtype == torch.bfloat16 else None
+    differently at 2,048 rows, and large steps keep the separate linears' numbers.
+
+    bfloat16 linears and the head also get fbgemm's float16 copy for steps of one or two rows where
+    ``fp16_kernel.wants_fp16_kernel`` says so."""
+    bfloat16 = model.output_weight.dtype == torch.bfloat16
+    max_rows = PACKED_MAX_ROWS if bfloat16 else None
     model.packed_lm_head = PackedHead(model.output_weight, max_rows)
     swapped = swap_decoder_linears(model, lambda linear: PackedLinear(linear.weight, linear.bias, max_rows))
     for layer in model.model.layers:
         gate_up = layer.mlp.gate_up_proj
         if gate_up is not None:
             gate_up.splits = (gate_up.out_features // 2,) * 2
+    if bfloat16:
+        _add_fp16_copies(model)
     return swapped
+
+
+def _add_fp16_copies(model: nn.Module) -> None:
+    """Give each bfloat16 ``PackedLinear`` and the ``PackedHead`` fbgemm's float16 copy of its weight, where
+    wanted (``fp16_kernel``); a weight with a value float16 cannot hold keeps the oneDNN path alone."""
+    linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    weights = [(m, m.weight, m.bias) for m in linears] + [(model.packed_lm_head, model.output_weight, None)]
+    if not wants_fp16_kernel(sum(w.numel() * 2 for _, w, _ in weights)):
+        return
+    kept = 0
+    for module, weight, bias in weights:
+        module.fp16 = pack_fp16(weight, bias)
+        kept += module.fp16 is not None
+    if kept < len(weights):
+        logger.info("float16-weight kernel: %d of %d weights hold values float16 cannot; those stay on oneDNN",
+                    len(weights) - kept, len(weights))
