@@ -346,24 +346,27 @@ def within_a_bfloat16_step(got: torch.Tensor, want: torch.Tensor) -> None:
     assert ((got32 - want32).abs() <= step.clamp_min(want32.abs().max() * 2**-16)).all()
 
 
-def test_one_and_two_row_bfloat16_steps_take_the_float16_weight_kernel(llama_dir: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM"], ids=["llama", "qwen2-biases"])
+def test_one_and_two_row_bfloat16_steps_take_the_float16_weight_kernel(tmp_path: Path, monkeypatch, arch: str) -> None:
     """bfloat16 linears and the LM head with fbgemm's float16 copy (``fp16_kernel``, forced on here) multiply
     steps of one and two rows through it and larger ones through oneDNN's packed copy, bit for bit as before; the
-    kernel's outputs are the plain linears' within one bfloat16 step (another order of float32 sums); a step's
-    weight bytes are counted once."""
+    kernel's outputs are the plain linears' within one bfloat16 step (another order of float32 sums; Qwen2's
+    q/k/v biases added before the one rounding); a step's weight bytes are counted once."""
     monkeypatch.setenv("ASYNCBATCH_BF16_EMULATION", "0")
     monkeypatch.setenv(fp16_kernel.FP16_KERNEL_ENV, "1")
     if not packs_weights(torch.bfloat16, CPU) or not fp16_kernel.fp16_kernel_works():
         pytest.skip("oneDNN's packed bfloat16 product or fbgemm's float16-weight kernel is missing here")
-    model = load_model(llama_dir, torch.bfloat16, CPU, max_positions=32)
+    path = save_tiny_model(tmp_path, arch, with_tokenizer=False)
+    model = load_model(path, torch.bfloat16, CPU, max_positions=32)
     monkeypatch.setenv(fp16_kernel.FP16_KERNEL_ENV, "0")
-    without = load_model(llama_dir, torch.bfloat16, CPU, max_positions=32)
+    without = load_model(path, torch.bfloat16, CPU, max_positions=32)
     kernel_calls = []
     product = packed_linears.fp16_product
     monkeypatch.setattr(packed_linears, "fp16_product", lambda x, w: kernel_calls.append(len(x)) or product(x, w))
     pairs = list(zip((m for m in model.modules() if isinstance(m, PackedLinear)),
                      (m for m in without.modules() if isinstance(m, PackedLinear))))
     assert pairs and all(m.fp16 is not None and w.fp16 is None for m, w in pairs)
+    assert any(m.bias is not None for m, _ in pairs) == arch.startswith("Qwen2")
     gen = torch.Generator().manual_seed(1)
     for module, reference in pairs:
         for rows in (1, 2, 3, PACKED_MAX_ROWS):

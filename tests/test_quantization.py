@@ -17,6 +17,7 @@ from tiny_models import save_tiny_model
 
 from asyncbatch import SamplingParams
 from asyncbatch.config import EngineConfig
+from asyncbatch.model import fp16_kernel, packed_linears
 from asyncbatch.model import quantization as quant
 from asyncbatch.model.cpu_features import CPU_FLAGS_ENV, choose_cpu_dtype, cpu_flags
 from asyncbatch.model.forward_batch import ForwardBatch, PrefillRow
@@ -191,6 +192,31 @@ def test_overlap_equals_sync_for_each_precision(make_llm, tiny_dirs, scheme):
         assert_idle_and_clean(llm)
     assert runs[0] == runs[1]
     assert [len(t) for t in runs[0]] == [6 + 3 * i for i in range(8)]
+
+
+def test_overlap_equals_sync_with_the_float16_weight_kernel(make_llm, tiny_dirs, monkeypatch):
+    """bfloat16 with fbgemm's float16 copies forced on (``fp16_kernel``): the engine's one- and two-row steps run
+    through the kernel, larger ones through oneDNN, and overlap gives synchronous mode's tokens."""
+    monkeypatch.setenv("ASYNCBATCH_BF16_EMULATION", "0")
+    monkeypatch.setenv(fp16_kernel.FP16_KERNEL_ENV, "1")
+    if not packed_linears.packs_weights(torch.bfloat16, torch.device("cpu")) or not fp16_kernel.fp16_kernel_works():
+        pytest.skip("oneDNN's packed bfloat16 product or fbgemm's float16-weight kernel is missing here")
+    rows_seen: list[int] = []
+    product = packed_linears.fp16_product
+    monkeypatch.setattr(packed_linears, "fp16_product", lambda x, w: rows_seen.append(len(x)) or product(x, w))
+    path = str(tiny_dirs["LlamaForCausalLM"])
+    prompts = [[3 + (i * 31 + j * 7) % 250 for j in range(3 + i * 5)] for i in range(5)]
+    params = [SamplingParams(max_tokens=5 + 4 * i, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True)
+              for i in range(5)]
+    runs = []
+    for overlap in (True, False):
+        llm = make_llm(path, device="cpu", dtype="bfloat16", overlap=overlap, engine_process=False,
+                       max_num_batched_tokens=24, max_num_seqs=3, block_size=4, debug_check_integrity=True)
+        runs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        assert_idle_and_clean(llm)
+    assert runs[0] == runs[1]
+    assert [len(t) for t in runs[0]] == [5 + 4 * i for i in range(5)]
+    assert {1, 2} <= set(rows_seen) and max(rows_seen) <= fp16_kernel.FP16_KERNEL_MAX_ROWS
 
 
 @pytest.mark.auto_dtype
