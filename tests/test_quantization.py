@@ -176,22 +176,33 @@ def test_cpu_flags_switch_fakes_the_cpu(monkeypatch):
         assert cpu_flags() == cpu_flags(cpuinfo.read_text())
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4", "w8a8"])
-def test_overlap_equals_sync_for_each_precision(make_llm, tiny_dirs, scheme):
-    path = str(tiny_dirs["LlamaForCausalLM"])
-    prompts = [[3 + (i * 31 + j * 7) % 250 for j in range(3 + i * 5)] for i in range(8)]
+def overlap_and_sync_tokens(make_llm, path: str, num_requests: int, check_llm=lambda llm: None,
+                            **engine_kwargs) -> list[list[list[int]]]:
+    """Each request's tokens from an overlap engine and a synchronous one (in that order), on ``num_requests``
+    mixed requests of the tiny Llama (greedy and seeded, 6 + 3 i tokens), integrity checked every step."""
+    prompts = [[3 + (i * 31 + j * 7) % 250 for j in range(3 + i * 5)] for i in range(num_requests)]
     params = [SamplingParams(max_tokens=6 + 3 * i, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True)
-              for i in range(8)]
+              for i in range(num_requests)]
     runs = []
     for overlap in (True, False):
-        llm = make_llm(path, device="cpu", dtype="float32", quantization=scheme, overlap=overlap,
-                       max_num_batched_tokens=24, max_num_seqs=6, block_size=4, debug_check_integrity=True)
-        info = llm.executor_info
-        assert info["quantization"] == scheme and info["dtype"] == "float32"
+        llm = make_llm(path, device="cpu", overlap=overlap, max_num_batched_tokens=24, block_size=4,
+                       debug_check_integrity=True, **engine_kwargs)
+        check_llm(llm)
         runs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
         assert_idle_and_clean(llm)
-    assert runs[0] == runs[1]
-    assert [len(t) for t in runs[0]] == [6 + 3 * i for i in range(8)]
+    assert [len(t) for t in runs[0]] == [6 + 3 * i for i in range(num_requests)]
+    return runs
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4", "w8a8"])
+def test_overlap_equals_sync_for_each_precision(make_llm, tiny_dirs, scheme):
+    def check(llm) -> None:
+        info = llm.executor_info
+        assert info["quantization"] == scheme and info["dtype"] == "float32"
+
+    overlap, sync = overlap_and_sync_tokens(make_llm, str(tiny_dirs["LlamaForCausalLM"]), 8, check,
+                                            dtype="float32", quantization=scheme, max_num_seqs=6)
+    assert overlap == sync
 
 
 def test_overlap_equals_sync_with_the_float16_weight_kernel(make_llm, tiny_dirs, monkeypatch):
@@ -204,18 +215,9 @@ def test_overlap_equals_sync_with_the_float16_weight_kernel(make_llm, tiny_dirs,
     rows_seen: list[int] = []
     product = packed_linears.fp16_product
     monkeypatch.setattr(packed_linears, "fp16_product", lambda x, w: rows_seen.append(len(x)) or product(x, w))
-    path = str(tiny_dirs["LlamaForCausalLM"])
-    prompts = [[3 + (i * 31 + j * 7) % 250 for j in range(3 + i * 5)] for i in range(5)]
-    params = [SamplingParams(max_tokens=5 + 4 * i, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True)
-              for i in range(5)]
-    runs = []
-    for overlap in (True, False):
-        llm = make_llm(path, device="cpu", dtype="bfloat16", overlap=overlap, engine_process=False,
-                       max_num_batched_tokens=24, max_num_seqs=3, block_size=4, debug_check_integrity=True)
-        runs.append([o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
-        assert_idle_and_clean(llm)
-    assert runs[0] == runs[1]
-    assert [len(t) for t in runs[0]] == [5 + 4 * i for i in range(5)]
+    overlap, sync = overlap_and_sync_tokens(make_llm, str(tiny_dirs["LlamaForCausalLM"]), 5, dtype="bfloat16",
+                                            engine_process=False, max_num_seqs=3)
+    assert overlap == sync
     assert {1, 2} <= set(rows_seen) and max(rows_seen) <= fp16_kernel.FP16_KERNEL_MAX_ROWS
 
 

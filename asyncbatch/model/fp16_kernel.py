@@ -13,8 +13,8 @@ at most ``FP16_KERNEL_MAX_ROWS`` rows take it; larger ones keep oneDNN's packed 
 magnitude in [2^-17, 65,280] (and zero) converts to float16 exactly; a linear with a larger or non-finite value
 stays on the oneDNN path (``pack_fp16``). Smaller values fall among float16's subnormals, spaced 2^-24 apart, and
 move by at most 2^-25 each: a product's float32 sum moves by at most 2^-25 times the row's magnitude over those
-weights, far under one bfloat16 step of any output that is not itself tiny (the default model's weights come from
-a float16 GGUF and all convert exactly). The kernel multiplies the row in float32 (a bfloat16 row converts
+weights, far under one bfloat16 step of any output that is not itself tiny (all 134 M of the default model's
+decoder and head weights convert exactly). The kernel multiplies the row in float32 (a bfloat16 row converts
 exactly) by those weights and sums in float32, as oneDNN's bfloat16 product does, and rounds the result to
 bfloat16 once: the order of the float32 sums differs, which moves an output by one bfloat16 step where it sits at
 a rounding boundary (``tests/test_loader.py`` checks one step at most).
@@ -29,14 +29,11 @@ has the kernel, ``=0`` never.
 from __future__ import annotations
 
 import functools
-import logging
 import os
 
 import torch
 
 from asyncbatch.model.cpu_features import cpu_vendor
-
-logger = logging.getLogger(__name__)
 
 FP16_KERNEL_ENV = "ASYNCBATCH_BF16_FP16_KERNEL"
 FP16_KERNEL_MAX_ROWS = 2  # measured: 0.73-0.84x oneDNN's time at one and two rows, 0.93-0.99x at three, 0.98-1.34x at four
