@@ -215,8 +215,12 @@ def test_overlap_equals_sync_with_the_float16_weight_kernel(make_llm, tiny_dirs,
     rows_seen: list[int] = []
     product = packed_linears.fp16_product
     monkeypatch.setattr(packed_linears, "fp16_product", lambda x, w: rows_seen.append(len(x)) or product(x, w))
-    overlap, sync = overlap_and_sync_tokens(make_llm, str(tiny_dirs["LlamaForCausalLM"]), 5, dtype="bfloat16",
-                                            engine_process=False, max_num_seqs=3)
+    def check(llm) -> None:  # every decoder linear holds the kernel's copy, and the engine says so
+        info = llm.executor_info
+        assert info["fp16_kernel_linears"] == info["packed_linears"] > 0
+
+    overlap, sync = overlap_and_sync_tokens(make_llm, str(tiny_dirs["LlamaForCausalLM"]), 5, check,
+                                            dtype="bfloat16", engine_process=False, max_num_seqs=3)
     assert overlap == sync
     assert {1, 2} <= set(rows_seen) and max(rows_seen) <= fp16_kernel.FP16_KERNEL_MAX_ROWS
 

@@ -688,5 +688,8 @@ class TorchExecutor(ThreadedExecutor):
                 "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                 "compile_decode": self.compile_seconds is not None, "compile_seconds": self.compile_seconds,
                 "compiled_steps": self._torch_step.compiled_steps,
-                # Decoder linears multiplying through oneDNN's packed weights (``packed_linears``).
-                "packed_linears": sum(isinstance(m, PackedLinear) for m in self.model.modules())}
+                # Decoder linears multiplying through oneDNN's packed weights (``packed_linears``), and of those the
+                # ones whose one- and two-row steps go through fbgemm's float16-weight kernel (``fp16_kernel``).
+                "packed_linears": sum(isinstance(m, PackedLinear) for m in self.model.modules()),
+                "fp16_kernel_linears": sum(isinstance(m, PackedLinear) and m.fp16 is not None
+                                           for m in self.model.modules())}
