@@ -39,10 +39,10 @@ from asyncbatch.engine.step_plan import (
     CHUNK_OFFSET,
     CHUNK_PROMPT,
     CHUNK_ROW,
-    CHUNK_SAMPLES,
     CHUNK_START,
     CHUNK_STEP,
     StepPlan,
+    sampling_chunks,
 )
 
 # The chunk table's columns that make a ``PrefillRows`` row (``PrefillRowMeta``: token start, count, end, token row,
@@ -126,12 +126,8 @@ def write_prefill(plan: StepPlan, staging: StagingBuffer, rows: RowState, blocks
     # is not computed, so its tokens travel in the CachedContext.
     reused = (penalised & (c[:, CHUNK_CACHED] > 0)).nonzero()[0] if any_penalty else NO_ROWS
     sample_rows, sample_steps, logits_indices = token_rows, c[:, CHUNK_STEP], token_starts + ns - 1  # [P]
-    num_sampling = len(plan.sample_rows) - plan.num_decode  # the plan lists the chunks that sample
-    if num_sampling == p - 1 and not c[-1, CHUNK_SAMPLES]:  # all but the last, a burst's chunked prompt
-        sample_rows, sample_steps, logits_indices = sample_rows[:-1], sample_steps[:-1], logits_indices[:-1]
-    elif num_sampling != p:
-        samples = c[:, CHUNK_SAMPLES] != 0  # [P]
-        sample_rows, sample_steps, logits_indices = sample_rows[samples], sample_steps[samples], logits_indices[samples]
+    samples = sampling_chunks(c, len(plan.sample_rows) - plan.num_decode)  # the plan lists the chunks that sample
+    sample_rows, sample_steps, logits_indices = sample_rows[samples], sample_steps[samples], logits_indices[samples]
     cached = (c[:, CHUNK_CACHED] > 0).nonzero()[0] if history else NO_ROWS
     return PrefillWrite(total, int(ends.sum()), any_penalty, meta, first.tolist(),
                         _cached_context(plan, reused.tolist()) if len(reused) else None,

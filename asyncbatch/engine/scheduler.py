@@ -49,7 +49,7 @@ from asyncbatch.engine.prefix_sharing import PrefixSharer
 from asyncbatch.engine.request import Request, RequestStatus
 from asyncbatch.engine.row_state import NO_ROWS, NO_SEQ, DecodeSet, RowState
 from asyncbatch.engine.step_apply import StepApplier
-from asyncbatch.engine.step_plan import CHUNK_ROW, CHUNK_SAMPLES, CHUNK_SEQ, ScheduledRow, StepPlan
+from asyncbatch.engine.step_plan import CHUNK_ROW, CHUNK_SEQ, ScheduledRow, StepPlan, sampling_chunks
 from asyncbatch.speculative.config import SpeculativeConfig
 
 __all__ = ["ScheduledRow", "Scheduler", "StepPlan"]
@@ -208,13 +208,7 @@ class Scheduler:
             row_parts.append(np.fromiter((p.token_row for p in sampling), np.int64, count=len(sampling)))
             seq_parts.append(np.fromiter((p.request.arrival_seq for p in sampling), np.int64, count=len(sampling)))
         if admitted is not None:
-            num_sampling = self.admitter.num_sampling
-            if num_sampling == num_admitted:
-                samples = admitted
-            elif num_sampling == num_admitted - 1 and not admitted[-1, CHUNK_SAMPLES]:  # a burst's chunked last one
-                samples = admitted[:-1]
-            else:
-                samples = admitted[admitted[:, CHUNK_SAMPLES] != 0]
+            samples = admitted[sampling_chunks(admitted, self.admitter.num_sampling)]
             row_parts.append(samples[:, CHUNK_ROW])
             seq_parts.append(samples[:, CHUNK_SEQ])
         sample_rows, sample_seqs = (decode.rows, decode.seqs) if len(row_parts) == 1 else (

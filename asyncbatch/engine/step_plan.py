@@ -44,6 +44,16 @@ class ScheduledRow:
 CHUNK_COLUMNS = CHUNK_SEQ + 1
 
 
+def sampling_chunks(chunks: np.ndarray, num_sampling: int) -> slice | np.ndarray:
+    """An index of the rows of a chunk table ``chunks`` that sample, given how many do (the plan counts them): all
+    of them or all but a chunked last one (a burst's admitting step) as a slice, which costs no mask, else a mask."""
+    if num_sampling == len(chunks):
+        return slice(None)
+    if num_sampling == len(chunks) - 1 and not chunks[-1, CHUNK_SAMPLES]:
+        return slice(-1)
+    return chunks[:, CHUNK_SAMPLES] != 0
+
+
 @dataclass(slots=True)
 class StepPlan:
     step_id: int
