@@ -1,7 +1,9 @@
 """The lean decode step: fused projections give the unfused model's logits, the norms and the rotation keep
 transformers' arithmetic bit for bit, and a decode step dispatches a bounded number of torch ops.
 
-The op count is the regression guard of issue 24's "as few ops per layer as the math needs": ops are
+The op count is the regression guard of issue 24's "as few ops per layer as the math needs" for the torch ops'
+step (prefill, larger decode steps, and every step where ``ASYNCBATCH_CPU_LEAN_STEP=0`` or no C compiler; the
+lean CPU step of one or two rows runs almost none: ``test_lean_cpu_step.py``): ops are
 counted with a ``TorchDispatchMode`` (what reaches the kernels' dispatcher after composite ops decompose,
 the same every run), per decoder layer and for the whole step, and compared with a bound that has slack
 for a few ops, not for a return of the per-layer masks, separate projections or the eight-op norm (the
@@ -15,7 +17,7 @@ import torch
 from tiny_models import save_tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode  # private-name: the op counter's base class
 
-from asyncbatch.model import fp16_kernel, llama
+from asyncbatch.model import fp16_kernel, lean_kernels, llama
 from asyncbatch.model.forward_batch import ForwardBatch, PrefillRow
 from asyncbatch.model.fused_projections import is_fused
 from asyncbatch.model.llama import RMSNorm
@@ -32,6 +34,12 @@ ARCHS = {"llama": ("LlamaForCausalLM", {"tie_word_embeddings": True}), "mistral"
 # Outside the layers (embedding, rotary rows, attention plan, final norm, LM head): 20.
 MAX_OPS_PER_LAYER = 44
 MAX_OPS_OUTSIDE_LAYERS = 30
+
+
+@pytest.fixture(autouse=True)
+def torch_ops_step(monkeypatch):
+    """Every model here counts the torch ops' step: without the lean CPU step's kernels (read at load)."""
+    monkeypatch.setenv(lean_kernels.LEAN_STEP_ENV, "0")
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,8 @@ from transformers import PretrainedConfig
 
 from asyncbatch.model.forward_batch import ForwardBatch
 from asyncbatch.model.host_zeros import host_zeros
+from asyncbatch.model.lean_step import applies as lean_step_applies
+from asyncbatch.model.lean_step import lean_layers
 from asyncbatch.model.paged_attention import AttentionPlan, paged_attention, plan_attention
 from asyncbatch.model.rope import RopeTables, apply_rope, rope_cos_sin, signed_sin, step_tables
 
@@ -217,6 +219,9 @@ class CausalLM(nn.Module):
         # Set by ``fused_elementwise.enable`` (the CUDA executor, where ``ASYNCBATCH_FUSED_ELEMENTWISE=1``): that
         # module, whose kernels replace the norms, residual adds, rotary and SiLU x up of every layer.
         self.fused_elementwise: ModuleType | None = None
+        # Set by ``loader.load_model`` (``lean_step.lean_library``): ``lean_cpu.c``'s kernels, which run the CPU's
+        # small decode steps between the products (``lean_step``), or None.
+        self.lean_kernels: object | None = None
         attn = self.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         cos, sin = rope_cos_sin(config, attn.head_dim, max_positions)
@@ -255,6 +260,10 @@ class CausalLM(nn.Module):
         """The final-normed hidden states ``[R, hidden]`` of ``batch.logits_indices``: ``forward`` without the
         LM head (a CUDA graph of a step whose sampling runs outside it stops here)."""
         x = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
+        if self.lean_kernels is not None and lean_step_applies(batch):
+            rope = step_tables(self.rope_cos, self.rope_sin_signed, batch.positions, x.dtype)
+            x = lean_layers(self, self.lean_kernels, x, batch, kv_caches, rope)
+            return self.model.norm(x[batch.logits_indices])  # [R, hidden]
         # What every layer shares is computed once here: the rotary rows and the attention's masks and
         # block lists (``paged_attention.plan_attention``; None on Triton).
         step = StepContext(batch, step_tables(self.rope_cos, self.rope_sin_signed, batch.positions, x.dtype),

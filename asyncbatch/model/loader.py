@@ -25,6 +25,7 @@ from asyncbatch.model.default_model import DEFAULT_MODEL_ALIASES, default_gguf_p
 from asyncbatch.model.emulated_bf16 import emulate_bf16_linears, emulates_bf16
 from asyncbatch.model.fused_projections import ALL_GROUPS, FLOAT_GROUPS, fuse_projections
 from asyncbatch.model.gguf_cache import convert_gguf
+from asyncbatch.model.lean_step import lean_library
 from asyncbatch.model.llama import SUPPORTED_ARCHITECTURES, CausalLM, use_direct_norms
 from asyncbatch.model.packed_linears import pack_linears, packs_weights
 from asyncbatch.model.quantization import check_quantization, quantize_model
@@ -169,6 +170,7 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype, device: torch.d
         emulate_bf16_linears(model)
     elif packed:
         pack_linears(model)
+    model.lean_kernels = lean_library(model, device)
     return model
 
 

@@ -1,0 +1,242 @@
+/* The small operations of a CPU decode step, one call each (asyncbatch/model/lean_kernels.py builds this file
+ * and binds it with ctypes; asyncbatch/model/lean_step.py calls it between the matrix products).
+ *
+ * Every function computes in float32 and rounds where the torch ops it replaces round: with `bf` set (a
+ * bfloat16 model) a value is rounded to bfloat16 (round to nearest even, as torch's conversion) after each
+ * operation that torch would give a bfloat16 result; with `bf` clear (float32) nothing is rounded. Tensors
+ * are dense and row-major; a dtype code is 0 for float32 and 1 for bfloat16. Built with -ffp-contract=off, so
+ * a product and a sum are never fused into one rounding where torch rounds twice.
+ *
+ * No function allocates except decode_attention's scores (one malloc a call), none takes a lock, none keeps
+ * state: any thread may call them, each on its own tensors.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_to_float(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* The value torch would hold after an operation whose result has the model's dtype. */
+static inline float rnd(float x, int bf) { return bf ? bf16_to_float(float_to_bf16(x)) : x; }
+
+static inline float load(const void *p, int64_t i, int dtype) {
+    return dtype ? bf16_to_float(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void store(void *p, int64_t i, float v, int dtype) {
+    if (dtype)
+        ((uint16_t *)p)[i] = float_to_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+/* transformers' RMSNorm of one row `x` (already in the model's precision): the variance in float32, the
+ * normalised value rounded to the model's dtype, then times the weight, rounded again. */
+static void norm_row(const float *x, int64_t n, const void *w, int wd, float eps, int bf, void *out, int64_t o0,
+                     int od) {
+    float acc[16] = {0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int k = 0; k < 16; k++) acc[k] += x[i + k] * x[i + k];
+    float sum = 0.0f;
+    for (int k = 0; k < 16; k++) sum += acc[k];
+    for (; i < n; i++) sum += x[i] * x[i];
+    float inv = 1.0f / sqrtf(sum / (float)n + eps);
+    for (i = 0; i < n; i++) store(out, o0 + i, rnd(load(w, i, wd) * rnd(x[i] * inv, bf), bf), od);
+}
+
+/* out[r] = RMSNorm(x[r]) * w for `rows` rows of width n. */
+void ab_rms_norm(const void *x, int xd, int64_t rows, int64_t n, const void *w, int wd, float eps, int bf, void *out,
+                 int od) {
+    float *row = malloc(sizeof(float) * n);
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t i = 0; i < n; i++) row[i] = rnd(load(x, r * n + i, xd), bf);
+        norm_row(row, n, w, wd, eps, bf, out, r * n, od);
+    }
+    free(row);
+}
+
+/* The residual stream x (model dtype, updated in place) += y rounded to the model's dtype (a product's output);
+ * then, with a weight, out = RMSNorm(x) * w (the next norm); without one (NULL) only the sum. */
+void ab_add_rms_norm(const void *y, int yd, void *x, int xd, int64_t rows, int64_t n, const void *w, int wd,
+                     float eps, int bf, void *out, int od) {
+    float *row = malloc(sizeof(float) * n);
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t i = 0; i < n; i++) {
+            float s = rnd(load(x, r * n + i, xd) + rnd(load(y, r * n + i, yd), bf), bf);
+            store(x, r * n + i, s, xd);
+            row[i] = s;
+        }
+        if (w) norm_row(row, n, w, wd, eps, bf, out, r * n, od);
+    }
+    free(row);
+}
+
+/* One step's q/k/v product output `qkv` ([T, H + 2 KVH, D]) rounded to the model's dtype; q and k rotated
+ * (x * cos + swap_halves(x) * signed_sin, each product rounded, then the sum: rope.apply_rope), q into q_out
+ * ([T, H, D], model dtype), k and v into the caches ([blocks * block_size, KVH, D], model dtype) at each token's
+ * slot. cos and sin: [T, D] in the model's dtype. */
+void ab_qkv_rope_write(const void *qkv, int qd, int64_t T, int64_t H, int64_t KVH, int64_t D, const void *cos,
+                       const void *sin, void *k_cache, void *v_cache, const int64_t *slots, void *q_out, int md,
+                       int bf) {
+    int64_t width = (H + 2 * KVH) * D, half = D / 2;
+    float *x = malloc(sizeof(float) * D);
+    for (int64_t t = 0; t < T; t++) {
+        int64_t slot = slots[t];
+        for (int64_t h = 0; h < H + KVH; h++) {
+            for (int64_t i = 0; i < D; i++) x[i] = rnd(load(qkv, t * width + h * D + i, qd), bf);
+            for (int64_t i = 0; i < D; i++) {
+                float c = load(cos, t * D + i, md), s = load(sin, t * D + i, md);
+                float swapped = x[i < half ? i + half : i - half];
+                float v = rnd(rnd(x[i] * c, bf) + rnd(swapped * s, bf), bf);
+                if (h < H)
+                    store(q_out, (t * H + h) * D + i, v, md);
+                else
+                    store(k_cache, (slot * KVH + h - H) * D + i, v, md);
+            }
+        }
+        for (int64_t h = 0; h < KVH; h++)
+            for (int64_t i = 0; i < D; i++)
+                store(v_cache, (slot * KVH + h) * D + i, load(qkv, t * width + (H + KVH + h) * D + i, qd), md);
+    }
+    free(x);
+}
+
+/* `n` values of dtype `dtype` from element `i` of `p`, as float32. */
+static inline void load_row(const void *p, int64_t i, int64_t n, int dtype, float *out) {
+    if (dtype) {
+        const uint16_t *src = (const uint16_t *)p + i;
+        for (int64_t k = 0; k < n; k++) out[k] = bf16_to_float(src[k]);
+    } else {
+        memcpy(out, (const float *)p + i, sizeof(float) * n);
+    }
+}
+
+/* exp(x) for x <= 0 (scores less their maximum) within ~1e-7 relative: Cephes' expf (Cody-Waite reduction by
+ * ln 2, a degree-6 polynomial, the power of two set in the exponent bits), written so that a loop over it
+ * vectorises, where libm's expf is one call per value (the softmax's largest cost at long contexts). */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; i++) s = fmaf(a[i], b[i], s);
+    return s;
+}
+
+static inline float sum(const float *a, int64_t n) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; i++) s += a[i];
+    return s;
+}
+
+/* One KV head's group of query heads of one row (qf: [group, D] float32) over its L positions: out (acc,
+ * [group, D]) = softmax(q k / sqrt(D)) v in float32. Inlined with D a constant (64, 128) where it is one, so
+ * that the dot products and the weighted sums unroll into whole vectors. */
+static inline __attribute__((always_inline)) void attend_group(const float *qf, const void *k_cache,
+                                                                 const void *v_cache, int md, const int64_t *table,
+                                                                 int64_t L, int64_t KVH, int64_t g, const int64_t D,
+                                                                 int64_t bs, int64_t group, float scale,
+                                                                 float *scores, float *row, float *acc) {
+    for (int64_t p0 = 0; p0 < L; p0 += bs) {
+        int64_t first = (table[p0 / bs] * bs * KVH + g) * D, n = L - p0 < bs ? L - p0 : bs;
+        for (int64_t p = 0; p < n; p++) {
+            const float *k = md ? row : (const float *)k_cache + first + p * KVH * D;
+            if (md) load_row(k_cache, first + p * KVH * D, D, md, row);
+            for (int64_t j = 0; j < group; j++) scores[j * L + p0 + p] = dot(qf + j * D, k, D) * scale;
+        }
+    }
+    for (int64_t j = 0; j < group; j++) {
+        float *sj = scores + j * L, top = -INFINITY, total;
+        for (int64_t p = 0; p < L; p++) top = sj[p] > top ? sj[p] : top;
+        for (int64_t p = 0; p < L; p++) sj[p] = exp_nonpositive(sj[p] - top);
+        total = sum(sj, L);
+        for (int64_t p = 0; p < L; p++) sj[p] /= total;
+    }
+    memset(acc, 0, sizeof(float) * group * D);
+    for (int64_t p0 = 0; p0 < L; p0 += bs) {
+        int64_t first = (table[p0 / bs] * bs * KVH + g) * D, n = L - p0 < bs ? L - p0 : bs;
+        for (int64_t p = 0; p < n; p++) {
+            const float *v = md ? row : (const float *)v_cache + first + p * KVH * D;
+            if (md) load_row(v_cache, first + p * KVH * D, D, md, row);
+            for (int64_t j = 0; j < group; j++) {
+                float w = scores[j * L + p0 + p], *aj = acc + j * D;
+                for (int64_t i = 0; i < D; i++) aj[i] = fmaf(w, v[i], aj[i]);
+            }
+        }
+    }
+}
+
+/* Decode attention: row b's H query heads (q: [B, H, D], model dtype) over the first ctx_lens[b] positions of
+ * its blocks (tables: [B, >= ceil(ctx / bs)] with row stride table_stride; caches [blocks, bs, KVH, D]); the
+ * query heads of one KV head's group share its keys and values, read once. Scores, softmax and the weighted sum
+ * in float32 (fused multiply-adds: this is not torch's order of sums in any case); the output ([B, H * D])
+ * rounded to the model's dtype (what scaled_dot_product_attention returns) and stored in dtype od. A row with
+ * no context gets zeros. */
+void ab_decode_attention(const void *q, const void *k_cache, const void *v_cache, int md, const int64_t *tables,
+                         int64_t table_stride, const int64_t *ctx_lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
+                         int64_t bs, float scale, void *out, int od, int bf) {
+    int64_t group = H / KVH, longest = 1;
+    for (int64_t b = 0; b < B; b++)
+        if (ctx_lens[b] > longest) longest = ctx_lens[b];
+    float *scores = malloc(sizeof(float) * (group * longest + 2 * group * D + D));
+    float *qf = scores + group * longest, *acc = qf + group * D, *row = acc + group * D;
+    for (int64_t b = 0; b < B; b++) {
+        int64_t L = ctx_lens[b];
+        const int64_t *table = tables + b * table_stride;
+        for (int64_t g = 0; g < KVH; g++) {
+            load_row(q, (b * H + g * group) * D, group * D, md, qf);
+            if (D == 64)
+                attend_group(qf, k_cache, v_cache, md, table, L, KVH, g, 64, bs, group, scale, scores, row, acc);
+            else if (D == 128)
+                attend_group(qf, k_cache, v_cache, md, table, L, KVH, g, 128, bs, group, scale, scores, row, acc);
+            else
+                attend_group(qf, k_cache, v_cache, md, table, L, KVH, g, D, bs, group, scale, scores, row, acc);
+            int64_t o0 = (b * H + g * group) * D;
+            for (int64_t i = 0; i < group * D; i++) store(out, o0 + i, L > 0 ? rnd(acc[i], bf) : 0.0f, od);
+        }
+    }
+    free(scores);
+}
+
+/* out = SiLU(gate) * up, gate and up rounded to the model's dtype, SiLU's value rounded, then the product
+ * (F.silu(gate) * up); gate and up: rows of n with their own row strides (halves of one fused product, or two). */
+void ab_silu_mul(const void *gate, const void *up, int gd, int64_t stride, int64_t rows, int64_t n, int bf, void *out,
+                 int od) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < n; i++) {
+            float g = rnd(load(gate, r * stride + i, gd), bf), u = rnd(load(up, r * stride + i, gd), bf);
+            store(out, r * n + i, rnd(rnd(g / (1.0f + expf(-g)), bf) * u, bf), od);
+        }
+}

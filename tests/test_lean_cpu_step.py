@@ -1,0 +1,276 @@
+"""The lean CPU decode step (``model/lean_step.py``, ``lean_cpu.c``): each kernel against the torch ops it replaces,
+the whole step against the torch ops' step on tiny models of every architecture it serves, the steps it leaves
+to torch, its op count, and a machine without a C compiler.
+
+Compared against the torch path (itself checked against transformers elsewhere, and the golden and
+transformers-``generate`` tests run the lean step wherever it builds): bit for bit where the kernel rounds as the
+ops do and sums in the same order (the residual sum, rotary, the cache writes, the bfloat16 norm and SiLU of these
+inputs), within float32 rounding where a sum's order differs (the norm's variance, the attention), and within one
+bfloat16 step of the output's magnitude in bfloat16 attention (torch's fused kernel rounds its probabilities to
+bfloat16 before the weighted sum; the kernel keeps them in float32).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import save_tiny_model
+from torch.utils._python_dispatch import TorchDispatchMode  # private-name: the op counter's base class
+
+from asyncbatch.model import lean_kernels, lean_step
+from asyncbatch.model.forward_batch import ForwardBatch, PrefillRow
+from asyncbatch.model.loader import load_model
+from asyncbatch.model.packed_linears import F32_PACKED_ENV
+from asyncbatch.model.paged_attention import decode_attention
+from asyncbatch.model.rope import RopeTables, apply_rope
+
+CPU = torch.device("cpu")
+BLOCK = 4
+CODES = {torch.float32: 0, torch.bfloat16: 1}
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+
+
+@pytest.fixture(scope="module")
+def lib():
+    built = lean_kernels.library()
+    if built is None:
+        pytest.skip("no C compiler here: the lean CPU step's kernels cannot be built (the model keeps torch's ops)")
+    return built
+
+
+def _norm_ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``llama.RMSNorm``'s arithmetic: float32 in one op; bfloat16 normalised, rounded, then times the weight."""
+    if x.dtype == torch.float32:
+        return torch.rms_norm(x, w.shape, w, 1e-5)
+    return w * torch.rms_norm(x.float(), w.shape, None, 1e-5).to(x.dtype)
+
+
+@DTYPES
+def test_norm_and_residual_kernels_give_the_torch_ops_values(lib, dtype):
+    gen = torch.Generator().manual_seed(0)
+    bf = CODES[dtype]
+    for rows, n in ((1, 576), (2, 64), (3, 100)):
+        x = (torch.randn(rows, n, generator=gen) * 3).to(dtype)
+        w = (torch.rand(n, generator=gen) + 0.5).to(dtype)
+        y = torch.randn(rows, n, generator=gen)  # a product's float32 output, unrounded
+        out = torch.empty(rows, n)
+        lib.ab_rms_norm(x.data_ptr(), bf, rows, n, w.data_ptr(), bf, 1e-5, bf, out.data_ptr(), 0)
+        torch.testing.assert_close(out, _norm_ref(x, w).float(), rtol=2e-6, atol=2e-6)
+        stream = x.clone()
+        lib.ab_add_rms_norm(y.data_ptr(), 0, stream.data_ptr(), bf, rows, n, w.data_ptr(), bf, 1e-5, bf,
+                            out.data_ptr(), 0)
+        summed = x + y.to(dtype)  # the product's output rounded to the model's dtype, then torch's add
+        assert torch.equal(stream, summed)
+        torch.testing.assert_close(out, _norm_ref(summed, w).float(), rtol=2e-6, atol=2e-6)
+        if dtype == torch.bfloat16:  # same inputs, same float32 arithmetic, one rounding: the same bits here
+            assert torch.equal(out, _norm_ref(summed, w).float())
+        before = stream.clone()
+        lib.ab_add_rms_norm(y.data_ptr(), 0, stream.data_ptr(), bf, rows, n, None, 0, 0.0, bf, out.data_ptr(), 0)
+        assert torch.equal(stream, before + y.to(dtype))  # no weight: the residual sum alone
+
+
+@DTYPES
+def test_rotary_and_cache_write_kernel_gives_the_torch_ops_bits(lib, dtype):
+    gen = torch.Generator().manual_seed(1)
+    t, heads, kv_heads, d = 3, 6, 2, 16
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=gen)  # float32, as fbgemm's product returns it
+    cos, sin = torch.randn(t, d, generator=gen).to(dtype), torch.randn(t, d, generator=gen).to(dtype)
+    k_cache, v_cache = torch.zeros(6, BLOCK, kv_heads, d, dtype=dtype), torch.zeros(6, BLOCK, kv_heads, d, dtype=dtype)
+    slots = torch.tensor([5, 17, 2])
+    q = torch.empty(t, heads, d, dtype=dtype)
+    lib.ab_qkv_rope_write(qkv.data_ptr(), 0, t, heads, kv_heads, d, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
+                          v_cache.data_ptr(), slots.data_ptr(), q.data_ptr(), CODES[dtype], CODES[dtype])
+    qk, v = qkv.to(dtype).view(t, heads + 2 * kv_heads, d).split((heads + kv_heads, kv_heads), dim=1)
+    rotated = apply_rope(qk, RopeTables(cos[:, None, :], sin[:, None, :]))
+    assert torch.equal(q, rotated[:, :heads])
+    assert torch.equal(k_cache.view(-1, kv_heads, d)[slots], rotated[:, heads:])
+    assert torch.equal(v_cache.view(-1, kv_heads, d)[slots], v)
+    untouched = torch.ones(24, dtype=torch.bool)
+    untouched[slots] = False
+    assert not k_cache.view(-1, kv_heads, d)[untouched].any()  # nothing written but the tokens' slots
+
+
+@DTYPES
+@pytest.mark.parametrize("head_dim", [16, 64, 40])
+def test_decode_attention_kernel_gives_torchs_attention(lib, dtype, head_dim):
+    """Rows of different lengths over scattered blocks, a partial last block, a row table wider than its
+    context; head dims the kernel unrolls (64) and not (16, 40)."""
+    gen = torch.Generator().manual_seed(2)
+    b, heads, kv_heads = 3, 6, 2
+    k_cache = torch.randn(20, BLOCK, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(20, BLOCK, kv_heads, head_dim, generator=gen).to(dtype)
+    tables = torch.tensor([[3, 5, 7, 1, 9], [2, 4, 6, 8, 10], [19, 11, 12, 13, 14]])
+    ctx = torch.tensor([13, 4, 20])
+    q = torch.randn(b, heads, head_dim, generator=gen).to(dtype)
+    out = torch.empty(b, heads * head_dim)
+    scale = head_dim**-0.5
+    lib.ab_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), CODES[dtype], tables.data_ptr(),
+                            tables.stride(0), ctx.data_ptr(), b, heads, kv_heads, head_dim, BLOCK, scale,
+                            out.data_ptr(), 0, CODES[dtype])
+    want = decode_attention(q, k_cache, v_cache, tables, ctx, scale).reshape(b, -1).float()
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    else:
+        assert torch.equal(out, out.to(dtype).float())  # rounded to bfloat16, as torch's output is
+        torch.testing.assert_close(out, want, rtol=0, atol=2 ** -7 * want.abs().max().item())
+
+
+@DTYPES
+def test_silu_mul_kernel_gives_the_torch_ops_values(lib, dtype):
+    gen = torch.Generator().manual_seed(3)
+    rows, inter = 2, 200
+    fused = torch.randn(rows, 2 * inter, generator=gen) * 4  # gate | up, float32 (fbgemm's output)
+    out = torch.empty(rows, inter)
+    lib.ab_silu_mul(fused.data_ptr(), fused.data_ptr() + inter * 4, 0, 2 * inter, rows, inter, CODES[dtype],
+                    out.data_ptr(), 0)
+    gate, up = fused.to(dtype).chunk(2, dim=-1)
+    want = (F.silu(gate) * up).float()
+    if dtype == torch.bfloat16:
+        assert torch.equal(out, want)
+    else:
+        torch.testing.assert_close(out, want, rtol=2e-7, atol=1e-7)  # libm's expf against torch's vectorised exp
+
+
+ARCHS = {"llama": ("LlamaForCausalLM", {"tie_word_embeddings": True}), "mistral": ("MistralForCausalLM", {}),
+         "qwen2-biases": ("Qwen2ForCausalLM", {"tie_word_embeddings": True}),
+         "qwen3": ("Qwen3ForCausalLM", {})}
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lean-cpu")
+    return {name: save_tiny_model(root / name, arch, with_tokenizer=False, seed=4, head_dim=64,
+                                  num_attention_heads=3, num_key_value_heads=1, hidden_size=96, **kwargs)
+            for name, (arch, kwargs) in ARCHS.items()}
+
+
+def _decode_batch(rows: int, context: int, gen: torch.Generator) -> ForwardBatch:
+    width = -(-context // BLOCK) + 1  # a table wider than the context, as the engine's padded ones are
+    tables = 1 + torch.randperm(rows * width, generator=gen).view(rows, width)  # scattered blocks
+    lens = torch.tensor([context - r for r in range(rows)])
+    pos = lens - 1
+    return ForwardBatch(torch.randint(3, 250, (rows,), generator=gen), pos,
+                        tables[torch.arange(rows), pos // BLOCK] * BLOCK + pos % BLOCK, rows, tables, lens, [],
+                        torch.arange(rows))
+
+
+def _filled_caches(model, gen: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    caches = model.new_kv_caches(40, BLOCK)
+    for k, v in caches:  # earlier tokens' keys and values, of the magnitude the model writes
+        k.copy_(torch.randn(k.shape, generator=gen) * 2)
+        v.copy_(torch.randn(v.shape, generator=gen))
+    return caches
+
+
+def _both_ways(model, batch: ForwardBatch, caches) -> tuple[torch.Tensor, torch.Tensor, list, list]:
+    """(torch ops' logits, lean logits, torch's caches after, lean caches after) from the same caches."""
+    kernels = model.lean_kernels
+    out = []
+    for lean in (False, True):
+        model.lean_kernels = kernels if lean else None
+        kv = [(k.clone(), v.clone()) for k, v in caches]
+        with torch.inference_mode():
+            out.append((model(batch, kv), kv))
+    model.lean_kernels = kernels
+    return out[0][0], out[1][0], out[0][1], out[1][1]
+
+
+@pytest.mark.parametrize("packed", ["0", "1"], ids=["mkl-separate-gate-up", "packed-fused-gate-up"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2-biases"])
+def test_a_float32_lean_step_gives_the_torch_ops_logits(lib, tiny_dirs, name, packed, monkeypatch):
+    monkeypatch.setenv(F32_PACKED_ENV, packed)
+    model = load_model(tiny_dirs[name], torch.float32, CPU, max_positions=64)
+    assert model.lean_kernels is not None
+    gen = torch.Generator().manual_seed(5)
+    caches = _filled_caches(model, gen)
+    for rows in (1, 2):
+        batch = _decode_batch(rows, 30, gen)
+        want, got, kv_want, kv_got = _both_ways(model, batch, caches)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for (kw, vw), (kg, vg) in zip(kv_want, kv_got):  # the step's keys and values land where torch's do
+            torch.testing.assert_close(kg, kw, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(vg, vw, rtol=1e-5, atol=1e-5)
+
+
+def test_a_bfloat16_lean_step_stays_within_bfloat16_rounding_of_the_torch_ops(lib, tiny_dirs, monkeypatch):
+    monkeypatch.setenv("ASYNCBATCH_BF16_EMULATION", "0")
+    model = load_model(tiny_dirs["llama"], torch.bfloat16, CPU, max_positions=64)
+    ref = load_model(tiny_dirs["llama"], torch.float32, CPU, max_positions=64)
+    gen = torch.Generator().manual_seed(6)
+    caches = _filled_caches(model, gen)
+    batch = _decode_batch(2, 30, gen)
+    want, got, _, _ = _both_ways(model, batch, caches)
+    with torch.inference_mode():
+        exact = ref(batch, [(k.float(), v.float()) for k, v in caches])
+    # No farther from the float32 model than bfloat16's own torch ops are, give or take bfloat16 noise.
+    assert (got - exact).abs().max() <= 2 * (want - exact).abs().max() + 0.05
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def _ops(model, batch: ForwardBatch, caches) -> list[str]:
+    with torch.inference_mode():
+        model(batch, caches)
+        counter = _OpCounter()
+        with counter:
+            model(batch, caches)
+    return counter.ops
+
+
+def test_a_lean_step_dispatches_only_its_products_per_layer(lib, tiny_dirs, monkeypatch):
+    """A one-row float32 step of the tiny Llama (packed, gate/up fused): 4 products a layer and a fixed handful
+    of ops for the whole step (embedding, rotary rows, buffers, the final norm, the LM head, sampling's
+    inputs), where the torch ops' step dispatches ~35 a layer."""
+    monkeypatch.setenv(F32_PACKED_ENV, "1")
+    model = load_model(tiny_dirs["llama"], torch.float32, CPU, max_positions=64)
+    layers = len(model.model.layers)
+    gen = torch.Generator().manual_seed(7)
+    caches = _filled_caches(model, gen)
+    batch = _decode_batch(1, 20, gen)
+    ops = _ops(model, batch, caches)
+    assert ops.count("_linear_pointwise") == 4 * layers + 1  # + the LM head
+    assert len(ops) - ops.count("_linear_pointwise") <= 20, ops
+    kernels, model.lean_kernels = model.lean_kernels, None
+    torch_ops = _ops(model, batch, caches)
+    model.lean_kernels = kernels
+    assert len(torch_ops) - len(ops) >= 25 * layers
+
+
+def test_steps_the_lean_step_does_not_serve_keep_the_torch_ops(lib, tiny_dirs, monkeypatch):
+    monkeypatch.setenv(F32_PACKED_ENV, "1")
+    model = load_model(tiny_dirs["llama"], torch.float32, CPU, max_positions=4096)
+    gen = torch.Generator().manual_seed(8)
+    three = _decode_batch(lean_step.LEAN_MAX_ROWS + 1, 20, gen)
+    assert not lean_step.applies(three)
+    assert lean_step.applies(_decode_batch(lean_step.LEAN_MAX_ROWS, 20, gen))
+    long = _decode_batch(1, lean_step.LEAN_MAX_CONTEXT + 1, gen)
+    assert not lean_step.applies(long)
+    prefill = ForwardBatch(torch.tensor([5, 6]), torch.tensor([0, 1]), torch.tensor([4, 5]), 0,
+                           torch.zeros(0, 1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
+                           [PrefillRow(0, 2, 2, torch.tensor([1]))], torch.arange(2))
+    assert not lean_step.applies(prefill)
+    caches = model.new_kv_caches(20, BLOCK)
+    assert "rms_norm" in _ops(model, three, caches)  # the torch ops' norms: the lean step did not run
+    qwen3 = load_model(tiny_dirs["qwen3"], torch.float32, CPU, max_positions=64)
+    assert qwen3.lean_kernels is None  # its q/k norms are not in the kernels
+
+
+def test_without_a_compiler_the_model_keeps_the_torch_ops(tiny_dirs, monkeypatch, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("ASYNCBATCH_CACHE", str(tmp_path / "cache"))
+    assert lean_kernels.library.__wrapped__() is None
+    monkeypatch.setattr(lean_kernels, "library", lean_kernels.library.__wrapped__)
+    model = load_model(tiny_dirs["llama"], torch.float32, CPU, max_positions=64)
+    assert model.lean_kernels is None
+    monkeypatch.setenv(lean_kernels.LEAN_STEP_ENV, "0")
+    assert not lean_kernels.wanted()
