@@ -7,7 +7,8 @@ plain decoding at 1 and 32 requests is ``bench_speculative.py``'s subject), then
 ids when llama-cpp-python imports. A config is ``dtype[+quantization][+compiled][+ngram[K]]``:
 ``float32``, ``bfloat16``, ``float32+w8a8``, ``float32+w8a8+compiled`` (``compile_decode=True``),
 ``bfloat16+nofp16kernel`` (its one- and two-row steps through oneDNN, not fbgemm's float16-weight kernel:
-``ASYNCBATCH_BF16_FP16_KERNEL=0`` for that engine, ``model/fp16_kernel.py``); ``+ngram`` adds
+``ASYNCBATCH_BF16_FP16_KERNEL=0`` for that engine, ``model/fp16_kernel.py``), ``+nolean`` (its small decode
+steps through torch's ops, not the lean CPU step: ``ASYNCBATCH_CPU_LEAN_STEP=0``, ``model/lean_step.py``); ``+ngram`` adds
 n-gram speculation with ``SpeculativeConfig``'s defaults, ``+ngram6`` with ``num_speculative_tokens=6`` (its
 tokens are checked against the same config without it, and its mean acceptance length is reported). Every
 engine is built and warmed up first and stays alive; each repeat runs the configs in turn (the order reversed
@@ -33,6 +34,7 @@ from harness.speculative_workloads import WORKLOADS, load_workload, prompt_ids, 
 
 from asyncbatch import LLM, SamplingParams
 from asyncbatch.model.fp16_kernel import FP16_KERNEL_ENV
+from asyncbatch.model.lean_kernels import LEAN_STEP_ENV
 from asyncbatch.profiling.host_info import cpu_name, git_commit
 
 
@@ -49,23 +51,25 @@ def speculative_config(flags: list[str]) -> dict | None:
     return {"method": "ngram", **({"num_speculative_tokens": int(flag[5:])} if flag != "ngram" else {})}
 
 
-NO_FP16_KERNEL = "nofp16kernel"
+# Flags that switch a CPU path off for one engine, through the environment its core process starts with.
+ENV_FLAGS = {"nofp16kernel": (FP16_KERNEL_ENV, "0"), "nolean": (LEAN_STEP_ENV, "0")}
 
 
 def engine(config: str, threads: int) -> LLM:
     dtype, *flags = config.split("+")
-    quantization = next((f for f in flags if f not in ("compiled", NO_FP16_KERNEL) and not _is_ngram(f)), None)
-    kernel_env = os.environ.get(FP16_KERNEL_ENV)
-    if NO_FP16_KERNEL in flags:  # the core process takes the caller's environment as it is when it starts
-        os.environ[FP16_KERNEL_ENV] = "0"
+    quantization = next((f for f in flags if f != "compiled" and f not in ENV_FLAGS and not _is_ngram(f)), None)
+    switched = [ENV_FLAGS[f] for f in flags if f in ENV_FLAGS]
+    saved = {name: os.environ.get(name) for name, _ in switched}
+    os.environ.update(dict(switched))  # the core process takes the caller's environment as it is when it starts
     try:
         return LLM(None, device="cpu", dtype=dtype, quantization=quantization, compile_decode="compiled" in flags,
                    speculative_config=speculative_config(flags), num_threads=threads, seed=0)
     finally:
-        if kernel_env is None:
-            os.environ.pop(FP16_KERNEL_ENV, None)
-        else:
-            os.environ[FP16_KERNEL_ENV] = kernel_env
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def plain_twin(config: str) -> str:
