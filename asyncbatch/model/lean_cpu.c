@@ -4,7 +4,7 @@
  * Every function computes in float32 and rounds where the torch ops it replaces round: with `bf` set (a
  * bfloat16 model) a value is rounded to bfloat16 (round to nearest even, as torch's conversion) after each
  * operation that torch would give a bfloat16 result; with `bf` clear (float32) nothing is rounded. Tensors
- * are dense and row-major; a dtype code is 0 for float32 and 1 for bfloat16. Built with -ffp-contract=off, so
+ * are dense and row-major; a dtype code is 0 for float32 and 1 for bfloat16. Built with -ffp-contract=off (lean_kernels.FLAGS), so
  * a product and a sum are never fused into one rounding where torch rounds twice.
  *
  * No function allocates except decode_attention's scores (one malloc a call), none takes a lock, none keeps
@@ -25,9 +25,8 @@ static inline float bf16_to_float(uint16_t v) {
 static inline uint16_t float_to_bf16(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0; /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    uint16_t rounded = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)0x7fc0 : rounded; /* NaN stays NaN */
 }
 
 /* The value torch would hold after an operation whose result has the model's dtype. */
@@ -126,13 +125,14 @@ static inline void load_row(const void *p, int64_t i, int64_t n, int dtype, floa
     }
 }
 
-/* exp(x) for x <= 0 (scores less their maximum) within ~1e-7 relative: Cephes' expf (Cody-Waite reduction by
- * ln 2, a degree-6 polynomial, the power of two set in the exponent bits), written so that a loop over it
- * vectorises, where libm's expf is one call per value (the softmax's largest cost at long contexts). */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f;
+/* exp(x) within ~1e-7 relative (8e-8 measured over [-90, 0]): Cephes' expf (Cody-Waite reduction by ln 2, a
+ * degree-6 polynomial, the power of two set in the exponent bits), written so that a loop over it vectorises,
+ * where libm's expf is one call per value (the softmax's and SiLU's largest cost). Past the float32 range it
+ * gives 0 (below -87, where exp is under 1.7e-38) and infinity (above 88), as their exact values round. */
+static inline float exp_fast(float x) {
+    float c = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+    float n = floorf(c * 1.44269504088896341f + 0.5f);
+    float r = c - n * 0.693359375f;
     r = r - n * -2.12194440e-4f;
     float p = 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
@@ -144,7 +144,8 @@ static inline float exp_nonpositive(float x) {
     int32_t bits = ((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &bits, 4);
-    return p * scale;
+    float e = p * scale;
+    return x < -87.0f ? 0.0f : (x > 88.0f ? INFINITY : e);
 }
 
 static inline float dot(const float *a, const float *b, int64_t n) {
@@ -180,7 +181,7 @@ static inline __attribute__((always_inline)) void attend_group(const float *qf, 
     for (int64_t j = 0; j < group; j++) {
         float *sj = scores + j * L, top = -INFINITY, total;
         for (int64_t p = 0; p < L; p++) top = sj[p] > top ? sj[p] : top;
-        for (int64_t p = 0; p < L; p++) sj[p] = exp_nonpositive(sj[p] - top);
+        for (int64_t p = 0; p < L; p++) sj[p] = exp_fast(sj[p] - top);
         total = sum(sj, L);
         for (int64_t p = 0; p < L; p++) sj[p] /= total;
     }
@@ -234,9 +235,22 @@ void ab_decode_attention(const void *q, const void *k_cache, const void *v_cache
  * (F.silu(gate) * up); gate and up: rows of n with their own row strides (halves of one fused product, or two). */
 void ab_silu_mul(const void *gate, const void *up, int gd, int64_t stride, int64_t rows, int64_t n, int bf, void *out,
                  int od) {
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t i = 0; i < n; i++) {
-            float g = rnd(load(gate, r * stride + i, gd), bf), u = rnd(load(up, r * stride + i, gd), bf);
-            store(out, r * n + i, rnd(rnd(g / (1.0f + expf(-g)), bf) * u, bf), od);
-        }
+    float *buffer = malloc(sizeof(float) * 3 * n);
+    float *restrict g = buffer, *restrict u = buffer + n, *restrict o = buffer + 2 * n;
+    for (int64_t r = 0; r < rows; r++) {
+        load_row(gate, r * stride, n, gd, g);
+        load_row(up, r * stride, n, gd, u);
+        if (bf) /* two loops, so that neither branches inside and both vectorise */
+            for (int64_t i = 0; i < n; i++) {
+                float gi = rnd(g[i], 1);
+                o[i] = rnd(rnd(gi / (1.0f + exp_fast(-gi)), 1) * rnd(u[i], 1), 1);
+            }
+        else
+            for (int64_t i = 0; i < n; i++) o[i] = g[i] / (1.0f + exp_fast(-g[i])) * u[i];
+        if (od)
+            for (int64_t i = 0; i < n; i++) ((uint16_t *)out)[r * n + i] = float_to_bf16(o[i]);
+        else
+            memcpy((float *)out + r * n, o, sizeof(float) * n);
+    }
+    free(buffer);
 }

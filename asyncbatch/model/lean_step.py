@@ -36,6 +36,9 @@ built; ``ASYNCBATCH_CPU_LEAN_STEP=0`` keeps the torch ops everywhere (to compare
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -73,21 +76,68 @@ def applies(batch: ForwardBatch) -> bool:
             and int(batch.decode_context_lens.sum()) <= LEAN_MAX_CONTEXT)
 
 
-def _ptr(t: torch.Tensor) -> int:
-    return t.data_ptr()
-
-
 def _code(t: torch.Tensor) -> int:
     return DTYPE_CODES[t.dtype]
 
 
-def _product(linear: nn.Module, h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``linear(h)`` for ``h`` in float32 holding ``dtype`` values: fbgemm's float16 copy takes it as it is and
-    returns unrounded float32 (the next kernel rounds); every other path gets ``dtype``."""
-    if isinstance(linear, PackedLinear) and linear.fp16 is not None and h.shape[0] <= FP16_KERNEL_MAX_ROWS:
-        return torch.ops.quantized.linear_dynamic_fp16(h, linear.fp16)
-    out = linear(h if h.dtype == dtype else h.to(dtype))
-    return out if out.is_contiguous() else out.contiguous()
+@dataclass(slots=True)
+class _Norm:
+    """An RMSNorm's weight as the kernels take it."""
+
+    weight: int  # data pointer
+    code: int  # its dtype's code
+    eps: float
+
+
+@dataclass(slots=True)
+class _Layer:
+    """What the lean step reads of one decoder layer, gathered once per model (``_plan``)."""
+
+    qkv: Callable[[torch.Tensor], torch.Tensor]
+    o: Callable[[torch.Tensor], torch.Tensor]
+    gate_up: Callable[[torch.Tensor], torch.Tensor] | None  # fused gate | up, or None: ``gate`` and ``up``
+    gate: Callable[[torch.Tensor], torch.Tensor] | None
+    up: Callable[[torch.Tensor], torch.Tensor] | None
+    down: Callable[[torch.Tensor], torch.Tensor]
+    scale: float
+    input_norm: _Norm
+    post_norm: _Norm
+
+
+def _product(linear: nn.Module, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``linear`` as a function of a step's ``h`` (float32 holding ``dtype`` values where the step is wide, else
+    ``dtype``): fbgemm's float16 copy takes float32 as it is and returns it unrounded (the next kernel rounds);
+    every other path gets ``dtype`` and returns a dense tensor."""
+    fp16 = getattr(linear, "fp16", None) if isinstance(linear, PackedLinear) else None
+    if fp16 is not None and LEAN_MAX_ROWS <= FP16_KERNEL_MAX_ROWS:
+        op = torch.ops.quantized.linear_dynamic_fp16
+        return lambda h: op(h, fp16)
+
+    def product(h: torch.Tensor) -> torch.Tensor:
+        out = linear(h if h.dtype == dtype else h.to(dtype))
+        return out if out.is_contiguous() else out.contiguous()
+    return product
+
+
+def _norm(norm: nn.Module) -> _Norm:
+    return _Norm(norm.weight.data_ptr(), _code(norm.weight), norm.eps)
+
+
+def _plan(model: nn.Module, dtype: torch.dtype) -> list[_Layer]:
+    """The model's layers as ``_Layer``s, built at its first lean step and kept on it (its weights do not move)."""
+    plan = getattr(model, "_lean_plan", None)
+    if plan is None:
+        plan = []
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            fused = mlp.gate_up_proj is not None
+            plan.append(_Layer(_product(attn.qkv_proj, dtype), _product(attn.o_proj, dtype),
+                               _product(mlp.gate_up_proj, dtype) if fused else None,
+                               None if fused else _product(mlp.gate_proj, dtype),
+                               None if fused else _product(mlp.up_proj, dtype), _product(mlp.down_proj, dtype),
+                               attn.scale, _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)))
+        model._lean_plan = plan
+    return plan
 
 
 def lean_layers(model: nn.Module, lib, x: torch.Tensor, batch: ForwardBatch,
@@ -97,6 +147,7 @@ def lean_layers(model: nn.Module, lib, x: torch.Tensor, batch: ForwardBatch,
     layers = model.model.layers
     attn0, mlp0 = layers[0].self_attn, layers[0].mlp
     dtype, bf = x.dtype, int(x.dtype == torch.bfloat16)
+    plan = _plan(model, dtype)
     t, hidden = x.shape
     heads, kv_heads, head_dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
     # The products' inputs in float32 (exact for bfloat16 values) where they take it: float32 models, and
@@ -110,35 +161,40 @@ def lean_layers(model: nn.Module, lib, x: torch.Tensor, batch: ForwardBatch,
              else mlp0.gate_proj.out_features)
     m = torch.empty(t, inter, dtype=wide)  # [T, intermediate] SiLU(gate) * up
     cos, sin = rope.cos.contiguous(), rope.sin.contiguous()  # [T, 1, head_dim]
-    slots = batch.slot_mapping.contiguous()
     tables = batch.decode_block_tables
     if tables.stride(-1) != 1:
         tables = tables.contiguous()
-    ctx = batch.decode_context_lens.contiguous()
-    md, wd, xp, hp, qp, ap, mp = _code(x), _code(h), _ptr(x), _ptr(h), _ptr(q), _ptr(a), _ptr(m)
-    norm = layers[0].input_layernorm
-    lib.ab_rms_norm(xp, md, t, hidden, _ptr(norm.weight), _code(norm.weight), norm.eps, bf, hp, wd)
-    for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, kv_caches)):
-        attn, mlp = layer.self_attn, layer.mlp
-        qkv = _product(attn.qkv_proj, h, dtype)  # [T, (heads + 2 kv_heads) * head_dim]
-        lib.ab_qkv_rope_write(_ptr(qkv), _code(qkv), t, heads, kv_heads, head_dim, _ptr(cos), _ptr(sin),
-                              _ptr(k_cache), _ptr(v_cache), _ptr(slots), qp, md, bf)
-        lib.ab_decode_attention(qp, _ptr(k_cache), _ptr(v_cache), md, _ptr(tables), tables.stride(0), _ptr(ctx), t,
-                                heads, kv_heads, head_dim, k_cache.shape[1], attn.scale, ap, wd, bf)
-        o = _product(attn.o_proj, a, dtype)  # [T, hidden]
-        norm = layer.post_attention_layernorm
-        lib.ab_add_rms_norm(_ptr(o), _code(o), xp, md, t, hidden, _ptr(norm.weight), _code(norm.weight), norm.eps,
-                            bf, hp, wd)
-        if mlp.gate_up_proj is not None:
-            gate = up = _product(mlp.gate_up_proj, h, dtype)  # [T, 2 * intermediate]: gate | up
-            up_ptr, stride = _ptr(gate) + inter * gate.element_size(), 2 * inter
+    ctx, slots = batch.decode_context_lens.contiguous(), batch.slot_mapping.contiguous()
+    md, wd = _code(x), _code(h)
+    xp, hp, qp, ap, mp = x.data_ptr(), h.data_ptr(), q.data_ptr(), a.data_ptr(), m.data_ptr()
+    cos_p, sin_p, slots_p, tables_p, ctx_p = (cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(),
+                                              ctx.data_ptr())
+    table_stride, block_size = tables.stride(0), kv_caches[0][0].shape[1]
+    rope_write, attend, add_norm, silu_mul = (lib.ab_qkv_rope_write, lib.ab_decode_attention, lib.ab_add_rms_norm,
+                                              lib.ab_silu_mul)
+    first = plan[0].input_norm
+    lib.ab_rms_norm(xp, md, t, hidden, first.weight, first.code, first.eps, bf, hp, wd)
+    last = len(plan) - 1
+    for i, (layer, (k_cache, v_cache)) in enumerate(zip(plan, kv_caches)):
+        kp, vp = k_cache.data_ptr(), v_cache.data_ptr()
+        qkv = layer.qkv(h)  # [T, (heads + 2 kv_heads) * head_dim]
+        rope_write(qkv.data_ptr(), _code(qkv), t, heads, kv_heads, head_dim, cos_p, sin_p, kp, vp, slots_p, qp, md, bf)
+        attend(qp, kp, vp, md, tables_p, table_stride, ctx_p, t, heads, kv_heads, head_dim, block_size, layer.scale,
+               ap, wd, bf)
+        o = layer.o(a)  # [T, hidden]
+        norm = layer.post_norm
+        add_norm(o.data_ptr(), _code(o), xp, md, t, hidden, norm.weight, norm.code, norm.eps, bf, hp, wd)
+        if layer.gate_up is not None:
+            gate = layer.gate_up(h)  # [T, 2 * intermediate]: gate | up
+            up_ptr, stride = gate.data_ptr() + inter * gate.element_size(), 2 * inter
         else:
-            gate, up = _product(mlp.gate_proj, h, dtype), _product(mlp.up_proj, h, dtype)
-            up_ptr, stride = _ptr(up), inter
-        lib.ab_silu_mul(_ptr(gate), up_ptr, _code(gate), stride, t, inter, bf, mp, wd)
-        down = _product(mlp.down_proj, m, dtype)  # [T, hidden]
-        nxt = layers[i + 1].input_layernorm if i + 1 < len(layers) else None
-        lib.ab_add_rms_norm(_ptr(down), _code(down), xp, md, t, hidden,
-                            None if nxt is None else _ptr(nxt.weight), 0 if nxt is None else _code(nxt.weight),
-                            0.0 if nxt is None else nxt.eps, bf, hp, wd)
+            gate, up = layer.gate(h), layer.up(h)
+            up_ptr, stride = up.data_ptr(), inter
+        silu_mul(gate.data_ptr(), up_ptr, _code(gate), stride, t, inter, bf, mp, wd)
+        down = layer.down(m)  # [T, hidden]
+        if i < last:  # the residual sum and the next layer's input norm
+            norm = plan[i + 1].input_norm
+            add_norm(down.data_ptr(), _code(down), xp, md, t, hidden, norm.weight, norm.code, norm.eps, bf, hp, wd)
+        else:  # the residual sum alone: the final norm reads only the rows whose logits are wanted
+            add_norm(down.data_ptr(), _code(down), xp, md, t, hidden, None, 0, 0.0, bf, hp, wd)
     return x
