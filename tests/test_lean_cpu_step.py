@@ -12,6 +12,8 @@ bfloat16 before the weighted sum; the kernel keeps them in float32).
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -274,3 +276,19 @@ def test_without_a_compiler_the_model_keeps_the_torch_ops(tiny_dirs, monkeypatch
     assert model.lean_kernels is None
     monkeypatch.setenv(lean_kernels.LEAN_STEP_ENV, "0")
     assert not lean_kernels.wanted()
+
+
+def test_a_compiler_without_march_native_builds_the_baseline_library(lib, monkeypatch, tmp_path):
+    """Some ARM compilers refuse ``-march=native``: the build is retried without it, and the library works."""
+    real = shutil.which("cc") or shutil.which("gcc")
+    wrapper = tmp_path / "cc"
+    wrapper.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = "-march=native" ] && exit 1; done\n'
+                       f'exec {real} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    monkeypatch.setenv("ASYNCBATCH_CACHE", str(tmp_path / "cache"))
+    built = lean_kernels.library.__wrapped__()
+    assert built is not None and list((tmp_path / "cache" / "kernels").glob("*/lean_cpu.so"))
+    x, w, out = torch.randn(1, 8), torch.ones(8), torch.empty(1, 8)
+    built.ab_rms_norm(x.data_ptr(), 0, 1, 8, w.data_ptr(), 0, 1e-5, 0, out.data_ptr(), 0)
+    torch.testing.assert_close(out, torch.rms_norm(x, (8,), w, 1e-5))

@@ -92,8 +92,12 @@ def _built(compiler: str) -> Path:
     fd, temp = tempfile.mkstemp(prefix=".tmp-", suffix=".so", dir=folder)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, "-o", temp, str(SOURCE), "-lm"], check=True, capture_output=True,
-                       text=True, timeout=120)
+        try:
+            subprocess.run([compiler, *FLAGS, "-o", temp, str(SOURCE), "-lm"], check=True, capture_output=True,
+                           text=True, timeout=120)
+        except subprocess.CalledProcessError:  # a compiler without -march=native (some ARM ones): the baseline ISA
+            subprocess.run([compiler, *(f for f in FLAGS if f != "-march=native"), "-o", temp, str(SOURCE), "-lm"],
+                           check=True, capture_output=True, text=True, timeout=120)
         os.replace(temp, target)
     finally:
         if os.path.exists(temp):
