@@ -292,3 +292,38 @@ def test_a_compiler_without_march_native_builds_the_baseline_library(lib, monkey
     x, w, out = torch.randn(1, 8), torch.ones(8), torch.empty(1, 8)
     built.ab_rms_norm(x.data_ptr(), 0, 1, 8, w.data_ptr(), 0, 1e-5, 0, out.data_ptr(), 0)
     torch.testing.assert_close(out, torch.rms_norm(x, (8,), w, 1e-5))
+
+
+def test_a_bfloat16_model_with_a_linear_float16_cannot_hold_still_takes_the_lean_step(lib, tiny_dirs, monkeypatch):
+    """Where a weight holds a value float16 cannot (``fp16_kernel.pack_fp16`` refuses it), that linear keeps oneDNN's
+    bfloat16 product: with the q/k/v one among them the step's inputs are bfloat16, which the other linears'
+    float16 copies take after a cast."""
+    from asyncbatch.model import fp16_kernel
+
+    monkeypatch.setenv("ASYNCBATCH_BF16_EMULATION", "0")
+    monkeypatch.setenv(fp16_kernel.FP16_KERNEL_ENV, "1")
+    model = load_model(tiny_dirs["llama"], torch.bfloat16, CPU, max_positions=64)
+    if getattr(model.model.layers[0].self_attn.qkv_proj, "fp16", None) is None:
+        pytest.skip("no float16 copies here (oneDNN's packed bfloat16 product or fbgemm's kernel is missing)")
+    gen = torch.Generator().manual_seed(9)
+    caches = _filled_caches(model, gen)
+    batch = _decode_batch(1, 20, gen)
+    want, got, _, _ = _both_ways(model, batch, caches)
+    for layer in model.model.layers:
+        layer.self_attn.qkv_proj.fp16 = None  # as pack_fp16 leaves a linear it refuses
+    model._lean_plan = None
+    _, mixed, _, _ = _both_ways(model, batch, caches)
+    torch.testing.assert_close(mixed, got, rtol=0, atol=0.1)
+    assert torch.equal(mixed.argmax(-1), want.argmax(-1))
+
+
+def test_a_library_that_computes_wrong_is_not_used(lib):
+    class Broken:
+        def __init__(self, real) -> None:
+            self.real = real
+
+        def ab_rms_norm(self, *args) -> None:  # leaves the output as it was: zeros
+            return None
+
+    assert lean_kernels._norm_works(lib)
+    assert not lean_kernels._norm_works(Broken(lib))

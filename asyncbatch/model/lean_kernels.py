@@ -6,7 +6,8 @@ The library is compiled by the system's C compiler (``$CC``, else ``cc``) at fir
 digest covers the source, the compiler's version, the flags and this CPU's feature flags, so a cache shared
 between machines never hands one a library built for another's instructions. Parallel processes may build it
 at once: each writes its own temporary file and renames it into place. Without a compiler, or if the build or
-the smoke check fails, ``library()`` returns None (logged once) and the model keeps its torch ops.
+the check of one norm against Python's arithmetic fails, ``library()`` returns None (logged once) and the model
+keeps its torch ops.
 
 ``ctypes`` releases the GIL for the length of each call, as torch's ops do, so the planner thread runs beside it.
 """
@@ -67,7 +68,20 @@ def library() -> ctypes.CDLL | None:
     for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
+    if not _norm_works(lib):
+        logger.warning("lean CPU step: the built kernels give a wrong RMSNorm; the model keeps its torch ops")
+        return None
     return lib
+
+
+def _norm_works(lib: ctypes.CDLL) -> bool:
+    """One float32 RMSNorm through the library against the same arithmetic in Python: a library that loads but
+    computes wrong (another ABI, a miscompile) is never used."""
+    values = [0.5 * i - 3.0 for i in range(40)]
+    x, w, out = (ctypes.c_float * 40)(*values), (ctypes.c_float * 40)(*[1.0] * 40), (ctypes.c_float * 40)()
+    lib.ab_rms_norm(ctypes.addressof(x), 0, 1, 40, ctypes.addressof(w), 0, 1e-5, 0, ctypes.addressof(out), 0)
+    inv = (sum(v * v for v in values) / 40 + 1e-5) ** -0.5
+    return all(abs(o - v * inv) <= 1e-5 for o, v in zip(out, values))
 
 
 def _cpu_flags() -> str:

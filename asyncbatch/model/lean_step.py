@@ -111,7 +111,8 @@ def _product(linear: nn.Module, dtype: torch.dtype) -> Callable[[torch.Tensor], 
     fp16 = getattr(linear, "fp16", None) if isinstance(linear, PackedLinear) else None
     if fp16 is not None and LEAN_MAX_ROWS <= FP16_KERNEL_MAX_ROWS:
         op = torch.ops.quantized.linear_dynamic_fp16
-        return lambda h: op(h, fp16)
+        # ``h`` is bfloat16 where the q/k/v product has no float16 copy (a weight float16 cannot hold).
+        return lambda h: op(h if h.dtype == torch.float32 else h.float(), fp16)
 
     def product(h: torch.Tensor) -> torch.Tensor:
         out = linear(h if h.dtype == dtype else h.to(dtype))
