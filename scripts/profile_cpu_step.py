@@ -96,9 +96,47 @@ def _wrap(owner, attr: str, label: str):
     return lambda: setattr(owner, attr, original)
 
 
-def install_labels(bench: DecodeStepBench) -> list:
+# The lean CPU step (``model/lean_step.py``) calls no layer module: its C calls and its products get the labels of
+# the parts they stand for.
+LEAN_KERNEL_LABELS = {"ab_rms_norm": "norms", "ab_add_rms_norm": "norms", "ab_qkv_rope_write": "rope",
+                      "ab_decode_attention": "attention: SDPA + mask", "ab_silu_mul": "mlp act"}
+LEAN_PRODUCT_LABELS = {"qkv": "linear q/k/v", "o": "linear o", "gate_up": "linear gate/up", "gate": "linear gate/up",
+                       "up": "linear gate/up", "down": "linear down"}
+
+
+class _LabelledKernels:
+    """``lean_cpu.c``'s library with each call inside a labelled range."""
+
+    def __init__(self, lib) -> None:
+        self.lib = lib
+
+    def __getattr__(self, name: str):
+        fn, label = getattr(self.lib, name), LEAN_KERNEL_LABELS.get(name, "step glue")
+
+        def call(*args):
+            with record_function(PREFIX + label):
+                return fn(*args)
+        return call
+
+
+def _label_lean(bench: DecodeStepBench, rows: int) -> list:
+    model = bench.model
+    if model.lean_kernels is None:
+        return []
+    bench.step(rows)  # builds ``model.lean_plan`` where this step is a lean one
+    lib, undo = model.lean_kernels, []
+    model.lean_kernels = _LabelledKernels(lib)
+    undo.append(lambda: setattr(model, "lean_kernels", lib))
+    for layer in model.lean_plan or []:
+        for attr, label in LEAN_PRODUCT_LABELS.items():
+            if getattr(layer, attr) is not None:
+                undo.append(_wrap(layer, attr, label))
+    return undo
+
+
+def install_labels(bench: DecodeStepBench, rows: int) -> list:
     """Label every part of the step; returns callables that undo it."""
-    undo = [h.remove for h in _label_modules(bench.model)]
+    undo = [h.remove for h in _label_modules(bench.model)] + _label_lean(bench, rows)
     undo.append(_wrap(llama, "apply_rope", "rope"))
     undo.append(_wrap(paged_attention, "write_kv", "attention: write K/V"))
     undo.append(_wrap(paged_attention, "gather_blocks", "attention: gather blocks"))
@@ -151,7 +189,7 @@ def top_ops(events, steps: int, n: int = 12) -> list[dict]:
 
 def profile_rows(bench: DecodeStepBench, rows: int, steps: int, trace: Path | None) -> dict:
     timing = bench.time_steps(rows, repeats=steps, warmup=2)
-    undo = install_labels(bench)
+    undo = install_labels(bench, rows)
     try:
         bench.step(rows)
         with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -91,6 +91,11 @@ def test_profile_script_attributes_the_step(tiny_dir, tmp_path):
     for name in ("linear q/k/v", "linear gate/up", "lm head", "attention: gather blocks", "sampling"):
         assert parts[name]["op_ms"] > 0, name
     assert "## 4 rows" in (tmp_path / "report.md").read_text()
+    # One row: the lean CPU step where it builds (no layer module runs), its products and kernels still labelled.
+    one = doc["results"][0]["parts"]
+    for name in ("linear q/k/v", "linear o", "linear down", "lm head"):
+        assert one[name]["op_ms"] > 0, name
+    assert one["attention: SDPA + mask"]["op_ms"] + one["attention: SDPA + mask"]["python_ms"] > 0
 
 
 def test_precision_and_quality_scripts_on_a_tiny_model(tiny_dir, tmp_path):

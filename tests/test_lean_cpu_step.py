@@ -240,6 +240,8 @@ def test_a_lean_step_dispatches_only_its_products_per_layer(lib, tiny_dirs, monk
     caches = _filled_caches(model, gen)
     batch = _decode_batch(1, 20, gen)
     ops = _ops(model, batch, caches)
+    plan = model.lean_plan
+    assert plan is not None and _ops(model, batch, caches) == ops and model.lean_plan is plan  # built once
     assert ops.count("_linear_pointwise") == 4 * layers + 1  # + the LM head
     assert len(ops) - ops.count("_linear_pointwise") <= 20, ops
     kernels, model.lean_kernels = model.lean_kernels, None
@@ -311,7 +313,7 @@ def test_a_bfloat16_model_with_a_linear_float16_cannot_hold_still_takes_the_lean
     want, got, _, _ = _both_ways(model, batch, caches)
     for layer in model.model.layers:
         layer.self_attn.qkv_proj.fp16 = None  # as pack_fp16 leaves a linear it refuses
-    model._lean_plan = None
+    model.lean_plan = None
     _, mixed, _, _ = _both_ways(model, batch, caches)
     torch.testing.assert_close(mixed, got, rtol=0, atol=0.1)
     assert torch.equal(mixed.argmax(-1), want.argmax(-1))

@@ -81,7 +81,7 @@ def _code(t: torch.Tensor) -> int:
 
 
 @dataclass(slots=True)
-class _Norm:
+class LeanNorm:
     """An RMSNorm's weight as the kernels take it."""
 
     weight: int  # data pointer
@@ -90,8 +90,8 @@ class _Norm:
 
 
 @dataclass(slots=True)
-class _Layer:
-    """What the lean step reads of one decoder layer, gathered once per model (``_plan``)."""
+class LeanLayer:
+    """What the lean step reads of one decoder layer, gathered once per model (``layer_plan``)."""
 
     qkv: Callable[[torch.Tensor], torch.Tensor]
     o: Callable[[torch.Tensor], torch.Tensor]
@@ -100,8 +100,8 @@ class _Layer:
     up: Callable[[torch.Tensor], torch.Tensor] | None
     down: Callable[[torch.Tensor], torch.Tensor]
     scale: float
-    input_norm: _Norm
-    post_norm: _Norm
+    input_norm: LeanNorm
+    post_norm: LeanNorm
 
 
 def _product(linear: nn.Module, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -120,24 +120,25 @@ def _product(linear: nn.Module, dtype: torch.dtype) -> Callable[[torch.Tensor], 
     return product
 
 
-def _norm(norm: nn.Module) -> _Norm:
-    return _Norm(norm.weight.data_ptr(), _code(norm.weight), norm.eps)
+def _norm(norm: nn.Module) -> LeanNorm:
+    return LeanNorm(norm.weight.data_ptr(), _code(norm.weight), norm.eps)
 
 
-def _plan(model: nn.Module, dtype: torch.dtype) -> list[_Layer]:
-    """The model's layers as ``_Layer``s, built at its first lean step and kept on it (its weights do not move)."""
-    plan = getattr(model, "_lean_plan", None)
+def layer_plan(model: nn.Module, dtype: torch.dtype) -> list[LeanLayer]:
+    """The model's layers as ``LeanLayer``s, built at its first lean step and kept on it as ``lean_plan`` (its
+    weights do not move; a profiler may wrap the products it holds)."""
+    plan = model.lean_plan
     if plan is None:
         plan = []
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             fused = mlp.gate_up_proj is not None
-            plan.append(_Layer(_product(attn.qkv_proj, dtype), _product(attn.o_proj, dtype),
-                               _product(mlp.gate_up_proj, dtype) if fused else None,
-                               None if fused else _product(mlp.gate_proj, dtype),
-                               None if fused else _product(mlp.up_proj, dtype), _product(mlp.down_proj, dtype),
-                               attn.scale, _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)))
-        model._lean_plan = plan
+            plan.append(LeanLayer(_product(attn.qkv_proj, dtype), _product(attn.o_proj, dtype),
+                                  _product(mlp.gate_up_proj, dtype) if fused else None,
+                                  None if fused else _product(mlp.gate_proj, dtype),
+                                  None if fused else _product(mlp.up_proj, dtype), _product(mlp.down_proj, dtype),
+                                  attn.scale, _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)))
+        model.lean_plan = plan
     return plan
 
 
@@ -148,7 +149,7 @@ def lean_layers(model: nn.Module, lib, x: torch.Tensor, batch: ForwardBatch,
     layers = model.model.layers
     attn0, mlp0 = layers[0].self_attn, layers[0].mlp
     dtype, bf = x.dtype, int(x.dtype == torch.bfloat16)
-    plan = _plan(model, dtype)
+    plan = layer_plan(model, dtype)
     t, hidden = x.shape
     heads, kv_heads, head_dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
     # The products' inputs in float32 (exact for bfloat16 values) where they take it: float32 models, and

@@ -222,6 +222,7 @@ class CausalLM(nn.Module):
         # Set by ``loader.load_model`` (``lean_step.lean_library``): ``lean_cpu.c``'s kernels, which run the CPU's
         # small decode steps between the products (``lean_step``), or None.
         self.lean_kernels: object | None = None
+        self.lean_plan: list | None = None  # ``lean_step.layer_plan``: its layers as the lean step reads them
         attn = self.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         cos, sin = rope_cos_sin(config, attn.head_dim, max_positions)

@@ -50,7 +50,7 @@ with torch.inference_mode():
     for _ in range(steps):
         bench.step(1)
     plain = (time.perf_counter() - t0) / steps
-    for layer in bench.model._lean_plan:  # the per-layer products the first lean step gathered (lean_step._plan)
+    for layer in bench.model.lean_plan:  # the per-layer products the first lean step gathered (lean_step.layer_plan)
         for name in ("qkv", "o", "gate_up", "gate", "up", "down"):
             if getattr(layer, name) is not None:
                 setattr(layer, name, timed_product(getattr(layer, name)))
