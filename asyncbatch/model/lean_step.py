@@ -29,9 +29,10 @@ rounded by the kernel that reads them, as ``.to(dtype)`` would.
 
 **Where.** CPU models whose step is decode rows only (no prefill chunk, no verify rows: one token a row), at
 most ``LEAN_MAX_ROWS`` rows and ``LEAN_MAX_CONTEXT`` context tokens in all (the kernels run on one thread;
-larger steps keep torch's, whose attention runs on every thread), in float32 or bfloat16, without Qwen3's q/k norms, with q/k/v fused (``fused_projections``),
-outside ``torch.compile`` (``compile_decode`` keeps the traced torch ops), where ``lean_kernels.library()``
-built; ``ASYNCBATCH_CPU_LEAN_STEP=0`` keeps the torch ops everywhere (to compare).
+larger steps keep torch's, whose attention runs on every thread), in float32 or bfloat16, without Qwen3's q/k
+norms, with q/k/v fused (``fused_projections``), outside ``torch.compile`` (``compile_decode`` keeps the traced
+torch ops), where ``lean_kernels.library()`` built; ``ASYNCBATCH_CPU_LEAN_STEP=0`` keeps the torch ops
+everywhere (to compare).
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ from asyncbatch.model.fp16_kernel import FP16_KERNEL_MAX_ROWS
 from asyncbatch.model.packed_linears import PackedLinear
 from asyncbatch.model.rope import RopeTables
 
-# Measured on a 2-vCPU Zen 4 (profiles/lean-cpu-step-amd-epyc-zen4-2core): bfloat16 steps of 1-2 rows 0.76-0.92x
-# the torch ops' time at contexts up to 1,024 a row, 4 rows 0.96x at 128 but 1.15x at 512 (the attention here
-# runs on one thread, torch's on both), 6-8 rows slower; so at most 2 rows and 2,048 context tokens in all.
+# Measured on a 2-vCPU Zen 4 with the kernels' first attention (profiles/lean-cpu-step-amd-epyc-zen4-2core):
+# bfloat16 steps of 1-2 rows 0.76-0.92x the torch ops' time at contexts up to 1,024 a row, 4 rows 0.96x at 128
+# but 1.15x at 512 (the attention here runs on one thread, torch's on both), 6-8 rows slower; so at most 2 rows
+# and 2,048 context tokens in all.
 LEAN_MAX_ROWS = 2
 LEAN_MAX_CONTEXT = 2048
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
