@@ -4,11 +4,12 @@
  * Every function computes in float32 and rounds where the torch ops it replaces round: with `bf` set (a
  * bfloat16 model) a value is rounded to bfloat16 (round to nearest even, as torch's conversion) after each
  * operation that torch would give a bfloat16 result; with `bf` clear (float32) nothing is rounded. Tensors
- * are dense and row-major; a dtype code is 0 for float32 and 1 for bfloat16. Built with -ffp-contract=off (lean_kernels.FLAGS), so
- * a product and a sum are never fused into one rounding where torch rounds twice.
+ * are dense and row-major; a dtype code is 0 for float32 and 1 for bfloat16. Built with -ffp-contract=off
+ * (lean_kernels.FLAGS), so a product and a sum are never fused into one rounding where torch rounds twice (the
+ * attention's fmaf calls are its own order of sums, not torch's in any case).
  *
- * No function allocates except decode_attention's scores (one malloc a call), none takes a lock, none keeps
- * state: any thread may call them, each on its own tensors.
+ * Each function takes its scratch with one malloc a call and frees it; none takes a lock, none keeps state: any
+ * thread may call them, each on its own tensors.
  */
 #include <math.h>
 #include <stdint.h>
@@ -125,7 +126,7 @@ static inline void load_row(const void *p, int64_t i, int64_t n, int dtype, floa
     }
 }
 
-/* exp(x) within ~1e-7 relative (8e-8 measured over [-90, 0]): Cephes' expf (Cody-Waite reduction by ln 2, a
+/* exp(x) within ~1e-7 relative (8.0e-8 measured over [-87, 88]): Cephes' expf (Cody-Waite reduction by ln 2, a
  * degree-6 polynomial, the power of two set in the exponent bits), written so that a loop over it vectorises,
  * where libm's expf is one call per value (the softmax's and SiLU's largest cost). Past the float32 range it
  * gives 0 (below -87, where exp is under 1.7e-38) and infinity (above 88), as their exact values round. */
