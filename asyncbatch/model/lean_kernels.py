@@ -25,6 +25,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from asyncbatch.model.cpu_features import hardware_cpu_flags
 from asyncbatch.model.gguf_cache import cache_root
 
 LEAN_STEP_ENV = "ASYNCBATCH_CPU_LEAN_STEP"
@@ -84,20 +85,13 @@ def _norm_works(lib: ctypes.CDLL) -> bool:
     return all(abs(o - v * inv) <= 1e-5 for o, v in zip(out, values))
 
 
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        return platform.processor()
-
-
 def _built(compiler: str) -> Path:
     """The library's path in the cache, compiling it first where it is not there yet."""
     version = subprocess.run([compiler, "--version"], check=True, capture_output=True, text=True, timeout=30).stdout
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(FLAGS).encode(),
-                                        platform.machine().encode(), _cpu_flags().encode()])).hexdigest()[:16]
+                                        platform.machine().encode(),
+                                        " ".join(sorted(hardware_cpu_flags())).encode()])).hexdigest()[:16]
     folder = cache_root() / "kernels" / digest
     target = folder / "lean_cpu.so"
     if target.is_file():
