@@ -261,14 +261,13 @@ class CausalLM(nn.Module):
         """The final-normed hidden states ``[R, hidden]`` of ``batch.logits_indices``: ``forward`` without the
         LM head (a CUDA graph of a step whose sampling runs outside it stops here)."""
         x = self.model.embed_tokens(batch.input_ids)  # [T, hidden]
+        # What every layer shares is computed once here: the rotary rows and (below) the attention's masks and
+        # block lists (``paged_attention.plan_attention``; None on Triton).
+        rope = step_tables(self.rope_cos, self.rope_sin_signed, batch.positions, x.dtype)
         if self.lean_kernels is not None and lean_step_applies(batch):
-            rope = step_tables(self.rope_cos, self.rope_sin_signed, batch.positions, x.dtype)
             x = lean_layers(self, self.lean_kernels, x, batch, kv_caches, rope)
             return self.model.norm(x[batch.logits_indices])  # [R, hidden]
-        # What every layer shares is computed once here: the rotary rows and the attention's masks and
-        # block lists (``paged_attention.plan_attention``; None on Triton).
-        step = StepContext(batch, step_tables(self.rope_cos, self.rope_sin_signed, batch.positions, x.dtype),
-                           plan_attention(batch, kv_caches[0][0].shape[1], x.device, x.dtype),
+        step = StepContext(batch, rope, plan_attention(batch, kv_caches[0][0].shape[1], x.device, x.dtype),
                            self.fused_elementwise)
         if step.fused is not None:
             x = self._fused_layers(x, step, kv_caches)
