@@ -45,7 +45,7 @@ from torch import nn
 
 from asyncbatch.model import lean_kernels
 from asyncbatch.model.forward_batch import ForwardBatch
-from asyncbatch.model.fp16_kernel import FP16_KERNEL_MAX_ROWS
+from asyncbatch.model.fp16_kernel import FP16_KERNEL_MAX_ROWS, fp16_product_float32
 from asyncbatch.model.packed_linears import PackedLinear
 from asyncbatch.model.rope import RopeTables
 
@@ -112,9 +112,8 @@ def _product(linear: nn.Module, dtype: torch.dtype) -> Callable[[torch.Tensor], 
     every other path gets ``dtype`` and returns a dense tensor."""
     fp16 = getattr(linear, "fp16", None) if isinstance(linear, PackedLinear) else None
     if fp16 is not None and LEAN_MAX_ROWS <= FP16_KERNEL_MAX_ROWS:
-        op = torch.ops.quantized.linear_dynamic_fp16
         # ``h`` is bfloat16 where the q/k/v product has no float16 copy (a weight float16 cannot hold).
-        return lambda h: op(h if h.dtype == torch.float32 else h.float(), fp16)
+        return lambda h: fp16_product_float32(h, fp16)
 
     def product(h: torch.Tensor) -> torch.Tensor:
         out = linear(h if h.dtype == dtype else h.to(dtype))
