@@ -17,7 +17,7 @@ from tiny_models import save_tiny_model
 
 from asyncbatch import SamplingParams
 from asyncbatch.config import EngineConfig
-from asyncbatch.model import fp16_kernel, packed_linears
+from asyncbatch.model import fp16_kernel, lean_kernels, lean_step, packed_linears
 from asyncbatch.model import quantization as quant
 from asyncbatch.model.cpu_features import CPU_FLAGS_ENV, choose_cpu_dtype, cpu_flags
 from asyncbatch.model.forward_batch import ForwardBatch, PrefillRow
@@ -205,16 +205,35 @@ def test_overlap_equals_sync_for_each_precision(make_llm, tiny_dirs, scheme):
     assert overlap == sync
 
 
-def test_overlap_equals_sync_with_the_float16_weight_kernel(make_llm, tiny_dirs, monkeypatch):
+@pytest.mark.parametrize("lean", ["0", "1"], ids=["torch-ops", "lean-step"])
+def test_overlap_equals_sync_with_the_float16_weight_kernel(make_llm, tiny_dirs, monkeypatch, lean):
     """bfloat16 with fbgemm's float16 copies forced on (``fp16_kernel``): the engine's one- and two-row steps run
-    through the kernel, larger ones through oneDNN, and overlap gives synchronous mode's tokens."""
+    their decoder products through the kernel, by ``PackedLinear`` (torch's ops) or by the lean CPU step
+    (``lean_step``, where it builds), larger ones through oneDNN, and overlap gives synchronous mode's tokens."""
     monkeypatch.setenv("ASYNCBATCH_BF16_EMULATION", "0")
     monkeypatch.setenv(fp16_kernel.FP16_KERNEL_ENV, "1")
+    monkeypatch.setenv(lean_kernels.LEAN_STEP_ENV, lean)
     if not packed_linears.packs_weights(torch.bfloat16, torch.device("cpu")) or not fp16_kernel.fp16_kernel_works():
         pytest.skip("oneDNN's packed bfloat16 product or fbgemm's float16-weight kernel is missing here")
-    rows_seen: list[int] = []
-    product = packed_linears.fp16_product
-    monkeypatch.setattr(packed_linears, "fp16_product", lambda x, w: rows_seen.append(len(x)) or product(x, w))
+    if lean == "1" and lean_kernels.library() is None:
+        pytest.skip("no C compiler here: the lean CPU step's kernels cannot be built")
+    rows_seen: list[int] = []  # the rows of each decoder product through the kernel
+    if lean == "1":
+        wide = lean_step.fp16_product_float32
+        monkeypatch.setattr(lean_step, "fp16_product_float32", lambda x, w: rows_seen.append(len(x)) or wide(x, w))
+    else:  # the kernel's calls from inside a decoder linear (the LM head calls it too)
+        linear, product, inside = packed_linears.PackedLinear._forward_2d, packed_linears.fp16_product, []
+
+        def spied_linear(self, x):
+            inside.append(self)
+            try:
+                return linear(self, x)
+            finally:
+                inside.pop()
+        monkeypatch.setattr(packed_linears.PackedLinear, "_forward_2d", spied_linear)
+        monkeypatch.setattr(packed_linears, "fp16_product",
+                            lambda x, w: (rows_seen.append(len(x)) if inside else None) or product(x, w))
+
     def check(llm) -> None:  # every decoder linear holds the kernel's copy, and the engine says so
         info = llm.executor_info
         assert info["fp16_kernel_linears"] == info["packed_linears"] > 0
