@@ -60,6 +60,8 @@ if [[ -n "${GPU_CHECK_SMOKE:-}" ]]; then
   TESTS=(tests/test_cuda_path.py)  # skips without CUDA: exercises the stage, not the tests
   ATTENTION_ARGS=(--device cpu --dtype float32 --heads 4 --kv-heads 2 --head-dim 16 --block-size 4
                   --decode-shapes 2x12 --prefill-rows 1 --prefill-len 20 --calls 1 --repeats 1)
+  # A GPU step has no lean CPU step (model/lean_step.py): the smoke runs the torch ops a GPU step would.
+  export ASYNCBATCH_CPU_LEAN_STEP=0
   STEP_ARGS=(--device cpu --dtype float32 --model "$GPU_CHECK_SMOKE" --rows 4 --contexts 8 --steps 2
              --decode-kernels grouped,grouped+fused)
   BENCH_ARGS=(--device cpu --dtype float32 --model "$GPU_CHECK_SMOKE" --num-requests 4 --max-num-seqs 4

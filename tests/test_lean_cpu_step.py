@@ -12,6 +12,7 @@ bfloat16 before the weighted sum; the kernel keeps them in float32).
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from tiny_models import save_tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode  # private-name: the op counter's base class
 
-from asyncbatch.model import lean_kernels, lean_step
+from asyncbatch.model import lean_kernels, lean_step, packed_linears
 from asyncbatch.model.forward_batch import ForwardBatch, PrefillRow
 from asyncbatch.model.loader import load_model
 from asyncbatch.model.packed_linears import F32_PACKED_ENV
@@ -30,6 +31,7 @@ from asyncbatch.model.rope import RopeTables, apply_rope
 CPU = torch.device("cpu")
 BLOCK = 4
 CODES = {torch.float32: 0, torch.bfloat16: 1}
+PRODUCT_OPS = {"_linear_pointwise", "linear", "mm", "addmm", "matmul", "linear_dynamic_fp16"}
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 
 
@@ -37,6 +39,8 @@ DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=[
 def lib():
     built = lean_kernels.library()
     if built is None:
+        if os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc"):
+            pytest.fail("a C compiler is here, yet the lean kernels did not build or failed their own checks")
         pytest.skip("no C compiler here: the lean CPU step's kernels cannot be built (the model keeps torch's ops)")
     return built
 
@@ -94,10 +98,12 @@ def test_rotary_and_cache_write_kernel_gives_the_torch_ops_bits(lib, dtype):
 
 
 @DTYPES
+@pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("head_dim", [16, 64, 40])
-def test_decode_attention_kernel_gives_torchs_attention(lib, dtype, head_dim):
+def test_decode_attention_kernel_gives_torchs_attention(lib, dtype, head_dim, threads):
     """Rows of different lengths over scattered blocks, a partial last block, a row table wider than its
-    context; head dims the kernel unrolls (64) and not (16, 40)."""
+    context; head dims the kernel unrolls (64) and not (16, 40); the (row, KV head) pairs on one thread and
+    split over two."""
     gen = torch.Generator().manual_seed(2)
     b, heads, kv_heads = 3, 6, 2
     k_cache = torch.randn(20, BLOCK, kv_heads, head_dim, generator=gen).to(dtype)
@@ -109,7 +115,7 @@ def test_decode_attention_kernel_gives_torchs_attention(lib, dtype, head_dim):
     scale = head_dim**-0.5
     lib.ab_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), CODES[dtype], tables.data_ptr(),
                             tables.stride(0), ctx.data_ptr(), b, heads, kv_heads, head_dim, BLOCK, scale,
-                            out.data_ptr(), 0, CODES[dtype])
+                            out.data_ptr(), 0, CODES[dtype], threads)
     want = decode_attention(q, k_cache, v_cache, tables, ctx, scale).reshape(b, -1).float()
     if dtype == torch.float32:
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
@@ -132,6 +138,27 @@ def test_silu_mul_kernel_gives_the_torch_ops_values(lib, dtype):
         assert torch.equal(out, want)
     else:
         torch.testing.assert_close(out, want, rtol=2e-7, atol=1e-7)  # libm's expf against torch's vectorised exp
+
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 5])
+@DTYPES
+def test_product_kernel_gives_the_float32_product(lib, dtype, rows, threads):
+    """``ab_gemv`` against ``F.linear`` in float64 of the same values: weight rows split over threads (N = 70,
+    not a multiple of 16, and 40 under the threading threshold), a K with a tail past the vectors (100), five
+    rows (two passes of four over each weight row), a bias of either dtype; float32 sums, one rounding apart."""
+    gen = torch.Generator().manual_seed(10)
+    for n, with_bias in ((70, True), (40, False)):
+        k = 100
+        x = torch.randn(rows, k, generator=gen)
+        w = torch.randn(n, k, generator=gen).to(dtype)
+        b = torch.randn(n, generator=gen).to(dtype) if with_bias else None
+        out = torch.full((rows, n), float("nan"))
+        lib.ab_gemv(x.data_ptr(), rows, k, w.data_ptr(), CODES[dtype], None if b is None else b.data_ptr(),
+                    CODES[dtype], n, out.data_ptr(), threads)
+        want = F.linear(x.double(), w.double(), None if b is None else b.double())
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
 
 
 ARCHS = {"llama": ("LlamaForCausalLM", {"tie_word_embeddings": True}), "mistral": ("MistralForCausalLM", {}),
@@ -229,12 +256,15 @@ def _ops(model, batch: ForwardBatch, caches) -> list[str]:
     return counter.ops
 
 
-def test_a_lean_step_dispatches_only_its_products_per_layer(lib, tiny_dirs, monkeypatch):
-    """A one-row float32 step of the tiny Llama (packed, gate/up fused): 4 products a layer and a fixed handful
-    of ops for the whole step (embedding, rotary rows, buffers, the final norm, the LM head, sampling's
-    inputs), where the torch ops' step dispatches ~35 a layer."""
+def test_a_lean_step_dispatches_no_op_per_layer_but_its_products_buffers(lib, tiny_dirs, monkeypatch):
+    """A one-row float32 step of the tiny Llama (packed, gate/up fused): its products and the LM head's are the
+    library's (``lean_gemv.c``, on the plain weights kept beside the packed ones), so a layer dispatches only
+    its four products' output buffers, and the whole step a fixed handful of ops more (embedding, rotary rows,
+    buffers, the final norm, sampling's inputs), where the torch ops' step dispatches ~35 a layer."""
     monkeypatch.setenv(F32_PACKED_ENV, "1")
     model = load_model(tiny_dirs["llama"], torch.float32, CPU, max_positions=64)
+    assert all(lean_step.plain_weight(m) is not None for m in model.model.layers.modules()
+               if isinstance(m, packed_linears.PackedLinear))  # kept beside oneDNN's copies for the lean step
     layers = len(model.model.layers)
     gen = torch.Generator().manual_seed(7)
     caches = _filled_caches(model, gen)
@@ -242,29 +272,70 @@ def test_a_lean_step_dispatches_only_its_products_per_layer(lib, tiny_dirs, monk
     ops = _ops(model, batch, caches)
     plan = model.lean_plan
     assert plan is not None and _ops(model, batch, caches) == ops and model.lean_plan is plan  # built once
-    assert ops.count("_linear_pointwise") == 4 * layers + 1  # + the LM head
-    assert len(ops) - ops.count("_linear_pointwise") <= 20, ops
+    assert not PRODUCT_OPS & set(ops), ops
+    assert ops.count("empty") >= 4 * layers + 1  # each product's output, the head's
+    assert len(ops) - (4 * layers + 1) <= 20, ops
     kernels, model.lean_kernels = model.lean_kernels, None
     torch_ops = _ops(model, batch, caches)
     model.lean_kernels = kernels
     assert len(torch_ops) - len(ops) >= 25 * layers
 
 
+def test_float32_weights_past_the_plain_copy_budget_multiply_through_onednn(lib, tiny_dirs, monkeypatch):
+    """Past ``LEAN_PLAIN_MAX_BYTES`` a packed float32 linear holds only oneDNN's copy: the lean step calls its
+    packed product (four a layer), with the same logits within float32 rounding; the LM head, whose plain
+    weight is the embedding's, stays the library's."""
+    monkeypatch.setenv(F32_PACKED_ENV, "1")
+    monkeypatch.setattr(packed_linears, "LEAN_PLAIN_MAX_BYTES", 0)
+    model = load_model(tiny_dirs["llama"], torch.float32, CPU, max_positions=64)
+    assert all(lean_step.plain_weight(m) is None for m in model.model.layers.modules()
+               if isinstance(m, packed_linears.PackedLinear))
+    gen = torch.Generator().manual_seed(7)
+    caches = _filled_caches(model, gen)
+    batch = _decode_batch(1, 20, gen)
+    ops = _ops(model, batch, caches)
+    assert ops.count("_linear_pointwise") == 4 * len(model.model.layers), ops
+    want, got, _, _ = _both_ways(model, batch, caches)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2-biases"])
+def test_a_verify_step_of_long_context_takes_the_lean_step_with_the_torch_ops_logits(lib, tiny_dirs, name,
+                                                                                     monkeypatch):
+    """Speculation's verify step, one request's ``LEAN_MAX_ROWS`` positions as decode rows over the same blocks
+    (each row's context one longer: it sees the keys the rows before it write in this step), 130 tokens of
+    context: float32 logits and caches within float32 rounding of the torch ops'."""
+    monkeypatch.setenv(F32_PACKED_ENV, "1")
+    model = load_model(tiny_dirs[name], torch.float32, CPU, max_positions=256)
+    gen = torch.Generator().manual_seed(11)
+    caches = _filled_caches(model, gen)
+    rows = lean_step.LEAN_MAX_ROWS
+    table = 1 + torch.randperm(39, generator=gen)
+    lens = 130 + torch.arange(rows)
+    pos = lens - 1
+    batch = ForwardBatch(torch.randint(3, 250, (rows,), generator=gen), pos, table[pos // BLOCK] * BLOCK + pos % BLOCK,
+                         rows, table.expand(rows, -1).contiguous(), lens, [], torch.arange(rows))
+    assert lean_step.applies(batch)
+    want, got, kv_want, kv_got = _both_ways(model, batch, caches)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for (kw, vw), (kg, vg) in zip(kv_want, kv_got):
+        torch.testing.assert_close(kg, kw, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(vg, vw, rtol=1e-5, atol=1e-5)
+
+
 def test_steps_the_lean_step_does_not_serve_keep_the_torch_ops(lib, tiny_dirs, monkeypatch):
     monkeypatch.setenv(F32_PACKED_ENV, "1")
     model = load_model(tiny_dirs["llama"], torch.float32, CPU, max_positions=4096)
     gen = torch.Generator().manual_seed(8)
-    three = _decode_batch(lean_step.LEAN_MAX_ROWS + 1, 20, gen)
-    assert not lean_step.applies(three)
+    more = _decode_batch(lean_step.LEAN_MAX_ROWS + 1, 20, gen)
+    assert not lean_step.applies(more)
     assert lean_step.applies(_decode_batch(lean_step.LEAN_MAX_ROWS, 20, gen))
-    long = _decode_batch(1, lean_step.LEAN_MAX_CONTEXT + 1, gen)
-    assert not lean_step.applies(long)
     prefill = ForwardBatch(torch.tensor([5, 6]), torch.tensor([0, 1]), torch.tensor([4, 5]), 0,
                            torch.zeros(0, 1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
                            [PrefillRow(0, 2, 2, torch.tensor([1]))], torch.arange(2))
     assert not lean_step.applies(prefill)
-    caches = model.new_kv_caches(20, BLOCK)
-    assert "rms_norm" in _ops(model, three, caches)  # the torch ops' norms: the lean step did not run
+    caches = model.new_kv_caches(1 + more.decode_block_tables.numel(), BLOCK)
+    assert "rms_norm" in _ops(model, more, caches)  # the torch ops' norms: the lean step did not run
     qwen3 = load_model(tiny_dirs["qwen3"], torch.float32, CPU, max_positions=64)
     assert qwen3.lean_kernels is None  # its q/k norms are not in the kernels
 
@@ -280,20 +351,26 @@ def test_without_a_compiler_the_model_keeps_the_torch_ops(tiny_dirs, monkeypatch
     assert not lean_kernels.wanted()
 
 
-def test_a_compiler_without_march_native_builds_the_baseline_library(lib, monkeypatch, tmp_path):
-    """Some ARM compilers refuse ``-march=native``: the build is retried without it, and the library works."""
+@pytest.mark.parametrize("refused", ["-march=native", "-fopenmp"])
+def test_a_compiler_refusing_a_flag_builds_a_library_that_works(lib, monkeypatch, tmp_path, refused):
+    """Some ARM compilers refuse ``-march=native`` (the build is retried for the baseline ISA, where the products
+    take their portable loop), and clang without libomp refuses ``-fopenmp`` (retried single-threaded): either
+    way the library builds, passes its own checks and computes a norm and a product."""
     real = shutil.which("cc") or shutil.which("gcc")
     wrapper = tmp_path / "cc"
-    wrapper.write_text('#!/bin/sh\nfor a in "$@"; do [ "$a" = "-march=native" ] && exit 1; done\n'
+    wrapper.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = "{refused}" ] && exit 1; done\n'
                        f'exec {real} "$@"\n')
     wrapper.chmod(0o755)
     monkeypatch.setenv("CC", str(wrapper))
     monkeypatch.setenv("ASYNCBATCH_CACHE", str(tmp_path / "cache"))
     built = lean_kernels.library.__wrapped__()
     assert built is not None and list((tmp_path / "cache" / "kernels").glob("*/lean_cpu.so"))
-    x, w, out = torch.randn(1, 8), torch.ones(8), torch.empty(1, 8)
-    built.ab_rms_norm(x.data_ptr(), 0, 1, 8, w.data_ptr(), 0, 1e-5, 0, out.data_ptr(), 0)
-    torch.testing.assert_close(out, torch.rms_norm(x, (8,), w, 1e-5))
+    x, w, out = torch.randn(2, 40), torch.ones(40), torch.empty(2, 40)
+    built.ab_rms_norm(x.data_ptr(), 0, 2, 40, w.data_ptr(), 0, 1e-5, 0, out.data_ptr(), 0)
+    torch.testing.assert_close(out, torch.rms_norm(x, (40,), w, 1e-5))
+    weight, product = torch.randn(100, 40), torch.empty(2, 100)
+    built.ab_gemv(x.data_ptr(), 2, 40, weight.data_ptr(), 0, None, 0, 100, product.data_ptr(), 2)
+    torch.testing.assert_close(product, x @ weight.T, rtol=1e-5, atol=1e-5)
 
 
 def test_a_bfloat16_model_with_a_linear_float16_cannot_hold_still_takes_the_lean_step(lib, tiny_dirs, monkeypatch):
@@ -327,5 +404,9 @@ def test_a_library_that_computes_wrong_is_not_used(lib):
         def ab_rms_norm(self, *args) -> None:  # leaves the output as it was: zeros
             return None
 
-    assert lean_kernels._norm_works(lib)
+        def ab_gemv(self, *args) -> None:  # the same: zeros, where the check's sums are not all zero
+            return None
+
+    assert lean_kernels._norm_works(lib) and lean_kernels._product_works(lib)
     assert not lean_kernels._norm_works(Broken(lib))
+    assert not lean_kernels._product_works(Broken(lib))

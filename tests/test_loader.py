@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from tiny_models import save_tiny_model, tiny_config
 from transformers import GPT2Config
 
-from asyncbatch.model import default_model, fp16_kernel, gguf_cache, packed_linears
+from asyncbatch.model import default_model, fp16_kernel, gguf_cache, lean_kernels, packed_linears
 from asyncbatch.model.cpu_features import cpu_vendor
 from asyncbatch.model.default_model import INSTALL_COMMAND, DefaultModelMissingError
 from asyncbatch.model.llama import SUPPORTED_ARCHITECTURES
@@ -296,10 +296,13 @@ def test_packed_linears_give_the_plain_products(llama_dir: Path, monkeypatch, dt
     here forced on): each gives the plain linears' output (gate and up fused into one: the two plain products
     side by side), and so does the LM head. bfloat16 bit for bit, through the packed copy up to
     ``PACKED_MAX_ROWS`` rows and the plain weight above; float32 through the packed copy at every size, within
-    float32 rounding, with no plain decoder weight left (held once). A step's weight bytes are counted once."""
+    float32 rounding, with no plain decoder weight left (held once) where the lean CPU step does not multiply by
+    it (here switched off; ``test_lean_cpu_step.py`` has the weights kept for it). A step's weight bytes are
+    counted once."""
     monkeypatch.setenv("ASYNCBATCH_BF16_EMULATION", "0")
     monkeypatch.setenv(F32_PACKED_ENV, "1")
     monkeypatch.setenv(fp16_kernel.FP16_KERNEL_ENV, "0")  # oneDNN's products here; the float16 kernel: below
+    monkeypatch.setenv(lean_kernels.LEAN_PRODUCTS_ENV, "0")
     if not packs_weights(dtype, CPU):
         pytest.skip(f"oneDNN's packed {dtype} product is not available in this torch build")
     packed = load_model(llama_dir, dtype, CPU, max_positions=32)

@@ -17,7 +17,7 @@ from tiny_models import save_tiny_model
 
 from asyncbatch import SamplingParams
 from asyncbatch.config import EngineConfig
-from asyncbatch.model import fp16_kernel, lean_kernels, lean_step, packed_linears
+from asyncbatch.model import fp16_kernel, lean_kernels, lean_step, llama, packed_linears
 from asyncbatch.model import quantization as quant
 from asyncbatch.model.cpu_features import CPU_FLAGS_ENV, choose_cpu_dtype, cpu_flags
 from asyncbatch.model.forward_batch import ForwardBatch, PrefillRow
@@ -205,34 +205,35 @@ def test_overlap_equals_sync_for_each_precision(make_llm, tiny_dirs, scheme):
     assert overlap == sync
 
 
-@pytest.mark.parametrize("lean", ["0", "1"], ids=["torch-ops", "lean-step"])
+@pytest.mark.parametrize("lean", ["0", "1"], ids=["torch-ops", "lean-step-own-products"])
 def test_overlap_equals_sync_with_the_float16_weight_kernel(make_llm, tiny_dirs, monkeypatch, lean):
     """bfloat16 with fbgemm's float16 copies forced on (``fp16_kernel``): the engine's one- and two-row steps run
-    their decoder products through the kernel, by ``PackedLinear`` (torch's ops) or by the lean CPU step
-    (``lean_step``, where it builds), larger ones through oneDNN, and overlap gives synchronous mode's tokens."""
+    their decoder products through the kernel, from ``PackedLinear`` under torch's ops or under the lean CPU step
+    on each linear's own product (``ASYNCBATCH_CPU_LEAN_PRODUCTS=0``), larger ones through oneDNN, and overlap
+    gives synchronous mode's tokens."""
     monkeypatch.setenv("ASYNCBATCH_BF16_EMULATION", "0")
     monkeypatch.setenv(fp16_kernel.FP16_KERNEL_ENV, "1")
     monkeypatch.setenv(lean_kernels.LEAN_STEP_ENV, lean)
+    monkeypatch.setenv(lean_kernels.LEAN_PRODUCTS_ENV, "0")
     if not packed_linears.packs_weights(torch.bfloat16, torch.device("cpu")) or not fp16_kernel.fp16_kernel_works():
         pytest.skip("oneDNN's packed bfloat16 product or fbgemm's float16-weight kernel is missing here")
     if lean == "1" and lean_kernels.library() is None:
         pytest.skip("no C compiler here: the lean CPU step's kernels cannot be built")
     rows_seen: list[int] = []  # the rows of each decoder product through the kernel
-    if lean == "1":
-        wide = lean_step.fp16_product_float32
-        monkeypatch.setattr(lean_step, "fp16_product_float32", lambda x, w: rows_seen.append(len(x)) or wide(x, w))
-    else:  # the kernel's calls from inside a decoder linear (the LM head calls it too)
-        linear, product, inside = packed_linears.PackedLinear._forward_2d, packed_linears.fp16_product, []
+    linear, product, inside = packed_linears.PackedLinear._forward_2d, packed_linears.fp16_product, []
 
-        def spied_linear(self, x):
-            inside.append(self)
-            try:
-                return linear(self, x)
-            finally:
-                inside.pop()
-        monkeypatch.setattr(packed_linears.PackedLinear, "_forward_2d", spied_linear)
-        monkeypatch.setattr(packed_linears, "fp16_product",
-                            lambda x, w: (rows_seen.append(len(x)) if inside else None) or product(x, w))
+    def spied_linear(self, x):  # the kernel's calls from inside a decoder linear (the LM head calls it too)
+        inside.append(self)
+        try:
+            return linear(self, x)
+        finally:
+            inside.pop()
+    monkeypatch.setattr(packed_linears.PackedLinear, "_forward_2d", spied_linear)
+    monkeypatch.setattr(packed_linears, "fp16_product",
+                        lambda x, w: (rows_seen.append(len(x)) if inside else None) or product(x, w))
+    lean_steps = []
+    layers = llama.lean_layers
+    monkeypatch.setattr(llama, "lean_layers", lambda *args: lean_steps.append(1) or layers(*args))
 
     def check(llm) -> None:  # every decoder linear holds the kernel's copy, and the engine says so
         info = llm.executor_info
@@ -242,6 +243,33 @@ def test_overlap_equals_sync_with_the_float16_weight_kernel(make_llm, tiny_dirs,
                                             dtype="bfloat16", engine_process=False, max_num_seqs=3)
     assert overlap == sync
     assert {1, 2} <= set(rows_seen) and max(rows_seen) <= fp16_kernel.FP16_KERNEL_MAX_ROWS
+    assert bool(lean_steps) == (lean == "1")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_overlap_equals_sync_with_the_lean_steps_own_products(make_llm, tiny_dirs, monkeypatch, dtype):
+    """The lean CPU step multiplying by ``lean_gemv.c`` (the default where it builds): steps of one to
+    ``LEAN_MAX_ROWS`` rows call it for every product and the LM head, larger ones keep oneDNN's; a bfloat16
+    model holds no float16 copy then; overlap gives synchronous mode's tokens, integrity checked every step."""
+    monkeypatch.setenv("ASYNCBATCH_BF16_EMULATION", "0")
+    monkeypatch.setenv(packed_linears.F32_PACKED_ENV, "1")
+    if not packed_linears.packs_weights(getattr(torch, dtype), torch.device("cpu")):
+        pytest.skip(f"oneDNN's packed {dtype} product is missing here")
+    lib = lean_kernels.library()
+    if lib is None:
+        pytest.skip("no C compiler here: the lean CPU step's kernels cannot be built")
+    rows_seen: list[int] = []
+    gemv = lib.ab_gemv
+    monkeypatch.setattr(lib, "ab_gemv", lambda *args: rows_seen.append(args[1]) or gemv(*args))
+
+    def check(llm) -> None:
+        info = llm.executor_info
+        assert info["packed_linears"] > 0 and info["fp16_kernel_linears"] == 0
+
+    overlap, sync = overlap_and_sync_tokens(make_llm, str(tiny_dirs["LlamaForCausalLM"]), 8, check,
+                                            dtype=dtype, engine_process=False, max_num_seqs=7)
+    assert overlap == sync
+    assert {1, 2, lean_step.LEAN_MAX_ROWS} <= set(rows_seen) and max(rows_seen) == lean_step.LEAN_MAX_ROWS
 
 
 @pytest.mark.auto_dtype

@@ -22,8 +22,9 @@ a rounding boundary (``tests/test_loader.py`` checks one step at most).
 **Its cost** is a third copy of each decoder weight and of the LM head (the plain weight serves steps above
 ``packed_linears.PACKED_MAX_ROWS`` rows, oneDNN's packed copy the steps between): +257 MiB for SmolLM2-135M. So it
 is held by default only where it was measured to pay (``FP16_KERNEL_VENDORS``) and only for models whose copy is
-at most ``FP16_KERNEL_MAX_BYTES``; ``ASYNCBATCH_BF16_FP16_KERNEL=1`` holds it for any model on any CPU whose torch
-has the kernel, ``=0`` never.
+at most ``FP16_KERNEL_MAX_BYTES``, and not for a model whose one- to five-row steps the lean CPU step multiplies
+by its plain bfloat16 weights (``lean_step``: faster than this kernel where both were measured, with no copy);
+``ASYNCBATCH_BF16_FP16_KERNEL=1`` holds it for any model on any CPU whose torch has the kernel, ``=0`` never.
 """
 
 from __future__ import annotations
@@ -42,12 +43,14 @@ FP16_KERNEL_MAX_BYTES = 1 << 30  # the extra copy held without being asked: mode
 FP16_EXACT_MAX = 65280.0  # the largest bfloat16 value float16 holds (float16's largest is 65,504)
 
 
-def wants_fp16_kernel(copy_bytes: int) -> bool:
-    """Whether a bfloat16 model whose float16 copies would take ``copy_bytes`` gets them (module docstring)."""
+def wants_fp16_kernel(copy_bytes: int, lean_products: bool = False) -> bool:
+    """Whether a bfloat16 model whose float16 copies would take ``copy_bytes`` gets them; ``lean_products``: the
+    lean CPU step will multiply its small steps by the plain weights (module docstring)."""
     asked = os.environ.get(FP16_KERNEL_ENV)
     if asked == "0":
         return False
-    if asked != "1" and (cpu_vendor() not in FP16_KERNEL_VENDORS or copy_bytes > FP16_KERNEL_MAX_BYTES):
+    if asked != "1" and (cpu_vendor() not in FP16_KERNEL_VENDORS or copy_bytes > FP16_KERNEL_MAX_BYTES
+                         or lean_products):
         return False
     return fp16_kernel_works()
 

@@ -8,8 +8,8 @@
  * (lean_kernels.FLAGS), so a product and a sum are never fused into one rounding where torch rounds twice (the
  * attention's fmaf calls are its own order of sums, not torch's in any case).
  *
- * Each function takes its scratch with one malloc a call and frees it; none takes a lock, none keeps state: any
- * thread may call them, each on its own tensors.
+ * Each function takes its scratch with one malloc a call (the attention: one a thread) and frees it; none takes a
+ * lock, none keeps state: any thread may call them, each on its own tensors.
  */
 #include <math.h>
 #include <stdint.h>
@@ -205,19 +205,27 @@ static inline __attribute__((always_inline)) void attend_group(const float *qf, 
  * query heads of one KV head's group share its keys and values, read once. Scores, softmax and the weighted sum
  * in float32 (fused multiply-adds: this is not torch's order of sums in any case); the output ([B, H * D])
  * rounded to the model's dtype (what scaled_dot_product_attention returns) and stored in dtype od. A row with
- * no context gets zeros. */
+ * no context gets zeros. The (row, KV head) pairs are split over `threads` OpenMP threads (each pair's result
+ * is the same on any thread: no sum crosses pairs). */
 void ab_decode_attention(const void *q, const void *k_cache, const void *v_cache, int md, const int64_t *tables,
                          int64_t table_stride, const int64_t *ctx_lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
-                         int64_t bs, float scale, void *out, int od, int bf) {
-    int64_t group = H / KVH, longest = 1;
+                         int64_t bs, float scale, void *out, int od, int bf, int threads) {
+    int64_t group = H / KVH, longest = 1, pairs = B * KVH;
     for (int64_t b = 0; b < B; b++)
         if (ctx_lens[b] > longest) longest = ctx_lens[b];
-    float *scores = malloc(sizeof(float) * (group * longest + 2 * group * D + D));
-    float *qf = scores + group * longest, *acc = qf + group * D, *row = acc + group * D;
-    for (int64_t b = 0; b < B; b++) {
-        int64_t L = ctx_lens[b];
-        const int64_t *table = tables + b * table_stride;
-        for (int64_t g = 0; g < KVH; g++) {
+    (void)threads;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(pairs > 1 && threads > 1 ? threads : 1)
+#endif
+    {
+        float *scores = malloc(sizeof(float) * (group * longest + 2 * group * D + D));
+        float *qf = scores + group * longest, *acc = qf + group * D, *row = acc + group * D;
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t pair = 0; pair < pairs; pair++) {
+            int64_t b = pair / KVH, g = pair % KVH, L = ctx_lens[b];
+            const int64_t *table = tables + b * table_stride;
             load_row(q, (b * H + g * group) * D, group * D, md, qf);
             if (D == 64)
                 attend_group(qf, k_cache, v_cache, md, table, L, KVH, g, 64, bs, group, scale, scores, row, acc);
@@ -228,8 +236,8 @@ void ab_decode_attention(const void *q, const void *k_cache, const void *v_cache
             int64_t o0 = (b * H + g * group) * D;
             for (int64_t i = 0; i < group * D; i++) store(out, o0 + i, L > 0 ? rnd(acc[i], bf) : 0.0f, od);
         }
+        free(scores);
     }
-    free(scores);
 }
 
 /* out = SiLU(gate) * up, gate and up rounded to the model's dtype, SiLU's value rounded, then the product

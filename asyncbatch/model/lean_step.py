@@ -1,38 +1,43 @@
-"""The lean CPU decode step: every decoder layer as its four matrix products and five calls of ``lean_cpu.c``.
+"""The lean CPU decode step: every decoder layer as four matrix products and five calls of ``lean_cpu.c``,
+the products themselves by ``lean_gemv.c`` where the weights are plain.
 
 **Why.** A one-row decode step reads every weight once, so it should take about as long as reading them. In
 eager torch it did not: SmolLM2-135M's one-row step ran ~1,300 torch ops, 42 a layer (the norms' casts and
 weight products, rotary's products, roll and sum, the cache writes, the gathers and views around the
 attention, the SiLU and its product, the residual adds, the casts around fbgemm's float16-weight products),
 and on a 2-vCPU Zen 4 VM the ones between the products took ~7.7 of a bfloat16 step's ~19 ms, against a
-memory floor of ~7.8 ms (``profiles/lean-cpu-step-amd-epyc-zen4-2core``). Here a layer is:
+memory floor of ~7.8 ms (``profiles/lean-cpu-step-amd-epyc-zen4-2core``). And torch's one-row products read
+float32 weights at 11-20 GB/s there, where a ``sum()`` reads ~30 (``profiles/lean-products-amd-epyc-zen4-2core``).
+Here a layer is:
 
     h = rms_norm(x) * w                    ab_rms_norm (first layer) / ab_add_rms_norm (the residual sum too)
-    qkv = qkv_proj(h)                      the product (fbgemm's float16 copy, oneDNN's packed one, MKL, int8)
+    qkv = qkv_proj(h)                      ab_gemv on the plain weight (else the linear's own: int8, oneDNN)
     q = rope(q); cache[slot] = rope(k), v  ab_qkv_rope_write
     a = attention(q, cache)                ab_decode_attention (reads the paged cache through the block table)
-    o = o_proj(a)
+    o = o_proj(a)                          ab_gemv
     x += o; h = rms_norm(x) * w            ab_add_rms_norm
-    gate, up = gate_up_proj(h)
+    gate, up = gate_up_proj(h)             ab_gemv
     m = silu(gate) * up                    ab_silu_mul
-    d = down_proj(m)
+    d = down_proj(m)                       ab_gemv
     x += d (and the next layer's norm)     ab_add_rms_norm
+
+and the LM head of the step's (at most ``LEAN_MAX_ROWS``) logits rows is ``ab_gemv`` too (``lean_logits``).
 
 **Numerics.** Each kernel rounds where the torch ops it replaces round (``lean_cpu.c``): in float32 nothing
 is rounded and the results are the torch path's up to the order of float32 sums (the norm's variance, the
-attention's dot products and softmax, which also differs from ``scaled_dot_product_attention``'s blocked
-one); in bfloat16 they differ from it only where such a sum's last bit moves a value across a bfloat16 rounding
-boundary, and the attention's weighted sum of values is taken in float32 where the fused SDPA kernel rounds its
-probabilities to bfloat16 first. Products keep their own paths: their inputs come as float32 holding the
-model's values (exact in float32; fbgemm's kernel takes float32 and no cast is needed) and their outputs are
-rounded by the kernel that reads them, as ``.to(dtype)`` would.
+products, the attention's dot products and softmax, which also differs from ``scaled_dot_product_attention``'s
+blocked one); in bfloat16 they differ from it only where such a sum's last bit moves a value across a bfloat16
+rounding boundary, and the attention's weighted sum of values is taken in float32 where the fused SDPA kernel
+rounds its probabilities to bfloat16 first. The products take float32 rows holding the model's values (exact)
+and return float32 sums, rounded by the kernel that reads them, as ``.to(dtype)`` would round torch's.
 
-**Where.** CPU models whose step is decode rows only (no prefill chunk, no verify rows: one token a row), at
-most ``LEAN_MAX_ROWS`` rows and ``LEAN_MAX_CONTEXT`` context tokens in all (the kernels run on one thread;
-larger steps keep torch's, whose attention runs on every thread), in float32 or bfloat16, without Qwen3's q/k
-norms, with q/k/v fused (``fused_projections``), outside ``torch.compile`` (``compile_decode`` keeps the traced
-torch ops), where ``lean_kernels.library()`` built; ``ASYNCBATCH_CPU_LEAN_STEP=0`` keeps the torch ops
-everywhere (to compare).
+**Where.** CPU models whose step is decode rows only (no prefill chunk; a verify step's rows, one a position,
+are decode rows), at most ``LEAN_MAX_ROWS`` rows, in float32 or bfloat16, without Qwen3's q/k norms, with
+q/k/v fused (``fused_projections``), outside ``torch.compile`` (``compile_decode`` keeps the traced torch
+ops), where ``lean_kernels.library()`` built. Products by ``lean_gemv.c`` where the weight is plain
+(``plain_weight``: bfloat16 models always; float32 ones packed for oneDNN keep their plain weights for it,
+``packed_linears.LEAN_PLAIN_MAX_BYTES``). ``ASYNCBATCH_CPU_LEAN_STEP=0`` keeps the torch ops everywhere,
+``ASYNCBATCH_CPU_LEAN_PRODUCTS=0`` each linear's own product inside the lean step (to compare).
 """
 
 from __future__ import annotations
@@ -45,16 +50,14 @@ from torch import nn
 
 from asyncbatch.model import lean_kernels
 from asyncbatch.model.forward_batch import ForwardBatch
-from asyncbatch.model.fp16_kernel import FP16_KERNEL_MAX_ROWS, fp16_product_float32
-from asyncbatch.model.packed_linears import PackedLinear
 from asyncbatch.model.rope import RopeTables
 
-# Measured on a 2-vCPU Zen 4 with the kernels' first attention (profiles/lean-cpu-step-amd-epyc-zen4-2core):
-# bfloat16 steps of 1-2 rows 0.76-0.92x the torch ops' time at contexts up to 1,024 a row, 4 rows 0.96x at 128
-# but 1.15x at 512 (the attention here runs on one thread, torch's on both), 6-8 rows slower; so at most 2 rows
-# and 2,048 context tokens in all.
-LEAN_MAX_ROWS = 2
-LEAN_MAX_CONTEXT = 2048
+# Measured on a 2-vCPU Zen 4 (profiles/lean-products-amd-epyc-zen4-2core): bfloat16 steps of 1-5 rows took
+# 0.52-0.92x the torch ops' time at contexts of 128-2,048 a row (0.44-0.68x at 8,192), 6-8 rows 0.84-1.10x;
+# float32 0.56-0.77x up to 6 rows. Five rows: a verify step of one request with four drafts (speculation's
+# default), or five requests' decode rows. No limit on context: the attention splits its (row, KV head) pairs
+# over the threads, and torch's paged attention gathers the pages each step, which grows faster.
+LEAN_MAX_ROWS = 5
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -74,8 +77,7 @@ def applies(batch: ForwardBatch) -> bool:
     if torch.compiler.is_compiling():  # first: a traced shape test would specialise the graph's dynamic sizes
         return False
     rows = batch.num_decode
-    return (0 < rows <= LEAN_MAX_ROWS and not batch.prefill_rows and batch.input_ids.shape[0] == rows
-            and int(batch.decode_context_lens.sum()) <= LEAN_MAX_CONTEXT)
+    return 0 < rows <= LEAN_MAX_ROWS and not batch.prefill_rows and batch.input_ids.shape[0] == rows
 
 
 def _code(t: torch.Tensor) -> int:
@@ -104,28 +106,76 @@ class LeanLayer:
     scale: float
     input_norm: LeanNorm
     post_norm: LeanNorm
+    # Whether the q/k/v product takes float32 rows (``_product``): then the layer's norms and kernels write their
+    # outputs as float32 (holding the model's values) for it and the other products, each of which takes either.
+    float32_inputs: bool
 
 
-def _product(linear: nn.Module, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``linear`` as a function of a step's ``h`` (float32 holding ``dtype`` values where the step is wide, else
-    ``dtype``): fbgemm's float16 copy takes float32 as it is and returns it unrounded (the next kernel rounds);
-    every other path gets ``dtype`` and returns a dense tensor."""
-    fp16 = getattr(linear, "fp16", None) if isinstance(linear, PackedLinear) else None
-    if fp16 is not None and LEAN_MAX_ROWS <= FP16_KERNEL_MAX_ROWS:
-        # ``h`` is bfloat16 where the q/k/v product has no float16 copy (a weight float16 cannot hold).
-        return lambda h: fp16_product_float32(h, fp16)
+def plain_weight(linear: nn.Module) -> torch.Tensor | None:
+    """``linear``'s weight as ``lean_gemv.c`` reads it (``[out, in]``, row-major, float32 or bfloat16 values on
+    the CPU: ``nn.Linear``'s, the plain copy ``PackedLinear`` keeps, the emulated-bfloat16 one), or None
+    (int8 codes, a float32 ``PackedLinear`` holding only oneDNN's packed copy)."""
+    weight = getattr(linear, "weight", None)
+    if (not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.dtype not in DTYPE_CODES
+            or weight.device.type != "cpu" or not weight.is_contiguous()):
+        return None
+    return weight
+
+
+def _kernel_product(lib, weight: torch.Tensor, bias: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``rows @ weight.T + bias`` by ``lean_gemv.c``: float32 rows (``[T, in]``) in, float32 ``[T, out]`` out,
+    the weight's rows split over torch's threads."""
+    n, k = weight.shape
+    w_ptr, w_code = weight.data_ptr(), _code(weight)
+    b_ptr, b_code = (None, 0) if bias is None else (bias.data_ptr(), _code(bias))
+    gemv = lib.ab_gemv
+
+    def kernel_product(h: torch.Tensor) -> torch.Tensor:
+        h = h if h.dtype == torch.float32 and h.is_contiguous() else h.float().contiguous()
+        out = torch.empty(h.shape[0], n)
+        gemv(h.data_ptr(), h.shape[0], k, w_ptr, w_code, b_ptr, b_code, n, out.data_ptr(), torch.get_num_threads())
+        return out
+    return kernel_product
+
+
+def head_applies(model: nn.Module, hidden: torch.Tensor) -> bool:
+    """Whether the LM head of these ``[R, hidden]`` states goes through ``lean_logits`` (``compute_logits`` asks
+    after its int8 and emulated-bfloat16 heads): a model with the kernels, at most ``LEAN_MAX_ROWS`` rows, outside
+    ``torch.compile``."""
+    # is_compiling first: a traced shape test would specialise the graph's dynamic sizes (``applies``).
+    return (not torch.compiler.is_compiling() and model.lean_kernels is not None
+            and hidden.shape[0] <= LEAN_MAX_ROWS and lean_kernels.products_wanted())
+
+
+def lean_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The LM head by the library's product (built at first use, kept as ``model.lean_head``): float32 logits
+    ``[R, vocab]``, rounded to the model's dtype first as its torch head's output is."""
+    if model.lean_head is None:
+        model.lean_head = _kernel_product(model.lean_kernels, model.output_weight, None)
+    logits = model.lean_head(hidden)
+    return logits if hidden.dtype == torch.float32 else logits.to(hidden.dtype).float()
+
+
+def _product(linear: nn.Module, dtype: torch.dtype, lib) -> tuple[Callable[[torch.Tensor], torch.Tensor], bool]:
+    """``linear`` as a function of a step's rows, and whether it takes them as float32 (holding ``dtype``'s
+    values) and returns float32 unrounded (the next kernel rounds): the library's own product where the weight
+    is plain (``plain_weight``); every other path (int8, oneDNN's packed float32 copy alone, any linear with
+    ``ASYNCBATCH_CPU_LEAN_PRODUCTS=0``) gets ``dtype`` and returns a dense tensor in it."""
+    weight = plain_weight(linear) if lean_kernels.products_wanted() else None
+    if weight is not None:
+        return _kernel_product(lib, weight, getattr(linear, "bias", None)), True
 
     def product(h: torch.Tensor) -> torch.Tensor:
         out = linear(h if h.dtype == dtype else h.to(dtype))
         return out if out.is_contiguous() else out.contiguous()
-    return product
+    return product, False
 
 
 def _norm(norm: nn.Module) -> LeanNorm:
     return LeanNorm(norm.weight.data_ptr(), _code(norm.weight), norm.eps)
 
 
-def layer_plan(model: nn.Module, dtype: torch.dtype) -> list[LeanLayer]:
+def layer_plan(model: nn.Module, dtype: torch.dtype, lib) -> list[LeanLayer]:
     """The model's layers as ``LeanLayer``s, built at its first lean step and kept on it as ``lean_plan`` (its
     weights do not move; a profiler may wrap the products it holds)."""
     plan = model.lean_plan
@@ -134,11 +184,13 @@ def layer_plan(model: nn.Module, dtype: torch.dtype) -> list[LeanLayer]:
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             fused = mlp.gate_up_proj is not None
-            plan.append(LeanLayer(_product(attn.qkv_proj, dtype), _product(attn.o_proj, dtype),
-                                  _product(mlp.gate_up_proj, dtype) if fused else None,
-                                  None if fused else _product(mlp.gate_proj, dtype),
-                                  None if fused else _product(mlp.up_proj, dtype), _product(mlp.down_proj, dtype),
-                                  attn.scale, _norm(layer.input_layernorm), _norm(layer.post_attention_layernorm)))
+            qkv, wide = _product(attn.qkv_proj, dtype, lib)
+            plan.append(LeanLayer(qkv, _product(attn.o_proj, dtype, lib)[0],
+                                  _product(mlp.gate_up_proj, dtype, lib)[0] if fused else None,
+                                  None if fused else _product(mlp.gate_proj, dtype, lib)[0],
+                                  None if fused else _product(mlp.up_proj, dtype, lib)[0],
+                                  _product(mlp.down_proj, dtype, lib)[0], attn.scale, _norm(layer.input_layernorm),
+                                  _norm(layer.post_attention_layernorm), wide))
         model.lean_plan = plan
     return plan
 
@@ -148,20 +200,18 @@ def lean_layers(model: nn.Module, lib, x: torch.Tensor, batch: ForwardBatch,
     """Every decoder layer of ``model`` over the embedded tokens ``x`` (``[T, hidden]``, the model's dtype,
     updated in place as the residual stream); returns it."""
     layers = model.model.layers
-    attn0, mlp0 = layers[0].self_attn, layers[0].mlp
+    attn0 = layers[0].self_attn
     dtype, bf = x.dtype, int(x.dtype == torch.bfloat16)
-    plan = layer_plan(model, dtype)
+    plan = layer_plan(model, dtype, lib)
     t, hidden = x.shape
     heads, kv_heads, head_dim = attn0.num_heads, attn0.num_kv_heads, attn0.head_dim
-    # The products' inputs in float32 (exact for bfloat16 values) where they take it: float32 models, and
-    # bfloat16 steps through fbgemm's float16 copies; elsewhere in the model's dtype, which they take as it is.
-    fp16 = getattr(attn0.qkv_proj, "fp16", None) is not None and t <= FP16_KERNEL_MAX_ROWS
-    wide = torch.float32 if not bf or fp16 else dtype
+    # The products' inputs in float32 (exact for bfloat16 values) where they take it (float32 models, the
+    # library's products, fbgemm's); elsewhere in the model's dtype, which they take as it is.
+    wide = torch.float32 if not bf or plan[0].float32_inputs else dtype
     h = torch.empty(t, hidden, dtype=wide)  # [T, hidden] each norm's output
     q = torch.empty(t, heads, head_dim, dtype=dtype)  # [T, heads, head_dim] rotated queries
     a = torch.empty(t, heads * head_dim, dtype=wide)  # [T, heads * head_dim] attention output
-    inter = (mlp0.gate_up_proj.out_features // 2 if mlp0.gate_up_proj is not None
-             else mlp0.gate_proj.out_features)
+    inter = model.config.intermediate_size  # (emulated bfloat16's linears carry no ``out_features``)
     m = torch.empty(t, inter, dtype=wide)  # [T, intermediate] SiLU(gate) * up
     cos, sin = rope.cos.contiguous(), rope.sin.contiguous()  # [T, 1, head_dim]
     tables = batch.decode_block_tables
@@ -172,7 +222,7 @@ def lean_layers(model: nn.Module, lib, x: torch.Tensor, batch: ForwardBatch,
     xp, hp, qp, ap, mp = x.data_ptr(), h.data_ptr(), q.data_ptr(), a.data_ptr(), m.data_ptr()
     cos_p, sin_p, slots_p, tables_p, ctx_p = (cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(),
                                               ctx.data_ptr())
-    table_stride, block_size = tables.stride(0), kv_caches[0][0].shape[1]
+    table_stride, block_size, threads = tables.stride(0), kv_caches[0][0].shape[1], torch.get_num_threads()
     rope_write, attend, add_norm, silu_mul = (lib.ab_qkv_rope_write, lib.ab_decode_attention, lib.ab_add_rms_norm,
                                               lib.ab_silu_mul)
     first = plan[0].input_norm
@@ -183,7 +233,7 @@ def lean_layers(model: nn.Module, lib, x: torch.Tensor, batch: ForwardBatch,
         qkv = layer.qkv(h)  # [T, (heads + 2 kv_heads) * head_dim]
         rope_write(qkv.data_ptr(), _code(qkv), t, heads, kv_heads, head_dim, cos_p, sin_p, kp, vp, slots_p, qp, md, bf)
         attend(qp, kp, vp, md, tables_p, table_stride, ctx_p, t, heads, kv_heads, head_dim, block_size, layer.scale,
-               ap, wd, bf)
+               ap, wd, bf, threads)
         o = layer.o(a)  # [T, hidden]
         norm = layer.post_norm
         add_norm(o.data_ptr(), _code(o), xp, md, t, hidden, norm.weight, norm.code, norm.eps, bf, hp, wd)

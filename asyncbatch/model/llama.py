@@ -10,6 +10,7 @@ tokens agree with it.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from types import ModuleType
 from typing import NamedTuple
 
@@ -21,7 +22,8 @@ from transformers import PretrainedConfig
 from asyncbatch.model.forward_batch import ForwardBatch
 from asyncbatch.model.host_zeros import host_zeros
 from asyncbatch.model.lean_step import applies as lean_step_applies
-from asyncbatch.model.lean_step import lean_layers
+from asyncbatch.model.lean_step import head_applies as lean_head_applies
+from asyncbatch.model.lean_step import lean_layers, lean_logits
 from asyncbatch.model.paged_attention import AttentionPlan, paged_attention, plan_attention
 from asyncbatch.model.rope import RopeTables, apply_rope, rope_cos_sin, signed_sin, step_tables
 
@@ -223,6 +225,7 @@ class CausalLM(nn.Module):
         # small decode steps between the products (``lean_step``), or None.
         self.lean_kernels: object | None = None
         self.lean_plan: list | None = None  # ``lean_step.layer_plan``: its layers as the lean step reads them
+        self.lean_head: Callable | None = None  # ``lean_step.lean_logits``: the LM head's product by the kernels
         attn = self.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         cos, sin = rope_cos_sin(config, attn.head_dim, max_positions)
@@ -301,6 +304,8 @@ class CausalLM(nn.Module):
             return self.quantized_lm_head(hidden).float()
         if self.emulated_lm_head is not None:
             return self.emulated_lm_head(hidden)
+        if lean_head_applies(self, hidden):
+            return lean_logits(self, hidden)
         if self.packed_lm_head is not None:
             return self.packed_lm_head(hidden, self.output_weight).float()
         return F.linear(hidden, self.output_weight).float()

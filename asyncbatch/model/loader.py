@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
 
+from asyncbatch.model import lean_kernels
 from asyncbatch.model.cpu_features import choose_cpu_dtype
 from asyncbatch.model.default_model import DEFAULT_MODEL_ALIASES, default_gguf_path, is_default_model
 from asyncbatch.model.emulated_bf16 import emulate_bf16_linears, emulates_bf16
@@ -164,13 +165,14 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype, device: torch.d
     model.to(device)  # moves the rotary buffers; parameters are already there
     model = model.eval().requires_grad_(False)
     use_direct_norms(model, dtype, device)
+    lean = lean_library(model, device)
     if quantization is not None:
         quantize_model(model, quantization, path)
     elif emulated:
         emulate_bf16_linears(model)
     elif packed:
-        pack_linears(model)
-    model.lean_kernels = lean_library(model, device)
+        pack_linears(model, lean_step=lean is not None and lean_kernels.products_wanted())
+    model.lean_kernels = lean
     return model
 
 

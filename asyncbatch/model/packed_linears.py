@@ -19,8 +19,9 @@ bfloat16 (``emulated_bf16``). ``ASYNCBATCH_BF16_PACKED=0`` keeps ``F.linear`` ev
 oneDNN's packed one reads 15-30 GB/s and a ``sum()`` 33-35 (2-core AMD EPYC, Zen 4, 2 threads), and oneDNN is
 1.06-1.6x faster at 64-1,024 rows too; a whole one-row decode step of SmolLM2-135M went 64 -> 48 ms
 (``profiles/packed-float32-amd-epyc-2core``). So every float32 decoder linear multiplies through its packed copy
-at every step size and its plain weight is dropped (the packed copy's bytes are counted instead,
-``_packed_bytes``): no weight is held twice. The sums come out in another order than MKL's, so the last bits
+at every step size. Its plain weight is dropped (the packed copy's bytes are counted instead, ``_packed_bytes``)
+unless the model takes the lean CPU step, whose steps of one to five rows multiply by the plain weights faster
+still (``lean_step``; up to ``LEAN_PLAIN_MAX_BYTES`` of them are kept for it beside the packed copies). The sums come out in another order than MKL's, so the last bits
 of a logit differ; neither library gives a row the same bits in a batch of one and of two, so no invariant
 is lost. On Intel CPUs MKL's float32 path is Intel's own and the packed one is unmeasured: off there unless
 ``ASYNCBATCH_F32_PACKED=1``; ``=0`` turns it off on AMD.
@@ -31,7 +32,8 @@ bit-identical. Never with ``compile_decode`` (the compiler does not trace opaque
 oneDNN is missing.
 
 **bfloat16 steps of one or two rows** can go through a third copy, fbgemm's float16 one (``fp16_kernel``), which
-reads the weights faster than oneDNN at those sizes on the CPUs where it was measured.
+reads the weights faster than oneDNN at those sizes on the CPUs where it was measured; models that take the lean
+CPU step multiply those steps by their plain weights instead (``lean_step``) and hold no such copy.
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ from asyncbatch.model.fp16_kernel import FP16_KERNEL_MAX_ROWS, fp16_product, pac
 BF16_PACKED_ENV = "ASYNCBATCH_BF16_PACKED"
 F32_PACKED_ENV = "ASYNCBATCH_F32_PACKED"
 PACKED_MAX_ROWS = 32  # bfloat16: the most rows measured bit-identical to F.linear (module docstring)
+# float32: the plain weights held beside the packed copies for the lean CPU step without being asked (models up to
+# ~250M parameters; SmolLM2-135M's decoder holds 428 MB).
+LEAN_PLAIN_MAX_BYTES = 1 << 30
 # CPUs whose float32 products go through the packed copy unless ASYNCBATCH_F32_PACKED says otherwise.
 F32_PACKED_VENDORS = ("AuthenticAMD",)
 logger = logging.getLogger(__name__)
@@ -95,15 +100,18 @@ class PackedLinear(nn.Module):
 
     With a ``max_rows`` (bfloat16), larger steps use ``F.linear`` on ``weight``, the parameter kept for them;
     a step reads the weight either way, so ``weight_bytes`` counts it once. Without one (float32), there is no
-    plain ``weight``: ``_packed_bytes`` says what the packed copy holds."""
+    plain ``weight`` unless ``keep_weight`` (the lean CPU step multiplies its small steps by it, ``lean_step``):
+    else ``_packed_bytes`` says what the packed copy holds."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int | None,
+                 keep_weight: bool = False) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.max_rows = max_rows
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
-        self.weight = nn.Parameter(weight.detach(), requires_grad=False) if max_rows is not None else None
-        if max_rows is None:
+        keep = max_rows is not None or keep_weight
+        self.weight = nn.Parameter(weight.detach(), requires_grad=False) if keep else None
+        if not keep:
             self._packed_bytes = weight.numel() * weight.element_size()
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         # A fused group (gate/up): the output sizes of its parts, multiplied apart above ``max_rows`` so that
@@ -150,7 +158,7 @@ class PackedHead(nn.Module):
         return _packed_product(hidden, self.packed, None)
 
 
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, lean_step: bool = False) -> int:
     """Swap every ``nn.Linear`` of a loaded ``CausalLM``'s decoder for ``PackedLinear`` and give its LM head a
     ``PackedHead`` (in place); returns how many linears were swapped. bfloat16 weights are packed for steps of
     at most ``PACKED_MAX_ROWS`` rows, float32 ones for every step (the module docstring says why).
@@ -162,26 +170,35 @@ def pack_linears(model: nn.Module) -> int:
     differently at 2,048 rows, and large steps keep the separate linears' numbers.
 
     bfloat16 linears and the head also get fbgemm's float16 copy for steps of one or two rows where
-    ``fp16_kernel.wants_fp16_kernel`` says so."""
+    ``fp16_kernel.wants_fp16_kernel`` says so. ``lean_step``: the model will take the lean CPU step, whose small
+    steps multiply by the plain weights (``lean_step``); then float32 linears keep their plain weight beside the
+    packed copy where all of them together take at most ``LEAN_PLAIN_MAX_BYTES``, and bfloat16 ones get no
+    float16 copy unless ``ASYNCBATCH_BF16_FP16_KERNEL=1`` asks for it."""
     bfloat16 = model.output_weight.dtype == torch.bfloat16
     max_rows = PACKED_MAX_ROWS if bfloat16 else None
     model.packed_lm_head = PackedHead(model.output_weight, max_rows)
-    swapped = swap_decoder_linears(model, lambda linear: PackedLinear(linear.weight, linear.bias, max_rows))
+    keep = not bfloat16 and lean_step and _decoder_weight_bytes(model) <= LEAN_PLAIN_MAX_BYTES
+    swapped = swap_decoder_linears(model, lambda linear: PackedLinear(linear.weight, linear.bias, max_rows, keep))
     for layer in model.model.layers:
         gate_up = layer.mlp.gate_up_proj
         if gate_up is not None:
             gate_up.splits = (gate_up.out_features // 2,) * 2
     if bfloat16:
-        _add_fp16_copies(model)
+        _add_fp16_copies(model, lean_step)
     return swapped
 
 
-def _add_fp16_copies(model: nn.Module) -> None:
+def _decoder_weight_bytes(model: nn.Module) -> int:
+    return sum(m.weight.numel() * m.weight.element_size() for m in model.model.layers.modules()
+               if isinstance(m, nn.Linear))
+
+
+def _add_fp16_copies(model: nn.Module, lean_step: bool) -> None:
     """Give each bfloat16 ``PackedLinear`` and the ``PackedHead`` fbgemm's float16 copy of its weight, where
     wanted (``fp16_kernel``); a weight with a value float16 cannot hold keeps the oneDNN path alone."""
     linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
     weights = [(m, m.weight, m.bias) for m in linears] + [(model.packed_lm_head, model.output_weight, None)]
-    if not wants_fp16_kernel(sum(w.numel() * 2 for _, w, _ in weights)):
+    if not wants_fp16_kernel(sum(w.numel() * 2 for _, w, _ in weights), lean_step):
         return
     kept = 0
     for module, weight, bias in weights:
