@@ -8,7 +8,9 @@ ids when llama-cpp-python imports. A config is ``dtype[+quantization][+compiled]
 ``float32``, ``bfloat16``, ``float32+w8a8``, ``float32+w8a8+compiled`` (``compile_decode=True``),
 ``bfloat16+nofp16kernel`` (its one- and two-row steps through oneDNN, not fbgemm's float16-weight kernel:
 ``ASYNCBATCH_BF16_FP16_KERNEL=0`` for that engine, ``model/fp16_kernel.py``), ``+nolean`` (its small decode
-steps through torch's ops, not the lean CPU step: ``ASYNCBATCH_CPU_LEAN_STEP=0``, ``model/lean_step.py``); ``+ngram`` adds
+steps through torch's ops, not the lean CPU step: ``ASYNCBATCH_CPU_LEAN_STEP=0``, ``model/lean_step.py``),
+``+noleanproducts`` (the lean step with each linear's own product, not ``lean_gemv.c``'s:
+``ASYNCBATCH_CPU_LEAN_PRODUCTS=0``); ``+ngram`` adds
 n-gram speculation with ``SpeculativeConfig``'s defaults, ``+ngram6`` with ``num_speculative_tokens=6`` (its
 tokens are checked against the same config without it, and its mean acceptance length is reported). Every
 engine is built and warmed up first and stays alive; each repeat runs the configs in turn (the order reversed
@@ -34,7 +36,7 @@ from harness.speculative_workloads import WORKLOADS, load_workload, prompt_ids, 
 
 from asyncbatch import LLM, SamplingParams
 from asyncbatch.model.fp16_kernel import FP16_KERNEL_ENV
-from asyncbatch.model.lean_kernels import LEAN_STEP_ENV
+from asyncbatch.model.lean_kernels import LEAN_PRODUCTS_ENV, LEAN_STEP_ENV
 from asyncbatch.profiling.host_info import cpu_name, git_commit
 
 
@@ -52,7 +54,8 @@ def speculative_config(flags: list[str]) -> dict | None:
 
 
 # Flags that switch a CPU path off for one engine, through the environment its core process starts with.
-ENV_FLAGS = {"nofp16kernel": (FP16_KERNEL_ENV, "0"), "nolean": (LEAN_STEP_ENV, "0")}
+ENV_FLAGS = {"nofp16kernel": (FP16_KERNEL_ENV, "0"), "nolean": (LEAN_STEP_ENV, "0"),
+             "noleanproducts": (LEAN_PRODUCTS_ENV, "0")}
 
 
 def engine(config: str, threads: int) -> LLM:
