@@ -142,16 +142,18 @@ def test_silu_mul_kernel_gives_the_torch_ops_values(lib, dtype):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("rows", [1, 2, 5, 7])
 @DTYPES
 def test_product_kernel_gives_the_float32_product(lib, dtype, rows, threads):
     """``ab_gemv`` against ``F.linear`` in float64 of the same values: weight rows split over threads (N = 70,
     not a multiple of 16, and 40 under the threading threshold), a K with a tail past the vectors (100), five
-    rows (two passes of four over each weight row), a bias of either dtype; float32 sums, one rounding apart."""
+    and seven rows (one pass over each weight row, two), a bias of either dtype; float32 sums, one rounding
+    apart. With bfloat16 weights the rows hold bfloat16 values, as the lean step's do (AVX512-BF16 CPUs multiply
+    them as bfloat16)."""
     gen = torch.Generator().manual_seed(10)
     for n, with_bias in ((70, True), (40, False)):
         k = 100
-        x = torch.randn(rows, k, generator=gen)
+        x = torch.randn(rows, k, generator=gen).to(dtype).float()
         w = torch.randn(n, k, generator=gen).to(dtype)
         b = torch.randn(n, generator=gen).to(dtype) if with_bias else None
         out = torch.full((rows, n), float("nan"))

@@ -9,10 +9,12 @@
  * runtime and the same pool of threads as torch's own ops).
  *
  * Numerics: products and sums in float32 (fused multiply-adds, sixteen partial sums a row, then their total:
- * another order than oneDNN's or MKL's, a float32 rounding apart); bfloat16 weights are widened exactly; the
- * output is float32, unrounded (the kernel that reads it rounds, as the torch ops' .to(dtype) would).
+ * another order than oneDNN's or MKL's, a float32 rounding apart); bfloat16 weights are widened exactly (or, on
+ * a CPU with AVX512-BF16, multiplied as bfloat16 pairs: the same exact products); the output is float32,
+ * unrounded (the kernel that reads it rounds, as the torch ops' .to(dtype) would).
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -21,7 +23,7 @@
 #include <immintrin.h>
 #endif
 
-#define GEMV_ROWS 4 /* rows of x multiplied per pass over a weight row (more rows: more passes, from L1) */
+#define GEMV_ROWS 5 /* rows of x multiplied per pass over a weight row (more rows: more passes, from L1) */
 
 static inline float widen_bf16(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;
@@ -69,9 +71,30 @@ static inline __attribute__((always_inline)) void dot_rows(const float *x, int64
     }
 }
 
-/* Weight rows n0 .. n1 of y = x W^T + b. */
-static void gemv_span(const float *x, int64_t R, int64_t K, const void *w, int wd, const void *bias, int bd,
-                      int64_t N, int64_t n0, int64_t n1, float *y) {
+#if defined(__AVX512BF16__)
+/* dot_rows for bfloat16 weights and rows xb given as bfloat16 too: vdpbf16ps multiplies 32 pairs a call (each
+ * product exact in float32, summed in float32; subnormal inputs read as zero), twice the pairs of a float32
+ * fused multiply-add and no widening: a step of several rows (a verify step) is bound by these, not by memory. */
+static inline __attribute__((always_inline)) void dot_rows_bf16(const uint16_t *xb, int64_t rows, int64_t K,
+                                                                 const uint16_t *w_row, float *sums) {
+    __m512 acc[GEMV_ROWS];
+    for (int r = 0; r < GEMV_ROWS; r++) acc[r] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        __m512bh wv = (__m512bh)_mm512_loadu_si512((const void *)(w_row + k));
+        for (int r = 0; r < GEMV_ROWS; r++)
+            if (r < rows)
+                acc[r] = _mm512_dpbf16_ps(acc[r], wv, (__m512bh)_mm512_loadu_si512((const void *)(xb + r * K + k)));
+    }
+    for (int r = 0; r < rows; r++) sums[r] = _mm512_reduce_add_ps(acc[r]);
+    for (; k < K; k++)
+        for (int r = 0; r < rows; r++) sums[r] += widen_bf16(w_row[k]) * widen_bf16(xb[r * K + k]);
+}
+#endif
+
+/* Weight rows n0 .. n1 of y = x W^T + b (xb: x as bfloat16, or NULL). */
+static void gemv_span(const float *x, const uint16_t *xb, int64_t R, int64_t K, const void *w, int wd,
+                      const void *bias, int bd, int64_t N, int64_t n0, int64_t n1, float *y) {
     size_t row_bytes = (size_t)K * (wd ? 2 : 4);
     float sums[GEMV_ROWS];
     for (int64_t n = n0; n < n1; n++) {
@@ -79,21 +102,46 @@ static void gemv_span(const float *x, int64_t R, int64_t K, const void *w, int w
         float b = bias == NULL ? 0.0f : (bd ? widen_bf16(((const uint16_t *)bias)[n]) : ((const float *)bias)[n]);
         for (int64_t r0 = 0; r0 < R; r0 += GEMV_ROWS) {
             int64_t rows = R - r0 < GEMV_ROWS ? R - r0 : GEMV_ROWS;
-            switch (rows) {
-            case 1: dot_rows(x + r0 * K, 1, K, w_row, wd, sums); break;
-            case 2: dot_rows(x + r0 * K, 2, K, w_row, wd, sums); break;
-            case 3: dot_rows(x + r0 * K, 3, K, w_row, wd, sums); break;
-            default: dot_rows(x + r0 * K, 4, K, w_row, wd, sums); break;
-            }
+#if defined(__AVX512BF16__)
+            if (xb != NULL) {
+                switch (rows) {
+                case 1: dot_rows_bf16(xb + r0 * K, 1, K, (const uint16_t *)w_row, sums); break;
+                case 2: dot_rows_bf16(xb + r0 * K, 2, K, (const uint16_t *)w_row, sums); break;
+                case 3: dot_rows_bf16(xb + r0 * K, 3, K, (const uint16_t *)w_row, sums); break;
+                case 4: dot_rows_bf16(xb + r0 * K, 4, K, (const uint16_t *)w_row, sums); break;
+                default: dot_rows_bf16(xb + r0 * K, 5, K, (const uint16_t *)w_row, sums); break;
+                }
+            } else
+#endif
+                switch (rows) {
+                case 1: dot_rows(x + r0 * K, 1, K, w_row, wd, sums); break;
+                case 2: dot_rows(x + r0 * K, 2, K, w_row, wd, sums); break;
+                case 3: dot_rows(x + r0 * K, 3, K, w_row, wd, sums); break;
+                case 4: dot_rows(x + r0 * K, 4, K, w_row, wd, sums); break;
+                default: dot_rows(x + r0 * K, 5, K, w_row, wd, sums); break;
+                }
             for (int64_t r = 0; r < rows; r++) y[(r0 + r) * N + n] = bias == NULL ? sums[r] : sums[r] + b;
         }
     }
 }
 
 /* y ([R, N] float32) = x ([R, K] float32) W^T (W: [N, K], row-major, dtype wd) + bias ([N], dtype bd, or NULL),
- * the N weight rows split into `threads` contiguous spans of whole cache lines. */
+ * the N weight rows split into `threads` contiguous spans of whole cache lines. With bfloat16 weights the rows
+ * must hold bfloat16 values (the lean step's do: every kernel before a product rounds to the model's dtype),
+ * which a CPU with AVX512-BF16 takes as bfloat16 (their upper halves, exact). */
 void ab_gemv(const float *x, int64_t R, int64_t K, const void *w, int wd, const void *bias, int bd, int64_t N,
              float *y, int threads) {
+    uint16_t *xb = NULL;
+#if defined(__AVX512BF16__)
+    if (wd) {
+        xb = malloc(sizeof(uint16_t) * R * K);
+        for (int64_t i = 0; i < R * K; i++) {
+            uint32_t u;
+            memcpy(&u, x + i, 4);
+            xb[i] = (uint16_t)(u >> 16);
+        }
+    }
+#endif
 #ifdef _OPENMP
     if (threads > 1 && N >= 64) {
 #pragma omp parallel num_threads(threads)
@@ -101,11 +149,11 @@ void ab_gemv(const float *x, int64_t R, int64_t K, const void *w, int wd, const 
             int64_t t = omp_get_thread_num(), team = omp_get_num_threads();
             int64_t span = ((N + team - 1) / team + 15) / 16 * 16;
             int64_t n0 = t * span < N ? t * span : N, n1 = n0 + span < N ? n0 + span : N;
-            gemv_span(x, R, K, w, wd, bias, bd, N, n0, n1, y);
+            gemv_span(x, xb, R, K, w, wd, bias, bd, N, n0, n1, y);
         }
-        return;
-    }
+    } else
 #endif
+        gemv_span(x, xb, R, K, w, wd, bias, bd, N, 0, N, y);
     (void)threads;
-    gemv_span(x, R, K, w, wd, bias, bd, N, 0, N, y);
+    free(xb);
 }

@@ -22,6 +22,7 @@ import logging
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import tempfile
 from pathlib import Path
@@ -100,20 +101,25 @@ def _norm_works(lib: ctypes.CDLL) -> bool:
 
 
 def _product_works(lib: ctypes.CDLL) -> bool:
-    """Two rows times a 70 x 40 float32 weight with a bias against Python's sums: every value is a small integer,
-    so any order of sums gives the same exact result. On one thread: a parallel region opened here would give
-    the thread loading the model an OpenMP pool of its own beside the device thread's
-    (``tests/test_kernel_threads.py``); the split over threads is the tests' to check."""
+    """Two rows times a 70 x 40 weight with a bias against Python's sums, with float32 weights and with bfloat16
+    ones: every value is a small integer, so any order of sums gives the same exact result. On one thread: a
+    parallel region opened here would give the thread loading the model an OpenMP pool of its own beside the
+    device thread's (``tests/test_kernel_threads.py``); the split over threads is the tests' to check."""
     rows, k, n = 2, 40, 70
     xs = [float((i % 7) - 3) for i in range(rows * k)]
     ws = [float((i % 5) - 2) for i in range(n * k)]
     bias = [float(i % 3) for i in range(n)]
-    x, w = (ctypes.c_float * len(xs))(*xs), (ctypes.c_float * len(ws))(*ws)
-    b, out = (ctypes.c_float * n)(*bias), (ctypes.c_float * (rows * n))()
-    lib.ab_gemv(ctypes.addressof(x), rows, k, ctypes.addressof(w), 0, ctypes.addressof(b), 0, n,
-                ctypes.addressof(out), 1)
     want = [sum(xs[r * k + i] * ws[j * k + i] for i in range(k)) + bias[j] for r in range(rows) for j in range(n)]
-    return list(out) == want
+    x, b = (ctypes.c_float * len(xs))(*xs), (ctypes.c_float * n)(*bias)
+    weights = (ctypes.c_float * len(ws))(*ws)
+    as_bf16 = (ctypes.c_uint16 * len(ws))(*(struct.unpack("<I", struct.pack("<f", v))[0] >> 16 for v in ws))
+    for code, w in ((0, weights), (1, as_bf16)):
+        out = (ctypes.c_float * (rows * n))()
+        lib.ab_gemv(ctypes.addressof(x), rows, k, ctypes.addressof(w), code, ctypes.addressof(b), 0, n,
+                    ctypes.addressof(out), 1)
+        if list(out) != want:
+            return False
+    return True
 
 
 def _built(compiler: str) -> Path:
