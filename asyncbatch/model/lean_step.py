@@ -52,9 +52,10 @@ from asyncbatch.model import lean_kernels
 from asyncbatch.model.forward_batch import ForwardBatch
 from asyncbatch.model.rope import RopeTables
 
-# Measured on a 2-vCPU Zen 4 (profiles/lean-products-amd-epyc-zen4-2core): bfloat16 steps of 1-5 rows took
-# 0.52-0.92x the torch ops' time at contexts of 128-2,048 a row (0.44-0.68x at 8,192), 6-8 rows 0.84-1.10x;
-# float32 0.56-0.77x up to 6 rows. Five rows: a verify step of one request with four drafts (speculation's
+# Measured on a 2-vCPU Zen 4 (profiles/lean-products-amd-epyc-zen4-2core, rows_sweep): bfloat16 steps of 1-5 rows
+# took 0.55-0.92x the torch ops' time at contexts of 128-2,048 a row (0.43-0.64x at 8,192), 6-8 rows 0.69-1.05x
+# (0.84-1.10x where the products widen bfloat16 instead of multiplying pairs, as on CPUs without AVX512-BF16);
+# float32 0.42-0.71x up to 6 rows. Five rows: a verify step of one request with four drafts (speculation's
 # default), or five requests' decode rows. No limit on context: the attention splits its (row, KV head) pairs
 # over the threads, and torch's paged attention gathers the pages each step, which grows faster.
 LEAN_MAX_ROWS = 5
