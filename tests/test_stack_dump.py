@@ -24,7 +24,9 @@ from asyncbatch.profiling.stack_dump import dump_stacks_on_signal
 
 def churn():
     while True:
-        for name in [m for m in sys.modules if m.startswith("json")]:
+        # list() copies the keys in one C call: iterating sys.modules itself while the other thread imports raised
+        # "dictionary changed size during iteration" and killed this thread (a CI run's dump then held its traceback).
+        for name in [m for m in list(sys.modules) if m.startswith("json")]:
             sys.modules.pop(name, None)
         try:
             importlib.import_module("json")
