@@ -239,6 +239,24 @@ def test_a_bfloat16_lean_step_stays_within_bfloat16_rounding_of_the_torch_ops(li
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+@DTYPES
+def test_a_rows_logits_in_a_lean_step_do_not_depend_on_the_other_rows(lib, tiny_dirs, monkeypatch, dtype):
+    """No sum in the lean step's kernels crosses rows or threads (docs/reproducibility.md): a row's logits alone
+    and beside ``LEAN_MAX_ROWS - 1`` others are the same bits."""
+    monkeypatch.setenv("ASYNCBATCH_BF16_EMULATION", "0")
+    model = load_model(tiny_dirs["qwen2-biases"], dtype, CPU, max_positions=64)
+    gen = torch.Generator().manual_seed(12)
+    caches = _filled_caches(model, gen)
+    full = _decode_batch(lean_step.LEAN_MAX_ROWS, 20, gen)  # 5 x 6 blocks of the 40 _filled_caches holds
+    alone = ForwardBatch(full.input_ids[:1], full.positions[:1], full.slot_mapping[:1], 1,
+                         full.decode_block_tables[:1], full.decode_context_lens[:1], [], torch.arange(1))
+    assert lean_step.applies(full) and lean_step.applies(alone)
+    with torch.inference_mode():
+        together = model(full, [(k.clone(), v.clone()) for k, v in caches])
+        single = model(alone, [(k.clone(), v.clone()) for k, v in caches])
+    assert torch.equal(together[:1], single)
+
+
 class _OpCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
