@@ -84,10 +84,4 @@ def pack_fp16(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.ScriptOb
 
 def fp16_product(x: torch.Tensor, packed: torch.ScriptObject) -> torch.Tensor:
     """``x @ weight.T + bias`` for a ``[rows, in]`` bfloat16 ``x``, in ``x``'s dtype (float32 sums, one rounding)."""
-    return fp16_product_float32(x, packed).to(x.dtype)
-
-
-def fp16_product_float32(x: torch.Tensor, packed: torch.ScriptObject) -> torch.Tensor:
-    """``fp16_product`` before its rounding: the float32 sums, for a caller that rounds them itself (``lean_step``);
-    ``x`` in float32 (bfloat16 values, exact in it) is taken as it is, bfloat16 is converted first."""
-    return torch.ops.quantized.linear_dynamic_fp16(x if x.dtype == torch.float32 else x.float(), packed)
+    return torch.ops.quantized.linear_dynamic_fp16(x.float(), packed).to(x.dtype)
