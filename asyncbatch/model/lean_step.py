@@ -141,11 +141,11 @@ def _kernel_product(lib, weight: torch.Tensor, bias: torch.Tensor | None) -> Cal
 
 def head_applies(model: nn.Module, hidden: torch.Tensor) -> bool:
     """Whether the LM head of these ``[R, hidden]`` states goes through ``lean_logits`` (``compute_logits`` asks
-    after its int8 and emulated-bfloat16 heads): a model with the kernels, at most ``LEAN_MAX_ROWS`` rows, outside
-    ``torch.compile``."""
+    after its int8 and emulated-bfloat16 heads): a model with the kernels and their products
+    (``model.lean_products``), at most ``LEAN_MAX_ROWS`` rows, outside ``torch.compile``."""
     # is_compiling first: a traced shape test would specialise the graph's dynamic sizes (``applies``).
-    return (not torch.compiler.is_compiling() and model.lean_kernels is not None
-            and hidden.shape[0] <= LEAN_MAX_ROWS and lean_kernels.products_wanted())
+    return (not torch.compiler.is_compiling() and model.lean_kernels is not None and model.lean_products
+            and hidden.shape[0] <= LEAN_MAX_ROWS)
 
 
 def lean_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
@@ -157,12 +157,14 @@ def lean_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     return logits if hidden.dtype == torch.float32 else logits.to(hidden.dtype).float()
 
 
-def _product(linear: nn.Module, dtype: torch.dtype, lib) -> tuple[Callable[[torch.Tensor], torch.Tensor], bool]:
+def _product(linear: nn.Module, dtype: torch.dtype, lib,
+             products: bool) -> tuple[Callable[[torch.Tensor], torch.Tensor], bool]:
     """``linear`` as a function of a step's rows, and whether it takes them as float32 (holding ``dtype``'s
     values) and returns float32 unrounded (the next kernel rounds): the library's own product where the weight
-    is plain (``plain_weight``); every other path (int8, oneDNN's packed float32 copy alone, any linear with
-    ``ASYNCBATCH_CPU_LEAN_PRODUCTS=0``) gets ``dtype`` and returns a dense tensor in it."""
-    weight = plain_weight(linear) if lean_kernels.products_wanted() else None
+    is plain (``plain_weight``) and ``products`` (``model.lean_products``); every other path (int8, oneDNN's
+    packed float32 copy alone, any linear with ``ASYNCBATCH_CPU_LEAN_PRODUCTS=0``) gets ``dtype`` and returns a
+    dense tensor in it."""
+    weight = plain_weight(linear) if products else None
     if weight is not None:
         return _kernel_product(lib, weight, getattr(linear, "bias", None)), True
 
@@ -181,16 +183,17 @@ def layer_plan(model: nn.Module, dtype: torch.dtype, lib) -> list[LeanLayer]:
     weights do not move; a profiler may wrap the products it holds)."""
     plan = model.lean_plan
     if plan is None:
-        plan = []
+        plan, products = [], model.lean_products
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             fused = mlp.gate_up_proj is not None
-            qkv, wide = _product(attn.qkv_proj, dtype, lib)
-            plan.append(LeanLayer(qkv, _product(attn.o_proj, dtype, lib)[0],
-                                  _product(mlp.gate_up_proj, dtype, lib)[0] if fused else None,
-                                  None if fused else _product(mlp.gate_proj, dtype, lib)[0],
-                                  None if fused else _product(mlp.up_proj, dtype, lib)[0],
-                                  _product(mlp.down_proj, dtype, lib)[0], attn.scale, _norm(layer.input_layernorm),
+            qkv, wide = _product(attn.qkv_proj, dtype, lib, products)
+            plan.append(LeanLayer(qkv, _product(attn.o_proj, dtype, lib, products)[0],
+                                  _product(mlp.gate_up_proj, dtype, lib, products)[0] if fused else None,
+                                  None if fused else _product(mlp.gate_proj, dtype, lib, products)[0],
+                                  None if fused else _product(mlp.up_proj, dtype, lib, products)[0],
+                                  _product(mlp.down_proj, dtype, lib, products)[0], attn.scale,
+                                  _norm(layer.input_layernorm),
                                   _norm(layer.post_attention_layernorm), wide))
         model.lean_plan = plan
     return plan

@@ -226,6 +226,9 @@ class CausalLM(nn.Module):
         self.lean_kernels: object | None = None
         self.lean_plan: list | None = None  # ``lean_step.layer_plan``: its layers as the lean step reads them
         self.lean_head: Callable | None = None  # ``lean_step.lean_logits``: the LM head's product by the kernels
+        # Set by ``loader.load_model``: whether the lean step multiplies by the kernels' own product where a weight
+        # is plain (``ASYNCBATCH_CPU_LEAN_PRODUCTS``, read once there; the weights were kept for it accordingly).
+        self.lean_products = False
         attn = self.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         cos, sin = rope_cos_sin(config, attn.head_dim, max_positions)

@@ -166,13 +166,14 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype, device: torch.d
     model = model.eval().requires_grad_(False)
     use_direct_norms(model, dtype, device)
     lean = lean_library(model, device)
+    products = lean is not None and lean_kernels.products_wanted()
     if quantization is not None:
         quantize_model(model, quantization, path)
     elif emulated:
         emulate_bf16_linears(model)
     elif packed:
-        pack_linears(model, lean_step=lean is not None and lean_kernels.products_wanted())
-    model.lean_kernels = lean
+        pack_linears(model, lean_step=products)
+    model.lean_kernels, model.lean_products = lean, products
     return model
 
 
