@@ -13,41 +13,19 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def child(dtype: str, rows_list: list[int], context: int) -> dict:
-    """Per row count: seven pairs of (the read rate, best of three ``sum()`` passes; the median of five steps),
-    one right after the other, so that each step time has the floor of its own moment; the medians of the
-    steps, of the floors and of the pairs' ratios."""
+    """Per row count: seven (floor, median of five steps) pairs and their medians
+    (``harness.decode_step.steps_against_floor``), and whether the lean kernels built."""
     sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
-    import torch
-    from harness.decode_step import DecodeStepBench
+    from harness.decode_step import DecodeStepBench, steps_against_floor
 
     bench = DecodeStepBench(dtype=dtype, threads=2, context=context, max_rows=max(rows_list))
-    ones = torch.ones(512 * 2**20 // 4)
-    weight_bytes = bench.weight_bytes()
-
-    def floor_ms() -> float:
-        passes = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            ones.sum()
-            passes.append(time.perf_counter() - t0)
-        return weight_bytes / (ones.nbytes / min(passes)) * 1e3
-
-    out = {"lean": bench.model.lean_kernels is not None, "tokens": {}, "ms": {}, "floor_ms": {}, "ratio": {}}
-    for rows in rows_list:
-        out["tokens"][rows] = bench.step(rows).tolist()
-        bench.time_steps(rows, repeats=3, warmup=3)
-        pairs = [(floor_ms(), bench.time_steps(rows, repeats=5, warmup=1).median_ms) for _ in range(7)]
-        out["ms"][rows] = statistics.median(ms for _, ms in pairs)
-        out["floor_ms"][rows] = statistics.median(f for f, _ in pairs)
-        out["ratio"][rows] = statistics.median(ms / f for f, ms in pairs)
-    return out
+    return {"lean": bench.model.lean_kernels is not None, **steps_against_floor(bench, rows_list)}
 
 
 def main(rounds: int, dtype: str, rows_list: list[int], context: int) -> None:

@@ -14,7 +14,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,30 +24,10 @@ SIDES = {"torch ops": {"ASYNCBATCH_CPU_LEAN_STEP": "0"},
 
 def child(dtype: str, rows_list: list[int], context: int) -> dict:
     sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
-    import torch
-    from harness.decode_step import DecodeStepBench
+    from harness.decode_step import DecodeStepBench, steps_against_floor
 
     bench = DecodeStepBench(dtype=dtype, threads=2, context=context, max_rows=max(rows_list))
-    ones = torch.ones(512 * 2**20 // 4)
-    weight_bytes = bench.weight_bytes()
-
-    def floor_ms() -> float:
-        passes = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            ones.sum()
-            passes.append(time.perf_counter() - t0)
-        return weight_bytes / (ones.nbytes / min(passes)) * 1e3
-
-    out = {"tokens": {}, "ms": {}, "floor_ms": {}, "ratio": {}, "weight_mb": weight_bytes / 1e6}
-    for rows in rows_list:
-        out["tokens"][rows] = bench.step(rows).tolist()
-        bench.time_steps(rows, repeats=3, warmup=3)
-        pairs = [(floor_ms(), bench.time_steps(rows, repeats=5, warmup=1).median_ms) for _ in range(7)]
-        out["ms"][rows] = statistics.median(ms for _, ms in pairs)
-        out["floor_ms"][rows] = statistics.median(f for f, _ in pairs)
-        out["ratio"][rows] = statistics.median(ms / f for f, ms in pairs)
-    return out
+    return {"weight_mb": bench.weight_bytes() / 1e6, **steps_against_floor(bench, rows_list)}
 
 
 def main(rounds: int, dtype: str, rows_list: list[int], context: int) -> None:

@@ -100,3 +100,31 @@ class DecodeStepBench:
         k, _v = self.kv_caches[0]
         per_token = 2 * k.shape[2] * k.shape[3] * k.element_size() * len(self.kv_caches)
         return rows * self.context * per_token
+
+
+def steps_against_floor(bench: DecodeStepBench, rows_list: list[int], pairs: int = 7) -> dict:
+    """Per row count: the greedy tokens of one step, then ``pairs`` pairs of (the floor: the step's weight bytes
+    at the read rate of the best of three ``sum()`` passes over 512 MiB; the median of five steps), one right after
+    the other, so that each step time has the floor of its own moment; the medians of the steps, of the floors and
+    of the pairs' ratios (``tokens``, ``ms``, ``floor_ms``, ``ratio``, each keyed by the row count)."""
+    ones = torch.ones(512 * 2**20 // 4)
+    step_bytes = bench.weight_bytes()
+
+    def floor_ms() -> float:
+        passes = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            ones.sum()
+            passes.append(time.perf_counter() - t0)
+        return step_bytes / (ones.nbytes / min(passes)) * 1e3
+
+    out: dict = {"tokens": {}, "ms": {}, "floor_ms": {}, "ratio": {}}
+    for rows in rows_list:
+        out["tokens"][rows] = bench.step(rows).tolist()
+        bench.time_steps(rows, repeats=3, warmup=3)
+        measured = [(floor_ms(), bench.time_steps(rows, repeats=5, warmup=1).median_ms) for _ in range(pairs)]
+        out["ms"][rows] = statistics.median(ms for _, ms in measured)
+        out["floor_ms"][rows] = statistics.median(f for f, _ in measured)
+        out["ratio"][rows] = statistics.median(ms / f for f, ms in measured)
+    return out
+
