@@ -28,6 +28,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from unittest.mock import patch
 
 from bench_speculative import llamacpp_single
 from harness.common import log
@@ -61,18 +62,10 @@ ENV_FLAGS = {"nofp16kernel": (FP16_KERNEL_ENV, "0"), "nolean": (LEAN_STEP_ENV, "
 def engine(config: str, threads: int) -> LLM:
     dtype, *flags = config.split("+")
     quantization = next((f for f in flags if f != "compiled" and f not in ENV_FLAGS and not _is_ngram(f)), None)
-    switched = [ENV_FLAGS[f] for f in flags if f in ENV_FLAGS]
-    saved = {name: os.environ.get(name) for name, _ in switched}
-    os.environ.update(dict(switched))  # the core process takes the caller's environment as it is when it starts
-    try:
+    switched = dict(ENV_FLAGS[f] for f in flags if f in ENV_FLAGS)
+    with patch.dict(os.environ, switched):  # the core process takes the caller's environment as it is when it starts
         return LLM(None, device="cpu", dtype=dtype, quantization=quantization, compile_decode="compiled" in flags,
                    speculative_config=speculative_config(flags), num_threads=threads, seed=0)
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def plain_twin(config: str) -> str:
