@@ -186,8 +186,8 @@ def _decode_batch(rows: int, context: int, gen: torch.Generator) -> ForwardBatch
                         torch.arange(rows))
 
 
-def _filled_caches(model, gen: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    caches = model.new_kv_caches(40, BLOCK)
+def _filled_caches(model, gen: torch.Generator, blocks: int = 40) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    caches = model.new_kv_caches(blocks, BLOCK)
     for k, v in caches:  # earlier tokens' keys and values, of the magnitude the model writes
         k.copy_(torch.randn(k.shape, generator=gen) * 2)
         v.copy_(torch.randn(v.shape, generator=gen))
@@ -242,15 +242,16 @@ def test_a_bfloat16_lean_step_stays_within_bfloat16_rounding_of_the_torch_ops(li
 @DTYPES
 def test_a_rows_logits_in_a_lean_step_do_not_depend_on_the_other_rows(lib, tiny_dirs, monkeypatch, dtype):
     """No sum in the lean step's kernels crosses rows or threads (docs/reproducibility.md): a row's logits alone
-    and beside ``LEAN_MAX_ROWS - 1`` others are the same bits."""
+    and beside ``model.lean_max_rows - 1`` others (the most a lean step takes on this CPU) are the same bits."""
     monkeypatch.setenv("ASYNCBATCH_BF16_EMULATION", "0")
     model = load_model(tiny_dirs["qwen2-biases"], dtype, CPU, max_positions=64)
     gen = torch.Generator().manual_seed(12)
-    caches = _filled_caches(model, gen)
-    full = _decode_batch(lean_step.LEAN_MAX_ROWS, 20, gen)  # 5 x 6 blocks of the 40 _filled_caches holds
+    rows = model.lean_max_rows
+    caches = _filled_caches(model, gen, blocks=1 + rows * 6)
+    full = _decode_batch(rows, 20, gen)  # 6 blocks a row (20 tokens of context, a spare block)
     alone = ForwardBatch(full.input_ids[:1], full.positions[:1], full.slot_mapping[:1], 1,
                          full.decode_block_tables[:1], full.decode_context_lens[:1], [], torch.arange(1))
-    assert lean_step.applies(full) and lean_step.applies(alone)
+    assert lean_step.applies(full, rows) and lean_step.applies(alone, rows)
     with torch.inference_mode():
         together = model(full, [(k.clone(), v.clone()) for k, v in caches])
         single = model(alone, [(k.clone(), v.clone()) for k, v in caches])
@@ -322,20 +323,20 @@ def test_float32_weights_past_the_plain_copy_budget_multiply_through_onednn(lib,
 @pytest.mark.parametrize("name", ["llama", "qwen2-biases"])
 def test_a_verify_step_of_long_context_takes_the_lean_step_with_the_torch_ops_logits(lib, tiny_dirs, name,
                                                                                      monkeypatch):
-    """Speculation's verify step, one request's ``LEAN_MAX_ROWS`` positions as decode rows over the same blocks
-    (each row's context one longer: it sees the keys the rows before it write in this step), 130 tokens of
+    """Speculation's verify step, one request's ``model.lean_max_rows`` positions as decode rows over the same
+    blocks (each row's context one longer: it sees the keys the rows before it write in this step), 130 tokens of
     context: float32 logits and caches within float32 rounding of the torch ops'."""
     monkeypatch.setenv(F32_PACKED_ENV, "1")
     model = load_model(tiny_dirs[name], torch.float32, CPU, max_positions=256)
     gen = torch.Generator().manual_seed(11)
     caches = _filled_caches(model, gen)
-    rows = lean_step.LEAN_MAX_ROWS
+    rows = model.lean_max_rows
     table = 1 + torch.randperm(39, generator=gen)
     lens = 130 + torch.arange(rows)
     pos = lens - 1
     batch = ForwardBatch(torch.randint(3, 250, (rows,), generator=gen), pos, table[pos // BLOCK] * BLOCK + pos % BLOCK,
                          rows, table.expand(rows, -1).contiguous(), lens, [], torch.arange(rows))
-    assert lean_step.applies(batch)
+    assert lean_step.applies(batch, rows)
     want, got, kv_want, kv_got = _both_ways(model, batch, caches)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for (kw, vw), (kg, vg) in zip(kv_want, kv_got):
@@ -343,17 +344,34 @@ def test_a_verify_step_of_long_context_takes_the_lean_step_with_the_torch_ops_lo
         torch.testing.assert_close(vg, vw, rtol=1e-5, atol=1e-5)
 
 
+def test_the_row_limit_rises_only_where_more_rows_were_measured():
+    """Past ``LEAN_MAX_ROWS`` rows only with the lean step's own products on AVX512-BF16 without AMX (the CPU
+    class ``rows_sweep`` measured); AMX, AVX2 and int8 models (their own products) keep the default."""
+    zen4 = frozenset({"avx512f", "avx512_bf16"})
+    assert lean_step.lean_max_rows(torch.bfloat16, True, zen4) == lean_step.MEASURED_MAX_ROWS[torch.bfloat16] > 5
+    assert lean_step.lean_max_rows(torch.float32, True, zen4) == lean_step.MEASURED_MAX_ROWS[torch.float32] > 5
+    for flags in (zen4 | {"amx_bf16"}, frozenset({"avx2"}), frozenset()):
+        assert lean_step.lean_max_rows(torch.bfloat16, True, flags) == lean_step.LEAN_MAX_ROWS
+    assert lean_step.lean_max_rows(torch.float32, False, zen4) == lean_step.LEAN_MAX_ROWS
+
+
+def test_an_int8_model_keeps_the_default_row_limit(lib, tiny_dirs):
+    model = load_model(tiny_dirs["llama"], torch.float32, CPU, max_positions=64, quantization="int8")
+    assert model.lean_kernels is not None and model.lean_max_rows == lean_step.LEAN_MAX_ROWS
+
+
 def test_steps_the_lean_step_does_not_serve_keep_the_torch_ops(lib, tiny_dirs, monkeypatch):
     monkeypatch.setenv(F32_PACKED_ENV, "1")
     model = load_model(tiny_dirs["llama"], torch.float32, CPU, max_positions=4096)
     gen = torch.Generator().manual_seed(8)
-    more = _decode_batch(lean_step.LEAN_MAX_ROWS + 1, 20, gen)
-    assert not lean_step.applies(more)
-    assert lean_step.applies(_decode_batch(lean_step.LEAN_MAX_ROWS, 20, gen))
+    limit = model.lean_max_rows
+    more = _decode_batch(limit + 1, 20, gen)
+    assert not lean_step.applies(more, limit)
+    assert lean_step.applies(_decode_batch(limit, 20, gen), limit)
     prefill = ForwardBatch(torch.tensor([5, 6]), torch.tensor([0, 1]), torch.tensor([4, 5]), 0,
                            torch.zeros(0, 1, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
                            [PrefillRow(0, 2, 2, torch.tensor([1]))], torch.arange(2))
-    assert not lean_step.applies(prefill)
+    assert not lean_step.applies(prefill, limit)
     caches = model.new_kv_caches(1 + more.decode_block_tables.numel(), BLOCK)
     assert "rms_norm" in _ops(model, more, caches)  # the torch ops' norms: the lean step did not run
     qwen3 = load_model(tiny_dirs["qwen3"], torch.float32, CPU, max_positions=64)

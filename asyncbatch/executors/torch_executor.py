@@ -692,4 +692,7 @@ class TorchExecutor(ThreadedExecutor):
                 # ones whose one- and two-row steps go through fbgemm's float16-weight kernel (``fp16_kernel``).
                 "packed_linears": sum(isinstance(m, PackedLinear) for m in self.model.modules()),
                 "fp16_kernel_linears": sum(isinstance(m, PackedLinear) and m.fp16 is not None
-                                           for m in self.model.modules())}
+                                           for m in self.model.modules()),
+                # The most decode rows a step may have to take the lean CPU step (``lean_step.lean_max_rows``; 0:
+                # the model runs without it).
+                "lean_max_rows": self.model.lean_max_rows}

@@ -21,7 +21,7 @@ Here a layer is:
     d = down_proj(m)                       ab_gemv
     x += d (and the next layer's norm)     ab_add_rms_norm
 
-and the LM head of the step's (at most ``LEAN_MAX_ROWS``) logits rows is ``ab_gemv`` too (``lean_logits``).
+and the LM head of the step's (at most ``lean_max_rows``) logits rows is ``ab_gemv`` too (``lean_logits``).
 
 **Numerics.** Each kernel rounds where the torch ops it replaces round (``lean_cpu.c``): in float32 nothing
 is rounded and the results are the torch path's up to the order of float32 sums (the norm's variance, the
@@ -32,12 +32,13 @@ rounds its probabilities to bfloat16 first. The products take float32 rows holdi
 and return float32 sums, rounded by the kernel that reads them, as ``.to(dtype)`` would round torch's.
 
 **Where.** CPU models whose step is decode rows only (no prefill chunk; a verify step's rows, one a position,
-are decode rows), at most ``LEAN_MAX_ROWS`` rows, in float32 or bfloat16, without Qwen3's q/k norms, with
-q/k/v fused (``fused_projections``), outside ``torch.compile`` (``compile_decode`` keeps the traced torch
-ops), where ``lean_kernels.library()`` built. Products by ``lean_gemv.c`` where the weight is plain
-(``plain_weight``: bfloat16 models always; float32 ones packed for oneDNN keep their plain weights for it,
-``packed_linears.LEAN_PLAIN_MAX_BYTES``). ``ASYNCBATCH_CPU_LEAN_STEP=0`` keeps the torch ops everywhere,
-``ASYNCBATCH_CPU_LEAN_PRODUCTS=0`` each linear's own product inside the lean step (to compare).
+are decode rows), at most the model's ``lean_max_rows`` rows (``LEAN_MAX_ROWS``, more where measured), in
+float32 or bfloat16, without Qwen3's q/k norms, with q/k/v fused (``fused_projections``), outside
+``torch.compile`` (``compile_decode`` keeps the traced torch ops), where ``lean_kernels.library()`` built.
+Products by ``lean_gemv.c`` where the weight is plain (``plain_weight``: bfloat16 models always; float32 ones
+packed for oneDNN keep their plain weights for it, ``packed_linears.LEAN_PLAIN_MAX_BYTES``).
+``ASYNCBATCH_CPU_LEAN_STEP=0`` keeps the torch ops everywhere, ``ASYNCBATCH_CPU_LEAN_PRODUCTS=0`` each linear's
+own product inside the lean step (to compare).
 """
 
 from __future__ import annotations
@@ -53,12 +54,20 @@ from asyncbatch.model.forward_batch import ForwardBatch
 from asyncbatch.model.rope import RopeTables
 
 # Measured on a 2-vCPU Zen 4 (profiles/lean-products-amd-epyc-zen4-2core, rows_sweep): bfloat16 steps of 1-5 rows
-# took 0.55-0.92x the torch ops' time at contexts of 128-2,048 a row (0.43-0.64x at 8,192), 6-8 rows 0.69-1.05x
-# (0.84-1.10x where the products widen bfloat16 instead of multiplying pairs, as on CPUs without AVX512-BF16);
-# float32 0.42-0.71x up to 6 rows. Five rows: a verify step of one request with four drafts (speculation's
-# default), or five requests' decode rows. No limit on context: the attention splits its (row, KV head) pairs
-# over the threads, and torch's paged attention gathers the pages each step, which grows faster.
+# took 0.55-0.92x the torch ops' time at contexts of 128-2,048 a row (0.43-0.64x at 8,192); float32 0.42-0.71x.
+# Five rows: a verify step of one request with four drafts (speculation's default), or five requests' decode
+# rows. The limit on CPUs where more was not measured (``lean_max_rows``). No limit on context: the attention
+# splits its (row, KV head) pairs over the threads, and torch's paged attention gathers the pages each step,
+# which grows faster.
 LEAN_MAX_ROWS = 5
+# Where more rows were measured, with the lean step's own products: AVX512-BF16 without AMX (the Zen 4 VM,
+# 2026-12-06, profiles/lean-products-amd-epyc-zen4-2core/row-limit). Steps alone (rows_sweep, contexts of 128-2,048
+# a row): bfloat16 6-10 rows 0.72-0.99x the torch ops' time (12 rows 0.58-1.01x, 16 up to 1.16x), float32 6-16 rows
+# 0.19-0.97x. Through the engine at short contexts (batch_rows): bfloat16 batches of 6 / 8 / 10 decode steps
+# 0.77 / 0.75 / 0.88x, float32 6 / 8 0.71 / 0.77x but 12 / 16 0.99 / 1.02x (three weight passes and more against
+# oneDNN's one): ten rows in both. On AMX CPUs oneDNN's bfloat16 product gains most from more rows, and on CPUs
+# without AVX-512 the products run a portable loop: neither was measured past five rows.
+MEASURED_MAX_ROWS = {torch.float32: 10, torch.bfloat16: 10}
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -73,12 +82,22 @@ def lean_library(model: nn.Module, device: torch.device):
     return lean_kernels.library()
 
 
-def applies(batch: ForwardBatch) -> bool:
-    """Whether this step's batch is one the lean step serves (the model already has its kernels)."""
+def lean_max_rows(dtype: torch.dtype, products: bool, flags: frozenset[str]) -> int:
+    """The most decode rows a lean step of a ``dtype`` model takes on a CPU with the feature ``flags`` (the
+    hardware's), with (``products``) or without its own products: ``MEASURED_MAX_ROWS`` where measured, else
+    ``LEAN_MAX_ROWS``."""
+    if products and dtype in MEASURED_MAX_ROWS and "avx512_bf16" in flags and "amx_bf16" not in flags:
+        return MEASURED_MAX_ROWS[dtype]
+    return LEAN_MAX_ROWS
+
+
+def applies(batch: ForwardBatch, max_rows: int) -> bool:
+    """Whether this step's batch is one the lean step serves, at most ``max_rows`` decode rows (the model's
+    ``lean_max_rows``; the model already has its kernels)."""
     if torch.compiler.is_compiling():  # first: a traced shape test would specialise the graph's dynamic sizes
         return False
     rows = batch.num_decode
-    return 0 < rows <= LEAN_MAX_ROWS and not batch.prefill_rows and batch.input_ids.shape[0] == rows
+    return 0 < rows <= max_rows and not batch.prefill_rows and batch.input_ids.shape[0] == rows
 
 
 def _code(t: torch.Tensor) -> int:
@@ -142,10 +161,10 @@ def _kernel_product(lib, weight: torch.Tensor, bias: torch.Tensor | None) -> Cal
 def head_applies(model: nn.Module, hidden: torch.Tensor) -> bool:
     """Whether the LM head of these ``[R, hidden]`` states goes through ``lean_logits`` (``compute_logits`` asks
     after its int8 and emulated-bfloat16 heads): a model with the kernels and their products
-    (``model.lean_products``), at most ``LEAN_MAX_ROWS`` rows, outside ``torch.compile``."""
+    (``model.lean_products``), at most ``model.lean_max_rows`` rows, outside ``torch.compile``."""
     # is_compiling first: a traced shape test would specialise the graph's dynamic sizes (``applies``).
     return (not torch.compiler.is_compiling() and model.lean_kernels is not None and model.lean_products
-            and hidden.shape[0] <= LEAN_MAX_ROWS)
+            and hidden.shape[0] <= model.lean_max_rows)
 
 
 def lean_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:

@@ -229,6 +229,7 @@ class CausalLM(nn.Module):
         # Set by ``loader.load_model``: whether the lean step multiplies by the kernels' own product where a weight
         # is plain (``ASYNCBATCH_CPU_LEAN_PRODUCTS``, read once there; the weights were kept for it accordingly).
         self.lean_products = False
+        self.lean_max_rows = 0  # set by ``loader.load_model`` (``lean_step.lean_max_rows``): the lean step's rows
         attn = self.model.layers[0].self_attn
         self.num_kv_heads, self.head_dim = attn.num_kv_heads, attn.head_dim
         cos, sin = rope_cos_sin(config, attn.head_dim, max_positions)
@@ -270,7 +271,7 @@ class CausalLM(nn.Module):
         # What every layer shares is computed once here: the rotary rows and (below) the attention's masks and
         # block lists (``paged_attention.plan_attention``; None on Triton).
         rope = step_tables(self.rope_cos, self.rope_sin_signed, batch.positions, x.dtype)
-        if self.lean_kernels is not None and lean_step_applies(batch):
+        if self.lean_kernels is not None and lean_step_applies(batch, self.lean_max_rows):
             x = lean_layers(self, self.lean_kernels, x, batch, kv_caches, rope)
             return self.model.norm(x[batch.logits_indices])  # [R, hidden]
         step = StepContext(batch, rope, plan_attention(batch, kv_caches[0][0].shape[1], x.device, x.dtype),

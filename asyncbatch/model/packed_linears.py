@@ -20,11 +20,12 @@ oneDNN's packed one reads 15-30 GB/s and a ``sum()`` 33-35 (2-core AMD EPYC, Zen
 1.06-1.6x faster at 64-1,024 rows too; a whole one-row decode step of SmolLM2-135M went 64 -> 48 ms
 (``profiles/packed-float32-amd-epyc-2core``). So every float32 decoder linear multiplies through its packed copy
 at every step size. Its plain weight is dropped (the packed copy's bytes are counted instead, ``_packed_bytes``)
-unless the model takes the lean CPU step, whose steps of one to five rows multiply by the plain weights faster
-still (``lean_step``; up to ``LEAN_PLAIN_MAX_BYTES`` of them are kept for it beside the packed copies). The sums come out in another order than MKL's, so the last bits
-of a logit differ; neither library gives a row the same bits in a batch of one and of two, so no invariant
-is lost. On Intel CPUs MKL's float32 path is Intel's own and the packed one is unmeasured: off there unless
-``ASYNCBATCH_F32_PACKED=1``; ``=0`` turns it off on AMD.
+unless the model takes the lean CPU step, whose small steps (``lean_step.lean_max_rows``) multiply by the plain
+weights faster still (``lean_step``; up to ``LEAN_PLAIN_MAX_BYTES`` of them are kept for it beside the packed
+copies). The sums come out in another order than MKL's, so the last bits of a logit differ; neither library
+gives a row the same bits in a batch of one and of two, so no invariant is lost. On Intel CPUs MKL's float32
+path is Intel's own and the packed one is unmeasured: off there unless ``ASYNCBATCH_F32_PACKED=1``; ``=0`` turns
+it off on AMD.
 
 The LM head gets a packed copy of its weight in both dtypes (``PackedHead``; the model's own weight stays, for
 the tied embedding's lookup): SmolLM2's 49,152 x 576 bfloat16 head at one row, 2 threads, 2.54 -> 1.27 ms,
