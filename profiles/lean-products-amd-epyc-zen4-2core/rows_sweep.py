@@ -1,6 +1,6 @@
 """How the lean step's time compares with the torch ops' as a step grows (rows) and its rows' contexts grow: the
 evidence for ``lean_step.LEAN_MAX_ROWS`` and for dropping the context limit. The lean side's child raises the row
-limit to 8 and lifts any context limit for the measurement; each (side, context) runs in a child process of its
+limit to 8 (``LEAN_LIMIT=N``: to N) and lifts any context limit for the measurement; each (side, context) runs in a child process of its
 own, the sides alternating every round; each figure is the median over rounds of a child's median of 7 steps
 (``harness.decode_step``: every row has ``context`` tokens, 2 torch threads).
 
@@ -22,7 +22,7 @@ def child(dtype: str, context: int) -> dict:
     sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
     from asyncbatch.model import lean_step
     if os.environ["SIDE"] == "lean":
-        lean_step.LEAN_MAX_ROWS = 8
+        lean_step.LEAN_MAX_ROWS = int(os.environ.get("LEAN_LIMIT", "8"))
     from harness.decode_step import DecodeStepBench
 
     bench = DecodeStepBench(dtype=dtype, threads=2, context=context, max_rows=max(ROWS))
