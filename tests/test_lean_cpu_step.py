@@ -311,6 +311,7 @@ def test_float32_weights_past_the_plain_copy_budget_multiply_through_onednn(lib,
     model = load_model(tiny_dirs["llama"], torch.float32, CPU, max_positions=64)
     assert all(lean_step.plain_weight(m) is None for m in model.model.layers.modules()
                if isinstance(m, packed_linears.PackedLinear))
+    assert model.lean_max_rows == lean_step.LEAN_MAX_ROWS  # more rows were measured with the library's products
     gen = torch.Generator().manual_seed(7)
     caches = _filled_caches(model, gen)
     batch = _decode_batch(1, 20, gen)

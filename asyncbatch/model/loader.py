@@ -26,7 +26,7 @@ from asyncbatch.model.default_model import DEFAULT_MODEL_ALIASES, default_gguf_p
 from asyncbatch.model.emulated_bf16 import emulate_bf16_linears, emulates_bf16
 from asyncbatch.model.fused_projections import ALL_GROUPS, FLOAT_GROUPS, fuse_projections
 from asyncbatch.model.gguf_cache import convert_gguf
-from asyncbatch.model.lean_step import lean_library, lean_max_rows
+from asyncbatch.model.lean_step import lean_library, lean_max_rows, plain_weight
 from asyncbatch.model.llama import SUPPORTED_ARCHITECTURES, CausalLM, use_direct_norms
 from asyncbatch.model.packed_linears import pack_linears, packs_weights
 from asyncbatch.model.quantization import check_quantization, quantize_model
@@ -174,9 +174,10 @@ def load_model(path: str | os.PathLike[str], dtype: torch.dtype, device: torch.d
     elif packed:
         pack_linears(model, lean_step=products)
     model.lean_kernels, model.lean_products = lean, products
-    # int8 linears keep their own product in the lean step, measured up to LEAN_MAX_ROWS rows only.
-    model.lean_max_rows = (lean_max_rows(dtype, products and quantization is None, hardware_cpu_flags())
-                           if lean is not None else 0)
+    # More rows were measured with the library's own products only: where the weights are plain (not int8 codes,
+    # nor float32 ones past ``LEAN_PLAIN_MAX_BYTES``, which keep their own products in the lean step).
+    model.lean_max_rows = 0 if lean is None else lean_max_rows(
+        dtype, products and plain_weight(model.model.layers[0].self_attn.qkv_proj) is not None, hardware_cpu_flags())
     return model
 
 
