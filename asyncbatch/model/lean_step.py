@@ -202,17 +202,18 @@ def layer_plan(model: nn.Module, dtype: torch.dtype, lib) -> list[LeanLayer]:
     weights do not move; a profiler may wrap the products it holds)."""
     plan = model.lean_plan
     if plan is None:
-        plan, products = [], model.lean_products
+        plan = []
+
+        def product(linear: nn.Module | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+            return None if linear is None else _product(linear, dtype, lib, model.lean_products)[0]
+
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            fused = mlp.gate_up_proj is not None
-            qkv, wide = _product(attn.qkv_proj, dtype, lib, products)
-            plan.append(LeanLayer(qkv, _product(attn.o_proj, dtype, lib, products)[0],
-                                  _product(mlp.gate_up_proj, dtype, lib, products)[0] if fused else None,
-                                  None if fused else _product(mlp.gate_proj, dtype, lib, products)[0],
-                                  None if fused else _product(mlp.up_proj, dtype, lib, products)[0],
-                                  _product(mlp.down_proj, dtype, lib, products)[0], attn.scale,
-                                  _norm(layer.input_layernorm),
+            fused = mlp.gate_up_proj is not None  # (fusing deletes gate_proj and up_proj)
+            qkv, wide = _product(attn.qkv_proj, dtype, lib, model.lean_products)
+            plan.append(LeanLayer(qkv, product(attn.o_proj), product(mlp.gate_up_proj),
+                                  product(None if fused else mlp.gate_proj), product(None if fused else mlp.up_proj),
+                                  product(mlp.down_proj), attn.scale, _norm(layer.input_layernorm),
                                   _norm(layer.post_attention_layernorm), wide))
         model.lean_plan = plan
     return plan
