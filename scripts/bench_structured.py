@@ -70,7 +70,7 @@ WORST = 10  # the idlest steps listed per run
 
 
 def run_one(config: str, step_ms: float, running: int, max_tokens: int, grammar_share: float,
-            engine_process: bool = True, stagger_steps: int = 0) -> dict:
+            engine_process: bool = True, stagger_steps: int = 0, model: str | None = None) -> dict:
     sim = SimConfig(step_fixed_ms=step_ms, per_token_us=0.0, per_context_token_ns=0.0,
                     output_len_distribution="fixed", output_len_max=10 * max_tokens)
     load_before = os.getloadavg()[0]  # the machine is shared: say how busy it was when the run began
@@ -78,7 +78,7 @@ def run_one(config: str, step_ms: float, running: int, max_tokens: int, grammar_
     constraint = StructuredOutputsParams(json=SCHEMA)
     params = [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i, ignore_eos=True,
                              structured_outputs=constraint if i < num_grammar else None) for i in range(running)]
-    with LLM(device="sim", max_num_seqs=running, max_num_batched_tokens=max(2048, 2 * running), sim=sim,
+    with LLM(model, device="sim", max_num_seqs=running, max_num_batched_tokens=max(2048, 2 * running), sim=sim,
              grammar_mask_overlap=config != "naive", engine_process=engine_process) as llm:
         llm.generate(["warm up the grammar compile cache"], SamplingParams(max_tokens=2, structured_outputs=constraint),
                      use_tqdm=False)
@@ -268,6 +268,9 @@ def main() -> None:
     parser.add_argument("--stagger-steps", type=int, default=0,
                         help="the grammar rows (the same rows in none) arrive in this many waves a step time apart "
                              "(0: all at once, the issue's benchmark)")
+    parser.add_argument("--model", default=None,
+                        help="the model whose config and tokenizer the sim takes (default: the default model; "
+                             "the sim needs no weights, so a folder with config.json and the tokenizer is enough)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run every configuration this many times, interleaved; the report shows medians")
     parser.add_argument("--quick", action="store_true",
@@ -282,7 +285,7 @@ def main() -> None:
         for rnd in range(args.rounds):
             for config in CONFIGS[rnd % len(CONFIGS):] + CONFIGS[:rnd % len(CONFIGS)]:
                 result = run_one(config, step_ms, args.running, args.max_tokens, args.grammar_share,
-                                 engine_process=not args.quick, stagger_steps=args.stagger_steps)
+                                 engine_process=not args.quick, stagger_steps=args.stagger_steps, model=args.model)
                 result["round"] = rnd
                 print(json.dumps(result), flush=True)
                 results.append(result)

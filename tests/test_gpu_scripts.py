@@ -67,12 +67,20 @@ def test_gpu_check_script_runs_every_stage(tiny_path, tmp_path):
                           env=env, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     summary = (out / "summary.txt").read_text()
-    assert "tests rc=0, attention rc=0, step profile rc=0, benchmark rc=0" in summary
+    assert "tests rc=0, attention rc=0, step profile rc=0, benchmark rc=0, structured rc=0" in summary
     assert done.stdout.rstrip().endswith(summary.rstrip().splitlines()[-1])  # the table is printed last
     files = sorted(f.name for f in out.rglob("*") if f.is_file())
     assert files == sorted(["env.txt", "tests.log", "attention.log", "bench.log", "report.json",
                             "attention_bench.json", "step_profile.md", "summary.txt"])  # the device tool returns 8
     assert "TRITON_INTERPRET=0" in (ROOT / "scripts" / "gpu_check.sh").read_text()
+
+    # The structured-outputs stage (xgrammar from the structured extra here; carried wheels on the GPU machine) ran
+    # the sim benchmark on the tiny model's tokenizer: its runs in bench.log, its table in the summary.
+    structured = (out / "bench.log").read_text().split("== structured outputs benchmark", 1)[1]
+    runs = [json.loads(line) for line in structured.splitlines() if line.startswith("{")]
+    assert sorted(r["config"] for r in runs) == ["naive", "none", "overlap"]
+    assert all(r["device_busy_fraction"] > 0 for r in runs) and any(r["grammar_rows"] for r in runs)
+    assert "Goal at 1 ms (overlap busy >= 97% of none)" in summary
 
     report = json.loads((out / "report.json").read_text())
     assert set(report["results"]) == {"overlap+graphs", "sync+graphs", "overlap+eager", "sync+eager",
