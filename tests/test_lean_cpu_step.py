@@ -281,7 +281,7 @@ def test_a_lean_step_dispatches_no_op_per_layer_but_its_products_buffers(lib, ti
     """A one-row float32 step of the tiny Llama (packed, gate/up fused): its products and the LM head's are the
     library's (``lean_gemv.c``, on the plain weights kept beside the packed ones), so a layer dispatches only
     its four products' output buffers, and the whole step a fixed handful of ops more (embedding, rotary rows,
-    buffers, the final norm, sampling's inputs), where the torch ops' step dispatches ~35 a layer."""
+    buffers, the final norm, sampling's inputs, the index check), where the torch ops' step dispatches ~35 a layer."""
     monkeypatch.setenv(F32_PACKED_ENV, "1")
     model = load_model(tiny_dirs["llama"], torch.float32, CPU, max_positions=64)
     assert all(lean_step.plain_weight(m) is not None for m in model.model.layers.modules()
@@ -295,7 +295,9 @@ def test_a_lean_step_dispatches_no_op_per_layer_but_its_products_buffers(lib, ti
     assert plan is not None and _ops(model, batch, caches) == ops and model.lean_plan is plan  # built once
     assert not PRODUCT_OPS & set(ops), ops
     assert ops.count("empty") >= 4 * layers + 1  # each product's output, the head's
-    assert len(ops) - (4 * layers + 1) <= 20, ops
+    # A fixed handful: embedding, rotary rows, buffers, the final norm, sampling's inputs, and the numpy views of the
+    # three index tensors that ``check_cache_indices`` reads (four dispatches each).
+    assert len(ops) - (4 * layers + 1) <= 32, ops
     kernels, model.lean_kernels = model.lean_kernels, None
     torch_ops = _ops(model, batch, caches)
     model.lean_kernels = kernels
@@ -449,3 +451,41 @@ def test_a_library_that_computes_wrong_is_not_used(lib):
     assert lean_kernels._norm_works(lib) and lean_kernels._product_works(lib)
     assert not lean_kernels._norm_works(Broken(lib))
     assert not lean_kernels._product_works(Broken(lib))
+
+
+@pytest.mark.parametrize("broken", ["slot", "block", "short-table"])
+def test_a_step_indexing_past_the_cache_raises_as_the_torch_ops_do_and_writes_nothing(lib, tiny_dirs, broken):
+    """The C kernels index the caches unchecked: a slot or a block past the cache must raise before they run (an
+    IndexError, as torch's indexing raises on the same step), not write or read outside the cache's memory. A
+    context longer than its row's table raises too (the torch ops attend over the table's width and mask the
+    rest, so they do not; the kernel would read past the row's table)."""
+    model = load_model(tiny_dirs["llama"], torch.float32, CPU, max_positions=64)
+    gen = torch.Generator().manual_seed(8)
+    blocks = 40
+    caches = _filled_caches(model, gen, blocks)
+    batch = _decode_batch(2, 30, gen)
+    if broken == "slot":
+        batch.slot_mapping[1] = blocks * BLOCK + 3
+    elif broken == "block":
+        batch.decode_block_tables[0, 2] = blocks + 7  # a block row 0's context reads
+    else:
+        batch.decode_context_lens[1] = batch.decode_block_tables.shape[1] * BLOCK + 1
+    kernels = model.lean_kernels
+    for lean in (False, True) if broken != "short-table" else (True,):
+        model.lean_kernels = kernels if lean else None
+        kv = [(k.clone(), v.clone()) for k, v in caches]
+        with torch.inference_mode(), pytest.raises(IndexError):
+            model(batch, kv)
+        if lean:  # nothing was written: the check runs before the first layer's kernels
+            assert all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(kv, caches))
+    model.lean_kernels = kernels
+
+
+def test_a_block_past_a_rows_context_is_not_checked():
+    """A table's padding past a row's context (the engine pads tables to the widest row) is never read."""
+    tables = torch.tensor([[0, 1, 999], [2, -1, -1]])
+    lean_step.check_cache_indices(tables, torch.tensor([2 * BLOCK, 1]), torch.tensor([0, 2 * BLOCK]), 3, BLOCK)
+    with pytest.raises(IndexError, match="block 999"):
+        lean_step.check_cache_indices(tables, torch.tensor([2 * BLOCK + 1, 1]), torch.tensor([0, 1]), 3, BLOCK)
+    with pytest.raises(TypeError, match="int64"):
+        lean_step.check_cache_indices(tables.int(), torch.tensor([1, 1]), torch.tensor([0, 1]), 3, BLOCK)

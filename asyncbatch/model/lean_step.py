@@ -46,6 +46,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -219,6 +220,34 @@ def layer_plan(model: nn.Module, dtype: torch.dtype, lib) -> list[LeanLayer]:
     return plan
 
 
+def check_cache_indices(tables: torch.Tensor, ctx: torch.Tensor, slots: torch.Tensor, num_blocks: int,
+                        block_size: int) -> None:
+    """Raise ``IndexError`` where a step's slot (``slots``, ``[T]``) or a block its rows read (the first
+    ``ceil(ctx[b] / block_size)`` entries of ``tables[b]``) lies outside a cache of ``num_blocks`` blocks, as torch's
+    indexing does on the same step. The C kernels write and read the caches at these indices unchecked, so a wrong
+    table would corrupt memory there instead of raising; once a step, a few microseconds against milliseconds."""
+    for name, index in (("block tables", tables), ("context lengths", ctx), ("slot_mapping", slots)):
+        if index.dtype != torch.int64:  # the kernels read int64
+            raise TypeError(f"the lean step's {name} must be int64, got {index.dtype}")
+    s = slots.numpy()
+    if s.size and (s.min() < 0 or s.max() >= num_blocks * block_size):
+        bad = s[(s < 0) | (s >= num_blocks * block_size)]
+        raise IndexError(f"slot_mapping holds slot {int(bad[0])}, outside the KV cache's "
+                         f"{num_blocks * block_size} slots [0, {num_blocks * block_size})")
+    lens, table = ctx.numpy(), tables.numpy()
+    if not lens.size:
+        return
+    needed = -(-lens // block_size)  # [B] blocks each row reads
+    if needed.max() > table.shape[1]:
+        row = int(needed.argmax())
+        raise IndexError(f"row {row}'s context of {int(lens[row])} tokens needs {int(needed[row])} blocks; its block "
+                         f"table holds {table.shape[1]}")
+    used = table[:len(lens)][np.arange(table.shape[1]) < needed[:, None]]
+    if used.size and (used.min() < 0 or used.max() >= num_blocks):
+        bad = used[(used < 0) | (used >= num_blocks)]
+        raise IndexError(f"a block table holds block {int(bad[0])}, outside the KV cache's {num_blocks} blocks")
+
+
 def lean_layers(model: nn.Module, lib, x: torch.Tensor, batch: ForwardBatch,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], rope: RopeTables) -> torch.Tensor:
     """Every decoder layer of ``model`` over the embedded tokens ``x`` (``[T, hidden]``, the model's dtype,
@@ -242,6 +271,7 @@ def lean_layers(model: nn.Module, lib, x: torch.Tensor, batch: ForwardBatch,
     if tables.stride(-1) != 1:
         tables = tables.contiguous()
     ctx, slots = batch.decode_context_lens.contiguous(), batch.slot_mapping.contiguous()
+    check_cache_indices(tables, ctx, slots, kv_caches[0][0].shape[0], kv_caches[0][0].shape[1])
     md, wd = _code(x), _code(h)
     xp, hp, qp, ap, mp = x.data_ptr(), h.data_ptr(), q.data_ptr(), a.data_ptr(), m.data_ptr()
     cos_p, sin_p, slots_p, tables_p, ctx_p = (cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(),
