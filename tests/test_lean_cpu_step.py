@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from tiny_models import save_tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode  # private-name: the op counter's base class
 
-from asyncbatch.model import lean_kernels, lean_step, packed_linears
+from asyncbatch.model import lean_attention, lean_kernels, lean_step, packed_linears
 from asyncbatch.model.forward_batch import ForwardBatch, PrefillRow
 from asyncbatch.model.loader import load_model
 from asyncbatch.model.packed_linears import F32_PACKED_ENV
@@ -489,3 +489,81 @@ def test_a_block_past_a_rows_context_is_not_checked():
         lean_step.check_cache_indices(tables, torch.tensor([2 * BLOCK + 1, 1]), torch.tensor([0, 1]), 3, BLOCK)
     with pytest.raises(TypeError, match="int64"):
         lean_step.check_cache_indices(tables.int(), torch.tensor([1, 1]), torch.tensor([0, 1]), 3, BLOCK)
+
+
+def _with_prefill(batch: ForwardBatch, gen: torch.Generator, q_len: int = 6) -> ForwardBatch:
+    """``batch``'s decode rows and a prefill chunk of ``q_len`` tokens after them, in blocks of its own (a fresh
+    context: the first ``q_len`` slots of blocks 30-31, past every decode row's)."""
+    nd = batch.num_decode
+    table = torch.tensor([30, 31])
+    pos = torch.arange(q_len)
+    return ForwardBatch(torch.cat([batch.input_ids, torch.randint(3, 250, (q_len,), generator=gen)]),
+                        torch.cat([batch.positions, pos]),
+                        torch.cat([batch.slot_mapping, table[pos // BLOCK] * BLOCK + pos % BLOCK]), nd,
+                        batch.decode_block_tables, batch.decode_context_lens, [PrefillRow(nd, q_len, q_len, table)],
+                        torch.cat([batch.logits_indices, torch.tensor([nd + q_len - 1])]))
+
+
+@pytest.mark.parametrize("prefill", [False, True], ids=["decode-only", "with-a-prefill-chunk"])
+@pytest.mark.parametrize("name", ["llama", "qwen2-biases"])
+def test_a_step_past_the_row_limit_attends_with_the_kernel_and_gives_the_torch_ops_logits(lib, tiny_dirs, name,
+                                                                                          prefill):
+    """More decode rows than the lean step takes: the torch ops run the step, but its decode rows attend with the
+    lean kernel, in place (no page gather, no SDPA for them), and the logits and caches are the torch ops' own
+    up to float32's order of sums; a prefill chunk beside them keeps torch's attention."""
+    model = load_model(tiny_dirs[name], torch.float32, CPU, max_positions=64)
+    gen = torch.Generator().manual_seed(9)
+    rows = model.lean_max_rows + 2
+    batch = _decode_batch(rows, 24, gen)  # tables [rows, 7] of blocks 1-84: a cache of 90 blocks
+    caches = _filled_caches(model, gen, blocks=90)
+    if prefill:
+        batch = _with_prefill(batch, gen)
+    assert not lean_step.applies(batch, model.lean_max_rows)
+    want, got, kv_want, kv_got = _both_ways(model, batch, caches)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for (kw, vw), (kg, vg) in zip(kv_want, kv_got):  # later layers' keys and values: from the attention's output
+        torch.testing.assert_close(kg, kw, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(vg, vw, rtol=1e-5, atol=1e-5)
+    ops = _ops(model, batch, caches)
+    kernels, model.lean_kernels = model.lean_kernels, None
+    torch_ops = _ops(model, batch, caches)
+    model.lean_kernels = kernels
+    sdpa = {op for op in torch_ops if "scaled_dot_product" in op}
+    assert sdpa, torch_ops  # torch's decode attention: a gather of the pages and SDPA in every layer
+    layers = len(model.model.layers)
+    assert sum(op in sdpa for op in ops) == (layers if prefill else 0), ops  # the prefill chunk's alone
+    assert ops.count("index_select") < torch_ops.count("index_select")
+
+
+def test_a_bfloat16_step_past_the_row_limit_stays_within_bfloat16_rounding_of_the_torch_ops(lib, tiny_dirs,
+                                                                                          monkeypatch):
+    """(At the tiny model's short contexts, with the kernel's bfloat16 context threshold lifted.)"""
+    monkeypatch.setenv("ASYNCBATCH_BF16_EMULATION", "0")
+    monkeypatch.setattr(lean_attention, "BF16_MIN_CONTEXT", 0)
+    model = load_model(tiny_dirs["llama"], torch.bfloat16, CPU, max_positions=64)
+    ref = load_model(tiny_dirs["llama"], torch.float32, CPU, max_positions=64)
+    gen = torch.Generator().manual_seed(10)
+    batch = _decode_batch(model.lean_max_rows + 2, 24, gen)
+    caches = _filled_caches(model, gen, blocks=90)
+    assert not lean_step.applies(batch, model.lean_max_rows)
+    want, got, _, _ = _both_ways(model, batch, caches)
+    with torch.inference_mode():
+        exact = ref(batch, [(k.float(), v.float()) for k, v in caches])
+    assert (got - exact).abs().max() <= 2 * (want - exact).abs().max() + 0.05
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_bfloat16_steps_take_the_kernel_only_from_the_measured_context_on(lib, tiny_dirs, monkeypatch):
+    """float32 steps at any context; bfloat16 ones once a decode row reaches ``BF16_MIN_CONTEXT`` tokens (below it
+    torch's bfloat16 attention measured as fast or faster)."""
+    gen = torch.Generator().manual_seed(11)
+    batch = _decode_batch(3, 24, gen)
+    for dtype, wanted in ((torch.float32, True), (torch.bfloat16, False)):
+        caches = [(torch.zeros(90, BLOCK, 1, 64, dtype=dtype),) * 2]
+        assert (lean_attention.decode_attention_kernel(lib, batch, caches, dtype) is not None) == wanted
+    monkeypatch.setattr(lean_attention, "BF16_MIN_CONTEXT", 24)  # the batch's widest row: 24 tokens
+    caches = [(torch.zeros(90, BLOCK, 1, 64, dtype=torch.bfloat16),) * 2]
+    assert lean_attention.decode_attention_kernel(lib, batch, caches, torch.bfloat16) is not None
+    monkeypatch.setattr(lean_attention, "BF16_MIN_CONTEXT", 25)
+    assert lean_attention.decode_attention_kernel(lib, batch, caches, torch.bfloat16) is None
+    assert lean_attention.decode_attention_kernel(lib, batch, caches, torch.float32) is None  # caches not in dtype

@@ -21,6 +21,7 @@ from transformers import PretrainedConfig
 
 from asyncbatch.model.forward_batch import ForwardBatch
 from asyncbatch.model.host_zeros import host_zeros
+from asyncbatch.model.lean_attention import decode_attention_kernel
 from asyncbatch.model.lean_step import applies as lean_step_applies
 from asyncbatch.model.lean_step import head_applies as lean_head_applies
 from asyncbatch.model.lean_step import lean_layers, lean_logits
@@ -274,8 +275,10 @@ class CausalLM(nn.Module):
         if self.lean_kernels is not None and lean_step_applies(batch, self.lean_max_rows):
             x = lean_layers(self, self.lean_kernels, x, batch, kv_caches, rope)
             return self.model.norm(x[batch.logits_indices])  # [R, hidden]
-        step = StepContext(batch, rope, plan_attention(batch, kv_caches[0][0].shape[1], x.device, x.dtype),
-                           self.fused_elementwise)
+        attention = plan_attention(batch, kv_caches[0][0].shape[1], x.device, x.dtype)
+        if attention is not None and self.lean_kernels is not None:  # the decode rows attend in place
+            attention.decode = decode_attention_kernel(self.lean_kernels, batch, kv_caches, x.dtype)
+        step = StepContext(batch, rope, attention, self.fused_elementwise)
         if step.fused is not None:
             x = self._fused_layers(x, step, kv_caches)
         else:

@@ -18,6 +18,7 @@ on the first CUDA call only, so CPU runs never import it.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -104,6 +105,9 @@ class AttentionPlan:
     decode_blocks: torch.Tensor  # [B * max_blocks] the decode rows' block tables, flattened
     decode_mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] additive: 0 within the context, -inf beyond
     prefill: list[PrefillPlan]
+    # The decode rows' attention in place instead of the gather and SDPA, (q, k_cache, v_cache, scale) -> out: the
+    # lean step's kernel on CPUs that have it (``lean_attention``); None: torch's.
+    decode: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
 
 
 def plan_attention(batch: ForwardBatch, block_size: int, device: torch.device,
@@ -200,13 +204,16 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if plan is None:
         plan = reference_plan(batch, k_cache.shape[1], q.device, q.dtype)
     nd = batch.num_decode
+    kernel = plan.decode if plan.decode is not None and q.dtype == k_cache.dtype else None
     if not plan.prefill:
+        if kernel is not None:
+            return kernel(q, k_cache, v_cache, scale)
         return decode_attention(q, k_cache, v_cache, batch.decode_block_tables, batch.decode_context_lens, scale,
                                 plan)
     out = torch.empty_like(q)
     if nd:
-        out[:nd] = decode_attention(q[:nd], k_cache, v_cache, batch.decode_block_tables,
-                                    batch.decode_context_lens, scale, plan)
+        out[:nd] = kernel(q[:nd], k_cache, v_cache, scale) if kernel is not None else decode_attention(
+            q[:nd], k_cache, v_cache, batch.decode_block_tables, batch.decode_context_lens, scale, plan)
     for row in plan.prefill:
         out[row.tokens] = prefill_attention(q[row.tokens], k_cache, v_cache, row.ctx_len, row.blocks, scale, row.mask)
     return out
