@@ -10,7 +10,8 @@ goes to the innermost range around it:
 
     linear q/k/v, linear o, linear gate/up, linear down   the projections
     lm head        final hidden states -> vocabulary logits
-    attention      write K/V, gather blocks, SDPA + mask (the rest of paged attention)
+    attention      write K/V, gather blocks, SDPA + mask (the rest of paged attention; where the lean kernels
+                   attend, in the lean step or in place of the gather, ``ab_decode_attention``: SDPA + mask)
     rope, norms, mlp act (silu * up), embedding, sampling (greedy argmax)
     layer glue     residual adds and views inside a decoder layer; step glue: the rest of the forward
 

@@ -23,7 +23,7 @@ from in_process import Completed, run_program
 from tiny_models import save_tiny_model
 
 from asyncbatch.bench.workloads import WorkItem
-from asyncbatch.model import lean_step
+from asyncbatch.model import lean_kernels, lean_step
 from asyncbatch.model.loader import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,8 +90,12 @@ def test_profile_script_attributes_the_step(tiny_dir, tmp_path):
          "--quantization", "int8", "--out", str(tmp_path))
     doc = json.loads((tmp_path / "report.json").read_text())
     parts = doc["results"][1]["parts"]
-    for name in ("linear q/k/v", "linear gate/up", "lm head", "attention: gather blocks", "sampling"):
+    for name in ("linear q/k/v", "linear gate/up", "lm head", "sampling"):
         assert parts[name]["op_ms"] > 0, name
+    # The torch ops' step attends with the lean kernel where it builds (model/lean_attention.py): no page gather.
+    attention = parts["attention: SDPA + mask"]
+    assert attention["op_ms"] + attention["python_ms"] > 0
+    assert ("attention: gather blocks" in parts) == (lean_kernels.library() is None)
     assert f"## {more} rows" in (tmp_path / "report.md").read_text()
     # One row: the lean CPU step where it builds (no layer module runs), its products and kernels still labelled.
     one = doc["results"][0]["parts"]

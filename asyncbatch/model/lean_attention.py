@@ -41,8 +41,8 @@ def decode_attention_kernel(lib, batch: ForwardBatch, kv_caches: list[tuple[torc
                             dtype: torch.dtype) -> DecodeAttention | None:
     """The decode rows' attention of one step by the library ``lib`` (every layer's, the same tables), or None
     where it does not apply (no decode rows, tracing, caches not in ``dtype``, a bfloat16 step whose rows are all
-    shorter than ``BF16_MIN_CONTEXT``). Checks the step's block tables
-    against the caches once (``check_cache_indices``: the kernel reads them unchecked)."""
+    shorter than ``BF16_MIN_CONTEXT``). Checks the step's block tables against the caches once
+    (``check_cache_indices``: the kernel reads them unchecked)."""
     rows = batch.num_decode
     k0, v0 = kv_caches[0]
     if (not rows or torch.compiler.is_compiling() or dtype not in DTYPE_CODES or k0.dtype != dtype
