@@ -549,8 +549,9 @@ def test_a_bfloat16_step_past_the_row_limit_stays_within_bfloat16_rounding_of_th
     want, got, _, _ = _both_ways(model, batch, caches)
     with torch.inference_mode():
         exact = ref(batch, [(k.float(), v.float()) for k, v in caches])
+    # No farther from the float32 model than bfloat16's torch ops are (no argmax compared: twelve rows of a tiny random
+    # model hold near-ties, and bfloat16's last bits depend on the CPU's vector width).
     assert (got - exact).abs().max() <= 2 * (want - exact).abs().max() + 0.05
-    assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 def test_bfloat16_steps_take_the_kernel_only_from_the_measured_context_on(lib, tiny_dirs, monkeypatch):
