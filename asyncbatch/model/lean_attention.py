@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 
 from asyncbatch.model.forward_batch import ForwardBatch
-from asyncbatch.model.lean_step import DTYPE_CODES, check_cache_indices
+from asyncbatch.model.lean_step import DTYPE_CODES, cache_indices
 
 # bfloat16 steps take the kernel only where their widest decode row has this many tokens or more. Measured on the
 # Zen 4 VM (steps alone, 12 / 16 / 32 rows, profiles/lean-products-amd-epyc-zen4-2core/attention-past-the-limit):
@@ -42,20 +42,16 @@ def decode_attention_kernel(lib, batch: ForwardBatch, kv_caches: list[tuple[torc
     """The decode rows' attention of one step by the library ``lib`` (every layer's, the same tables), or None
     where it does not apply (no decode rows, tracing, caches not in ``dtype``, a bfloat16 step whose rows are all
     shorter than ``BF16_MIN_CONTEXT``). Checks the step's block tables against the caches once
-    (``check_cache_indices``: the kernel reads them unchecked)."""
+    (``lean_step.cache_indices``: the kernel reads them unchecked)."""
     rows = batch.num_decode
     k0, v0 = kv_caches[0]
     if (not rows or torch.compiler.is_compiling() or dtype not in DTYPE_CODES or k0.dtype != dtype
             or v0.dtype != dtype or not (k0.is_contiguous() and v0.is_contiguous())):
         return None
-    tables = batch.decode_block_tables
-    if tables.stride(-1) != 1:
-        tables = tables.contiguous()
-    ctx = batch.decode_context_lens.contiguous()
-    if dtype == torch.bfloat16 and int(ctx.numpy().max()) < BF16_MIN_CONTEXT:
+    if dtype == torch.bfloat16 and int(batch.decode_context_lens.numpy().max()) < BF16_MIN_CONTEXT:
         return None
-    num_blocks, block_size, kv_heads, head_dim = k0.shape
-    check_cache_indices(tables, ctx, batch.slot_mapping.contiguous(), num_blocks, block_size)
+    _, block_size, kv_heads, head_dim = k0.shape
+    tables, ctx, _ = cache_indices(batch, k0)
     code, bf, threads = DTYPE_CODES[dtype], int(dtype == torch.bfloat16), torch.get_num_threads()
     tables_p, ctx_p, stride = tables.data_ptr(), ctx.data_ptr(), tables.stride(0)
 

@@ -248,6 +248,17 @@ def check_cache_indices(tables: torch.Tensor, ctx: torch.Tensor, slots: torch.Te
         raise IndexError(f"a block table holds block {int(bad[0])}, outside the KV cache's {num_blocks} blocks")
 
 
+def cache_indices(batch: ForwardBatch, k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step's decode block tables (rows dense), context lengths and slots as the C kernels read them, checked
+    against a cache shaped as ``k_cache`` (``check_cache_indices``)."""
+    tables = batch.decode_block_tables
+    if tables.stride(-1) != 1:
+        tables = tables.contiguous()
+    ctx, slots = batch.decode_context_lens.contiguous(), batch.slot_mapping.contiguous()
+    check_cache_indices(tables, ctx, slots, k_cache.shape[0], k_cache.shape[1])
+    return tables, ctx, slots
+
+
 def lean_layers(model: nn.Module, lib, x: torch.Tensor, batch: ForwardBatch,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], rope: RopeTables) -> torch.Tensor:
     """Every decoder layer of ``model`` over the embedded tokens ``x`` (``[T, hidden]``, the model's dtype,
@@ -267,11 +278,7 @@ def lean_layers(model: nn.Module, lib, x: torch.Tensor, batch: ForwardBatch,
     inter = model.config.intermediate_size  # (emulated bfloat16's linears carry no ``out_features``)
     m = torch.empty(t, inter, dtype=wide)  # [T, intermediate] SiLU(gate) * up
     cos, sin = rope.cos.contiguous(), rope.sin.contiguous()  # [T, 1, head_dim]
-    tables = batch.decode_block_tables
-    if tables.stride(-1) != 1:
-        tables = tables.contiguous()
-    ctx, slots = batch.decode_context_lens.contiguous(), batch.slot_mapping.contiguous()
-    check_cache_indices(tables, ctx, slots, kv_caches[0][0].shape[0], kv_caches[0][0].shape[1])
+    tables, ctx, slots = cache_indices(batch, kv_caches[0][0])
     md, wd = _code(x), _code(h)
     xp, hp, qp, ap, mp = x.data_ptr(), h.data_ptr(), q.data_ptr(), a.data_ptr(), m.data_ptr()
     cos_p, sin_p, slots_p, tables_p, ctx_p = (cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), tables.data_ptr(),
