@@ -102,26 +102,29 @@ def test_rotary_and_cache_write_kernel_gives_the_torch_ops_bits(lib, dtype):
 @pytest.mark.parametrize("head_dim", [16, 64, 40])
 def test_decode_attention_kernel_gives_torchs_attention(lib, dtype, head_dim, threads):
     """Rows of different lengths over scattered blocks, a partial last block, a row table wider than its
-    context; head dims the kernel unrolls (64) and not (16, 40); the (row, KV head) pairs on one thread and
-    split over two."""
+    context; head dims the kernel takes as whole vectors (16, 64) and not (40); on one thread and two, with
+    as many rows as threads or more (a row's KV heads in one pass) and one row (its KV heads split over the
+    threads)."""
     gen = torch.Generator().manual_seed(2)
-    b, heads, kv_heads = 3, 6, 2
+    heads, kv_heads = 6, 2
     k_cache = torch.randn(20, BLOCK, kv_heads, head_dim, generator=gen).to(dtype)
     v_cache = torch.randn(20, BLOCK, kv_heads, head_dim, generator=gen).to(dtype)
-    tables = torch.tensor([[3, 5, 7, 1, 9], [2, 4, 6, 8, 10], [19, 11, 12, 13, 14]])
-    ctx = torch.tensor([13, 4, 20])
-    q = torch.randn(b, heads, head_dim, generator=gen).to(dtype)
-    out = torch.empty(b, heads * head_dim)
+    all_tables = torch.tensor([[3, 5, 7, 1, 9], [2, 4, 6, 8, 10], [19, 11, 12, 13, 14]])
+    all_ctx = torch.tensor([13, 4, 20])
+    all_q = torch.randn(3, heads, head_dim, generator=gen).to(dtype)
     scale = head_dim**-0.5
-    lib.ab_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), CODES[dtype], tables.data_ptr(),
-                            tables.stride(0), ctx.data_ptr(), b, heads, kv_heads, head_dim, BLOCK, scale,
-                            out.data_ptr(), 0, CODES[dtype], threads)
-    want = decode_attention(q, k_cache, v_cache, tables, ctx, scale).reshape(b, -1).float()
-    if dtype == torch.float32:
-        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
-    else:
-        assert torch.equal(out, out.to(dtype).float())  # rounded to bfloat16, as torch's output is
-        torch.testing.assert_close(out, want, rtol=0, atol=2 ** -7 * want.abs().max().item())
+    for b in (3, 1):
+        tables, ctx, q = all_tables[:b].contiguous(), all_ctx[:b].contiguous(), all_q[:b].contiguous()
+        out = torch.empty(b, heads * head_dim)
+        lib.ab_decode_attention(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), CODES[dtype],
+                                tables.data_ptr(), tables.stride(0), ctx.data_ptr(), b, heads, kv_heads, head_dim,
+                                BLOCK, scale, out.data_ptr(), 0, CODES[dtype], threads)
+        want = decode_attention(q, k_cache, v_cache, tables, ctx, scale).reshape(b, -1).float()
+        if dtype == torch.float32:
+            torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+        else:
+            assert torch.equal(out, out.to(dtype).float())  # rounded to bfloat16, as torch's output is
+            torch.testing.assert_close(out, want, rtol=0, atol=2 ** -7 * want.abs().max().item())
 
 
 @DTYPES
@@ -537,9 +540,7 @@ def test_a_step_past_the_row_limit_attends_with_the_kernel_and_gives_the_torch_o
 
 def test_a_bfloat16_step_past_the_row_limit_stays_within_bfloat16_rounding_of_the_torch_ops(lib, tiny_dirs,
                                                                                           monkeypatch):
-    """(At the tiny model's short contexts, with the kernel's bfloat16 context threshold lifted.)"""
     monkeypatch.setenv("ASYNCBATCH_BF16_EMULATION", "0")
-    monkeypatch.setattr(lean_attention, "BF16_MIN_CONTEXT", 0)
     model = load_model(tiny_dirs["llama"], torch.bfloat16, CPU, max_positions=64)
     ref = load_model(tiny_dirs["llama"], torch.float32, CPU, max_positions=64)
     gen = torch.Generator().manual_seed(10)
@@ -554,17 +555,13 @@ def test_a_bfloat16_step_past_the_row_limit_stays_within_bfloat16_rounding_of_th
     assert (got - exact).abs().max() <= 2 * (want - exact).abs().max() + 0.05
 
 
-def test_bfloat16_steps_take_the_kernel_only_from_the_measured_context_on(lib, tiny_dirs, monkeypatch):
-    """float32 steps at any context; bfloat16 ones once a decode row reaches ``BF16_MIN_CONTEXT`` tokens (below it
-    torch's bfloat16 attention measured as fast or faster)."""
+def test_float32_and_bfloat16_steps_take_the_kernel_at_any_context(lib):
+    """No context threshold (measured faster than torch's attention at 128 tokens a row and up, in both dtypes):
+    a short bfloat16 step takes the kernel as a long one does; caches in another dtype than the step's never."""
     gen = torch.Generator().manual_seed(11)
     batch = _decode_batch(3, 24, gen)
-    for dtype, wanted in ((torch.float32, True), (torch.bfloat16, False)):
+    for dtype in (torch.float32, torch.bfloat16):
         caches = [(torch.zeros(90, BLOCK, 1, 64, dtype=dtype),) * 2]
-        assert (lean_attention.decode_attention_kernel(lib, batch, caches, dtype) is not None) == wanted
-    monkeypatch.setattr(lean_attention, "BF16_MIN_CONTEXT", 24)  # the batch's widest row: 24 tokens
+        assert lean_attention.decode_attention_kernel(lib, batch, caches, dtype) is not None
     caches = [(torch.zeros(90, BLOCK, 1, 64, dtype=torch.bfloat16),) * 2]
-    assert lean_attention.decode_attention_kernel(lib, batch, caches, torch.bfloat16) is not None
-    monkeypatch.setattr(lean_attention, "BF16_MIN_CONTEXT", 25)
-    assert lean_attention.decode_attention_kernel(lib, batch, caches, torch.bfloat16) is None
     assert lean_attention.decode_attention_kernel(lib, batch, caches, torch.float32) is None  # caches not in dtype

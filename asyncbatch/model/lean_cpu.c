@@ -163,39 +163,94 @@ static inline float sum(const float *a, int64_t n) {
     return s;
 }
 
-/* One KV head's group of query heads of one row (qf: [group, D] float32) over its L positions: out (acc,
- * [group, D]) = softmax(q k / sqrt(D)) v in float32. Inlined with D a constant (64, 128) where it is one, so
- * that the dot products and the weighted sums unroll into whole vectors. */
-static inline __attribute__((always_inline)) void attend_group(const float *qf, const void *k_cache,
+/* Sixteen floats as one vector (GCC's and Clang's vector extension: one AVX-512 register, two AVX2 ones, four
+ * SSE or NEON ones), loaded from any alignment. */
+typedef float vf16 __attribute__((vector_size(64)));
+
+static inline vf16 vld(const float *p) {
+    vf16 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+/* The sum of a vector's sixteen lanes, as a tree of halves. */
+static inline float hsum16(vf16 v) {
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+    typedef float vf8 __attribute__((vector_size(32)));
+    typedef float vf4 __attribute__((vector_size(16)));
+    vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+#else
+    float a[16];
+    memcpy(a, &v, sizeof a);
+    for (int w = 8; w > 0; w /= 2)
+        for (int i = 0; i < w; i++) a[i] += a[i + w];
+    return a[0];
+#endif
+}
+
+/* Ask for the cache lines of `n` values of dtype `dtype` from element `i` of `p` (the same position of a row's next
+ * block: blocks lie anywhere in the cache, and a hardware prefetcher does not follow a row from one to the next). */
+static inline void prefetch_span(const void *p, int64_t i, int64_t n, int dtype) {
+    const char *first = (const char *)p + i * (dtype ? 2 : 4), *last = first + n * (dtype ? 2 : 4);
+    for (const char *c = first; c < last; c += 64) __builtin_prefetch(c, 0, 3);
+}
+
+/* The query heads of `span` consecutive KV heads (from g0) of one row (qf: [span * group, D] float32; each KV
+ * head's `group` query heads share its keys and values) over its L positions: out (acc, [span * group, D]) =
+ * softmax(q k / sqrt(D)) v in float32. A position's keys (and values) of the span's KV heads lie side by side
+ * in the cache, so one pass over the row's positions reads each cache line once. Inlined with D a constant
+ * (64, 128) where it is one, so that the dot products and the weighted sums unroll into whole vectors. */
+static inline __attribute__((always_inline)) void attend_heads(const float *qf, const void *k_cache,
                                                                  const void *v_cache, int md, const int64_t *table,
-                                                                 int64_t L, int64_t KVH, int64_t g, const int64_t D,
-                                                                 int64_t bs, int64_t group, float scale,
-                                                                 float *scores, float *row, float *acc) {
+                                                                 int64_t L, int64_t KVH, int64_t g0, int64_t span,
+                                                                 const int64_t D, int64_t bs, int64_t group,
+                                                                 float scale, float *scores, float *row, float *acc) {
+    int64_t heads = span * group;
     for (int64_t p0 = 0; p0 < L; p0 += bs) {
-        int64_t first = (table[p0 / bs] * bs * KVH + g) * D, n = L - p0 < bs ? L - p0 : bs;
+        int64_t first = (table[p0 / bs] * bs * KVH + g0) * D, n = L - p0 < bs ? L - p0 : bs;
+        int64_t ahead = p0 + bs < L ? (table[p0 / bs + 1] * bs * KVH + g0) * D : -1;
         for (int64_t p = 0; p < n; p++) {
+            if (ahead >= 0) prefetch_span(k_cache, ahead + p * KVH * D, span * D, md);
             const float *k = md ? row : (const float *)k_cache + first + p * KVH * D;
-            if (md) load_row(k_cache, first + p * KVH * D, D, md, row);
-            for (int64_t j = 0; j < group; j++) scores[j * L + p0 + p] = dot(qf + j * D, k, D) * scale;
+            if (md) load_row(k_cache, first + p * KVH * D, span * D, md, row);
+            for (int64_t h = 0, g = 0; g < span; g++)
+                for (int64_t j = 0; j < group; j++, h++) {
+                    const float *qh = qf + h * D, *kh = k + g * D;
+                    float s;
+                    if (D % 16 == 0) {
+                        vf16 v = vld(qh) * vld(kh);
+                        for (int64_t c = 16; c < D; c += 16) v += vld(qh + c) * vld(kh + c);
+                        s = hsum16(v);
+                    } else
+                        s = dot(qh, kh, D);
+                    scores[h * L + p0 + p] = s * scale;
+                }
         }
     }
-    for (int64_t j = 0; j < group; j++) {
-        float *sj = scores + j * L, top = -INFINITY, total;
-        for (int64_t p = 0; p < L; p++) top = sj[p] > top ? sj[p] : top;
-        for (int64_t p = 0; p < L; p++) sj[p] = exp_fast(sj[p] - top);
-        total = sum(sj, L);
-        for (int64_t p = 0; p < L; p++) sj[p] /= total;
+    for (int64_t h = 0; h < heads; h++) {
+        float *sh = scores + h * L, top = -INFINITY, total;
+        for (int64_t p = 0; p < L; p++) top = sh[p] > top ? sh[p] : top;
+        for (int64_t p = 0; p < L; p++) sh[p] = exp_fast(sh[p] - top);
+        total = sum(sh, L);
+        for (int64_t p = 0; p < L; p++) sh[p] /= total;
     }
-    memset(acc, 0, sizeof(float) * group * D);
+    memset(acc, 0, sizeof(float) * heads * D);
     for (int64_t p0 = 0; p0 < L; p0 += bs) {
-        int64_t first = (table[p0 / bs] * bs * KVH + g) * D, n = L - p0 < bs ? L - p0 : bs;
+        int64_t first = (table[p0 / bs] * bs * KVH + g0) * D, n = L - p0 < bs ? L - p0 : bs;
+        int64_t ahead = p0 + bs < L ? (table[p0 / bs + 1] * bs * KVH + g0) * D : -1;
         for (int64_t p = 0; p < n; p++) {
+            if (ahead >= 0) prefetch_span(v_cache, ahead + p * KVH * D, span * D, md);
             const float *v = md ? row : (const float *)v_cache + first + p * KVH * D;
-            if (md) load_row(v_cache, first + p * KVH * D, D, md, row);
-            for (int64_t j = 0; j < group; j++) {
-                float w = scores[j * L + p0 + p], *aj = acc + j * D;
-                for (int64_t i = 0; i < D; i++) aj[i] = fmaf(w, v[i], aj[i]);
-            }
+            if (md) load_row(v_cache, first + p * KVH * D, span * D, md, row);
+            for (int64_t h = 0, g = 0; g < span; g++)
+                for (int64_t j = 0; j < group; j++, h++) {
+                    float w = scores[h * L + p0 + p], *ah = acc + h * D;
+                    const float *vh = v + g * D;
+                    for (int64_t i = 0; i < D; i++) ah[i] = fmaf(w, vh[i], ah[i]);
+                }
         }
     }
 }
@@ -205,36 +260,40 @@ static inline __attribute__((always_inline)) void attend_group(const float *qf, 
  * query heads of one KV head's group share its keys and values, read once. Scores, softmax and the weighted sum
  * in float32 (fused multiply-adds: this is not torch's order of sums in any case); the output ([B, H * D])
  * rounded to the model's dtype (what scaled_dot_product_attention returns) and stored in dtype od. A row with
- * no context gets zeros. The (row, KV head) pairs are split over `threads` OpenMP threads (each pair's result
- * is the same on any thread: no sum crosses pairs). */
+ * no context gets zeros. Work is split over `threads` OpenMP threads by row where there are at least as many
+ * rows as threads (a row's KV heads in one pass over its positions), else by (row, KV head) pair; each output's
+ * sums are the same either way (no sum crosses KV heads). */
 void ab_decode_attention(const void *q, const void *k_cache, const void *v_cache, int md, const int64_t *tables,
                          int64_t table_stride, const int64_t *ctx_lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
                          int64_t bs, float scale, void *out, int od, int bf, int threads) {
-    int64_t group = H / KVH, longest = 1, pairs = B * KVH;
+    int64_t group = H / KVH, longest = 1;
     for (int64_t b = 0; b < B; b++)
         if (ctx_lens[b] > longest) longest = ctx_lens[b];
-    (void)threads;
+    int64_t span = B >= threads ? KVH : 1, parts = KVH / span, items = B * parts;
 #ifdef _OPENMP
-#pragma omp parallel num_threads(pairs > 1 && threads > 1 ? threads : 1)
+#pragma omp parallel num_threads(items > 1 && threads > 1 ? threads : 1)
 #endif
     {
-        float *scores = malloc(sizeof(float) * (group * longest + 2 * group * D + D));
-        float *qf = scores + group * longest, *acc = qf + group * D, *row = acc + group * D;
+        float *scores = malloc(sizeof(float) * (span * group * (longest + 2 * D) + span * D));
+        float *qf = scores + span * group * longest, *acc = qf + span * group * D, *row = acc + span * group * D;
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-        for (int64_t pair = 0; pair < pairs; pair++) {
-            int64_t b = pair / KVH, g = pair % KVH, L = ctx_lens[b];
+        for (int64_t item = 0; item < items; item++) {
+            int64_t b = item / parts, g0 = (item % parts) * span, L = ctx_lens[b];
             const int64_t *table = tables + b * table_stride;
-            load_row(q, (b * H + g * group) * D, group * D, md, qf);
+            int64_t o0 = (b * H + g0 * group) * D, width = span * group * D;
+            load_row(q, o0, width, md, qf);
             if (D == 64)
-                attend_group(qf, k_cache, v_cache, md, table, L, KVH, g, 64, bs, group, scale, scores, row, acc);
+                attend_heads(qf, k_cache, v_cache, md, table, L, KVH, g0, span, 64, bs, group, scale, scores, row,
+                             acc);
             else if (D == 128)
-                attend_group(qf, k_cache, v_cache, md, table, L, KVH, g, 128, bs, group, scale, scores, row, acc);
+                attend_heads(qf, k_cache, v_cache, md, table, L, KVH, g0, span, 128, bs, group, scale, scores, row,
+                             acc);
             else
-                attend_group(qf, k_cache, v_cache, md, table, L, KVH, g, D, bs, group, scale, scores, row, acc);
-            int64_t o0 = (b * H + g * group) * D;
-            for (int64_t i = 0; i < group * D; i++) store(out, o0 + i, L > 0 ? rnd(acc[i], bf) : 0.0f, od);
+                attend_heads(qf, k_cache, v_cache, md, table, L, KVH, g0, span, D, bs, group, scale, scores, row,
+                             acc);
+            for (int64_t i = 0; i < width; i++) store(out, o0 + i, L > 0 ? rnd(acc[i], bf) : 0.0f, od);
         }
         free(scores);
     }
