@@ -102,9 +102,8 @@ def test_rotary_and_cache_write_kernel_gives_the_torch_ops_bits(lib, dtype):
 @pytest.mark.parametrize("head_dim", [16, 64, 40])
 def test_decode_attention_kernel_gives_torchs_attention(lib, dtype, head_dim, threads):
     """Rows of different lengths over scattered blocks, a partial last block, a row table wider than its
-    context; head dims the kernel takes as whole vectors (16, 64) and not (40); on one thread and two, with
-    as many rows as threads or more (a row's KV heads in one pass) and one row (its KV heads split over the
-    threads)."""
+    context; head dims the kernel takes as whole vectors (16, 64) and not (40); on one thread and two, three
+    rows and one."""
     gen = torch.Generator().manual_seed(2)
     heads, kv_heads = 6, 2
     k_cache = torch.randn(20, BLOCK, kv_heads, head_dim, generator=gen).to(dtype)
@@ -125,6 +124,41 @@ def test_decode_attention_kernel_gives_torchs_attention(lib, dtype, head_dim, th
         else:
             assert torch.equal(out, out.to(dtype).float())  # rounded to bfloat16, as torch's output is
             torch.testing.assert_close(out, want, rtol=0, atol=2 ** -7 * want.abs().max().item())
+
+
+@DTYPES
+def test_decode_attention_kernel_cuts_long_rows_into_chunks_whose_merge_depends_on_nothing_else(lib, dtype):
+    """Rows past the kernel's 256-position chunk (its work items: a row's chunks merged in order): torch's attention
+    within the same bounds as short rows, and a row's output bit for bit the same alone or beside other rows, on one
+    thread or two (docs/reproducibility.md)."""
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, head_dim, blocks = 6, 2, 64, 400
+    k_cache = torch.randn(blocks, BLOCK, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(blocks, BLOCK, kv_heads, head_dim, generator=gen).to(dtype)
+    ctx = torch.tensor([700, 256, 513])  # three chunks (the last partial), exactly one, one past two
+    width = (int(ctx.max()) + BLOCK - 1) // BLOCK
+    tables = torch.stack([torch.randperm(blocks, generator=gen)[:width] for _ in range(3)])
+    q = torch.randn(3, heads, head_dim, generator=gen).to(dtype)
+    scale = head_dim**-0.5
+
+    def attend(rows: list[int], threads: int) -> torch.Tensor:
+        t, c, x = tables[rows].contiguous(), ctx[rows].contiguous(), q[rows].contiguous()
+        out = torch.empty(len(rows), heads * head_dim)
+        lib.ab_decode_attention(x.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), CODES[dtype], t.data_ptr(),
+                                t.stride(0), c.data_ptr(), len(rows), heads, kv_heads, head_dim, BLOCK, scale,
+                                out.data_ptr(), 0, CODES[dtype], threads)
+        return out
+
+    together = attend([0, 1, 2], 2)
+    want = decode_attention(q, k_cache, v_cache, tables, ctx, scale).reshape(3, -1).float()
+    if dtype == torch.float32:
+        torch.testing.assert_close(together, want, rtol=1e-5, atol=1e-6)
+    else:
+        torch.testing.assert_close(together, want, rtol=0, atol=2 ** -7 * want.abs().max().item())
+    for row in range(3):
+        for threads in (1, 2):
+            assert torch.equal(attend([row], threads), together[row:row + 1])
+    assert torch.equal(attend([0, 1, 2], 1), together)
 
 
 @DTYPES

@@ -5,8 +5,8 @@ chunks beside them) runs the torch ops, whose decode attention gathers every row
 in every layer and then runs ``scaled_dot_product_attention`` over the widest row's length: at 2,048 tokens a row
 that copy dominates the step (float32 SmolLM2-135M, 16 rows on a 2-vCPU Zen 4: 861 ms a step against 200 for
 the lean step, whose attention reads the cache in place; profiles/lean-products-amd-epyc-zen4-2core/row-limit).
-The kernel has no row limit of its own: it splits the rows over the threads (a row's KV heads in one pass over
-its positions), and its work is each row's own context. So the decode rows of those steps attend with it; the
+The kernel has no row limit of its own: it splits (row, chunk of 256 positions) items over the threads (a chunk's
+KV heads in one pass over its positions), and its work is each row's own context. So the decode rows of those steps attend with it; the
 products stay the linears' own (oneDNN or MKL, which take many rows in one pass over the weights), and prefill
 chunks keep torch's attention.
 

@@ -198,25 +198,31 @@ static inline void prefetch_span(const void *p, int64_t i, int64_t n, int dtype)
     for (const char *c = first; c < last; c += 64) __builtin_prefetch(c, 0, 3);
 }
 
-/* The query heads of `span` consecutive KV heads (from g0) of one row (qf: [span * group, D] float32; each KV
- * head's `group` query heads share its keys and values) over its L positions: out (acc, [span * group, D]) =
- * softmax(q k / sqrt(D)) v in float32. A position's keys (and values) of the span's KV heads lie side by side
- * in the cache, so one pass over the row's positions reads each cache line once. Inlined with D a constant
- * (64, 128) where it is one, so that the dot products and the weighted sums unroll into whole vectors. */
-static inline __attribute__((always_inline)) void attend_heads(const float *qf, const void *k_cache,
+/* Positions a work item of the attention takes: a row's context is cut at fixed multiples of this, whatever the
+ * step's rows and threads, so that every sum of a row is the same in any step (docs/reproducibility.md). */
+#define ATTENTION_CHUNK 256
+
+/* One row's query heads (qf: [H, D] float32; each KV head's `group` query heads share its keys and values) over
+ * its positions [p_begin, p_end) (block-aligned start): for each head h, top[h] = the largest score, total[h] =
+ * the sum of exp(score - top[h]) and acc[h] ([H, D]) = the sum of exp(score - top[h]) v, in float32. A position's
+ * keys (and values) of all KV heads lie side by side in the cache, so one pass over the positions reads each cache
+ * line once. Inlined with D a constant (64, 128) where it is one, so that the dot products and the weighted sums
+ * unroll into whole vectors. */
+static inline __attribute__((always_inline)) void attend_chunk(const float *qf, const void *k_cache,
                                                                  const void *v_cache, int md, const int64_t *table,
-                                                                 int64_t L, int64_t KVH, int64_t g0, int64_t span,
+                                                                 int64_t p_begin, int64_t p_end, int64_t KVH,
                                                                  const int64_t D, int64_t bs, int64_t group,
-                                                                 float scale, float *scores, float *row, float *acc) {
-    int64_t heads = span * group;
-    for (int64_t p0 = 0; p0 < L; p0 += bs) {
-        int64_t first = (table[p0 / bs] * bs * KVH + g0) * D, n = L - p0 < bs ? L - p0 : bs;
-        int64_t ahead = p0 + bs < L ? (table[p0 / bs + 1] * bs * KVH + g0) * D : -1;
+                                                                 float scale, float *scores, float *row, float *top,
+                                                                 float *total, float *acc) {
+    int64_t heads = KVH * group, n_pos = p_end - p_begin;
+    for (int64_t p0 = p_begin; p0 < p_end; p0 += bs) {
+        int64_t first = table[p0 / bs] * bs * KVH * D, n = p_end - p0 < bs ? p_end - p0 : bs;
+        int64_t ahead = p0 + bs < p_end ? table[p0 / bs + 1] * bs * KVH * D : -1;
         for (int64_t p = 0; p < n; p++) {
-            if (ahead >= 0) prefetch_span(k_cache, ahead + p * KVH * D, span * D, md);
+            if (ahead >= 0) prefetch_span(k_cache, ahead + p * KVH * D, KVH * D, md);
             const float *k = md ? row : (const float *)k_cache + first + p * KVH * D;
-            if (md) load_row(k_cache, first + p * KVH * D, span * D, md, row);
-            for (int64_t h = 0, g = 0; g < span; g++)
+            if (md) load_row(k_cache, first + p * KVH * D, KVH * D, md, row);
+            for (int64_t h = 0, g = 0; g < KVH; g++)
                 for (int64_t j = 0; j < group; j++, h++) {
                     const float *qh = qf + h * D, *kh = k + g * D;
                     float s;
@@ -226,28 +232,28 @@ static inline __attribute__((always_inline)) void attend_heads(const float *qf, 
                         s = hsum16(v);
                     } else
                         s = dot(qh, kh, D);
-                    scores[h * L + p0 + p] = s * scale;
+                    scores[h * n_pos + p0 - p_begin + p] = s * scale;
                 }
         }
     }
     for (int64_t h = 0; h < heads; h++) {
-        float *sh = scores + h * L, top = -INFINITY, total;
-        for (int64_t p = 0; p < L; p++) top = sh[p] > top ? sh[p] : top;
-        for (int64_t p = 0; p < L; p++) sh[p] = exp_fast(sh[p] - top);
-        total = sum(sh, L);
-        for (int64_t p = 0; p < L; p++) sh[p] /= total;
+        float *sh = scores + h * n_pos, t = -INFINITY;
+        for (int64_t p = 0; p < n_pos; p++) t = sh[p] > t ? sh[p] : t;
+        for (int64_t p = 0; p < n_pos; p++) sh[p] = exp_fast(sh[p] - t);
+        top[h] = t;
+        total[h] = sum(sh, n_pos);
     }
     memset(acc, 0, sizeof(float) * heads * D);
-    for (int64_t p0 = 0; p0 < L; p0 += bs) {
-        int64_t first = (table[p0 / bs] * bs * KVH + g0) * D, n = L - p0 < bs ? L - p0 : bs;
-        int64_t ahead = p0 + bs < L ? (table[p0 / bs + 1] * bs * KVH + g0) * D : -1;
+    for (int64_t p0 = p_begin; p0 < p_end; p0 += bs) {
+        int64_t first = table[p0 / bs] * bs * KVH * D, n = p_end - p0 < bs ? p_end - p0 : bs;
+        int64_t ahead = p0 + bs < p_end ? table[p0 / bs + 1] * bs * KVH * D : -1;
         for (int64_t p = 0; p < n; p++) {
-            if (ahead >= 0) prefetch_span(v_cache, ahead + p * KVH * D, span * D, md);
+            if (ahead >= 0) prefetch_span(v_cache, ahead + p * KVH * D, KVH * D, md);
             const float *v = md ? row : (const float *)v_cache + first + p * KVH * D;
-            if (md) load_row(v_cache, first + p * KVH * D, span * D, md, row);
-            for (int64_t h = 0, g = 0; g < span; g++)
+            if (md) load_row(v_cache, first + p * KVH * D, KVH * D, md, row);
+            for (int64_t h = 0, g = 0; g < KVH; g++)
                 for (int64_t j = 0; j < group; j++, h++) {
-                    float w = scores[h * L + p0 + p], *ah = acc + h * D;
+                    float w = scores[h * n_pos + p0 - p_begin + p], *ah = acc + h * D;
                     const float *vh = v + g * D;
                     for (int64_t i = 0; i < D; i++) ah[i] = fmaf(w, vh[i], ah[i]);
                 }
@@ -260,43 +266,81 @@ static inline __attribute__((always_inline)) void attend_heads(const float *qf, 
  * query heads of one KV head's group share its keys and values, read once. Scores, softmax and the weighted sum
  * in float32 (fused multiply-adds: this is not torch's order of sums in any case); the output ([B, H * D])
  * rounded to the model's dtype (what scaled_dot_product_attention returns) and stored in dtype od. A row with
- * no context gets zeros. Work is split over `threads` OpenMP threads by row where there are at least as many
- * rows as threads (a row's KV heads in one pass over its positions), else by (row, KV head) pair; each output's
- * sums are the same either way (no sum crosses KV heads). */
+ * no context gets zeros.
+ *
+ * The work items are (row, chunk of ATTENTION_CHUNK positions), split over `threads` OpenMP threads: one row of
+ * a long context keeps every thread busy, and a row's chunks, cut at fixed positions, are merged in their order
+ * (each chunk's sums rescaled to the row's largest score), so a row's result is the same whatever the step's rows
+ * and threads. The chunks must start on a block boundary (ATTENTION_CHUNK a multiple of bs; else one chunk a
+ * row). */
 void ab_decode_attention(const void *q, const void *k_cache, const void *v_cache, int md, const int64_t *tables,
                          int64_t table_stride, const int64_t *ctx_lens, int64_t B, int64_t H, int64_t KVH, int64_t D,
                          int64_t bs, float scale, void *out, int od, int bf, int threads) {
-    int64_t group = H / KVH, longest = 1;
-    for (int64_t b = 0; b < B; b++)
-        if (ctx_lens[b] > longest) longest = ctx_lens[b];
-    int64_t span = B >= threads ? KVH : 1, parts = KVH / span, items = B * parts;
+    int64_t group = H / KVH, chunk = ATTENTION_CHUNK % bs == 0 ? ATTENTION_CHUNK : 0, longest = 1, items = 0;
+    int64_t *first_item = malloc(sizeof(int64_t) * (B + 1));
+    for (int64_t b = 0; b < B; b++) {
+        int64_t L = ctx_lens[b];
+        if (L > longest) longest = L;
+        first_item[b] = items;
+        items += chunk && L > chunk ? (L + chunk - 1) / chunk : 1;
+    }
+    first_item[B] = items;
+    int64_t span = chunk && longest > chunk ? chunk : longest, stride = H * (D + 2);
+    float *parts = malloc(sizeof(float) * items * stride); /* each item: top [H], total [H], acc [H, D] */
+    (void)threads;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(items > 1 && threads > 1 ? threads : 1)
 #endif
     {
-        float *scores = malloc(sizeof(float) * (span * group * (longest + 2 * D) + span * D));
-        float *qf = scores + span * group * longest, *acc = qf + span * group * D, *row = acc + span * group * D;
+        float *scores = malloc(sizeof(float) * (H * (span + D) + KVH * D));
+        float *qf = scores + H * span, *row = qf + H * D;
+        int64_t b = 0;
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
         for (int64_t item = 0; item < items; item++) {
-            int64_t b = item / parts, g0 = (item % parts) * span, L = ctx_lens[b];
+            while (first_item[b + 1] <= item) b++;
+            int64_t L = ctx_lens[b], c = item - first_item[b];
+            int64_t p_begin = c * chunk, p_end = chunk && L > chunk && p_begin + chunk < L ? p_begin + chunk : L;
+            float *part = parts + item * stride;
+            if (L <= 0) continue;
+            load_row(q, b * H * D, H * D, md, qf);
             const int64_t *table = tables + b * table_stride;
-            int64_t o0 = (b * H + g0 * group) * D, width = span * group * D;
-            load_row(q, o0, width, md, qf);
             if (D == 64)
-                attend_heads(qf, k_cache, v_cache, md, table, L, KVH, g0, span, 64, bs, group, scale, scores, row,
-                             acc);
+                attend_chunk(qf, k_cache, v_cache, md, table, p_begin, p_end, KVH, 64, bs, group, scale, scores, row,
+                             part, part + H, part + 2 * H);
             else if (D == 128)
-                attend_heads(qf, k_cache, v_cache, md, table, L, KVH, g0, span, 128, bs, group, scale, scores, row,
-                             acc);
+                attend_chunk(qf, k_cache, v_cache, md, table, p_begin, p_end, KVH, 128, bs, group, scale, scores,
+                             row, part, part + H, part + 2 * H);
             else
-                attend_heads(qf, k_cache, v_cache, md, table, L, KVH, g0, span, D, bs, group, scale, scores, row,
-                             acc);
-            for (int64_t i = 0; i < width; i++) store(out, o0 + i, L > 0 ? rnd(acc[i], bf) : 0.0f, od);
+                attend_chunk(qf, k_cache, v_cache, md, table, p_begin, p_end, KVH, D, bs, group, scale, scores, row,
+                             part, part + H, part + 2 * H);
+        }
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t r = 0; r < B; r++) {
+            int64_t o0 = r * H * D, n = first_item[r + 1] - first_item[r];
+            const float *first = parts + first_item[r] * stride;
+            for (int64_t h = 0; h < H; h++) {
+                float *o = row; /* the head's merged sum, [D] (row holds KVH * D >= D floats) */
+                float top = first[h], total = 0.0f;
+                for (int64_t c = 1; c < n; c++) top = first[c * stride + h] > top ? first[c * stride + h] : top;
+                memset(o, 0, sizeof(float) * D);
+                for (int64_t c = 0; c < n; c++) {
+                    const float *part = first + c * stride;
+                    float w = n == 1 ? 1.0f : exp_fast(part[h] - top);
+                    total += w * part[H + h];
+                    for (int64_t i = 0; i < D; i++) o[i] = fmaf(w, part[2 * H + h * D + i], o[i]);
+                }
+                for (int64_t i = 0; i < D; i++)
+                    store(out, o0 + h * D + i, ctx_lens[r] > 0 ? rnd(o[i] / total, bf) : 0.0f, od);
+            }
         }
         free(scores);
     }
+    free(parts);
+    free(first_item);
 }
 
 /* out = SiLU(gate) * up, gate and up rounded to the model's dtype, SiLU's value rounded, then the product

@@ -58,8 +58,8 @@ from asyncbatch.model.rope import RopeTables
 # took 0.55-0.92x the torch ops' time at contexts of 128-2,048 a row (0.43-0.64x at 8,192); float32 0.42-0.71x.
 # Five rows: a verify step of one request with four drafts (speculation's default), or five requests' decode
 # rows. The limit on CPUs where more was not measured (``lean_max_rows``). No limit on context: the attention
-# reads each row's blocks in place (its KV heads in one pass, the rows over the threads), and torch's paged
-# attention gathers the pages each step, which grows faster.
+# reads each row's blocks in place (its KV heads in one pass, chunks of 256 positions over the threads), and
+# torch's paged attention gathers the pages each step, which grows faster.
 LEAN_MAX_ROWS = 5
 # Where more rows were measured, with the lean step's own products: AVX512-BF16 without AMX (the Zen 4 VM,
 # 2026-12-06, profiles/lean-products-amd-epyc-zen4-2core/row-limit). Steps alone (rows_sweep, contexts of 128-2,048
