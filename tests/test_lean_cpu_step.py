@@ -130,7 +130,7 @@ def test_decode_attention_kernel_gives_torchs_attention(lib, dtype, head_dim, th
 def test_decode_attention_kernel_cuts_long_rows_into_chunks_whose_merge_depends_on_nothing_else(lib, dtype):
     """Rows past the kernel's 256-position chunk (its work items: a row's chunks merged in order): torch's attention
     within the same bounds as short rows, and a row's output bit for bit the same alone or beside other rows, on one
-    thread or two (docs/reproducibility.md)."""
+    thread or two (docs/reproducibility.md); a row without context gives zeros."""
     gen = torch.Generator().manual_seed(5)
     heads, kv_heads, head_dim, blocks = 6, 2, 64, 400
     k_cache = torch.randn(blocks, BLOCK, kv_heads, head_dim, generator=gen).to(dtype)
@@ -159,6 +159,9 @@ def test_decode_attention_kernel_cuts_long_rows_into_chunks_whose_merge_depends_
         for threads in (1, 2):
             assert torch.equal(attend([row], threads), together[row:row + 1])
     assert torch.equal(attend([0, 1, 2], 1), together)
+    ctx[1] = 0  # a row without context: zeros, beside rows with
+    empty = attend([0, 1], 2)
+    assert not empty[1].any() and torch.equal(empty[0], together[0])
 
 
 @DTYPES

@@ -322,6 +322,10 @@ void ab_decode_attention(const void *q, const void *k_cache, const void *v_cache
         for (int64_t r = 0; r < B; r++) {
             int64_t o0 = r * H * D, n = first_item[r + 1] - first_item[r];
             const float *first = parts + first_item[r] * stride;
+            if (ctx_lens[r] <= 0) { /* no context: its one item computed nothing */
+                for (int64_t i = 0; i < H * D; i++) store(out, o0 + i, 0.0f, od);
+                continue;
+            }
             for (int64_t h = 0; h < H; h++) {
                 float *o = row; /* the head's merged sum, [D] (row holds KVH * D >= D floats) */
                 float top = first[h], total = 0.0f;
@@ -333,8 +337,7 @@ void ab_decode_attention(const void *q, const void *k_cache, const void *v_cache
                     total += w * part[H + h];
                     for (int64_t i = 0; i < D; i++) o[i] = fmaf(w, part[2 * H + h * D + i], o[i]);
                 }
-                for (int64_t i = 0; i < D; i++)
-                    store(out, o0 + h * D + i, ctx_lens[r] > 0 ? rnd(o[i] / total, bf) : 0.0f, od);
+                for (int64_t i = 0; i < D; i++) store(out, o0 + h * D + i, rnd(o[i] / total, bf), od);
             }
         }
         free(scores);
