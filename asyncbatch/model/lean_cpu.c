@@ -8,8 +8,8 @@
  * (lean_kernels.FLAGS), so a product and a sum are never fused into one rounding where torch rounds twice (the
  * attention's fmaf calls are its own order of sums, not torch's in any case).
  *
- * Each function takes its scratch with one malloc a call (the attention: one a thread) and frees it; none takes a
- * lock, none keeps state: any thread may call them, each on its own tensors.
+ * Each function takes its scratch with one malloc a call (the attention: two a call and one a thread) and frees
+ * it; none takes a lock, none keeps state: any thread may call them, each on its own tensors.
  */
 #include <math.h>
 #include <stdint.h>
