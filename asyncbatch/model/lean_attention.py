@@ -6,9 +6,9 @@ in every layer and then runs ``scaled_dot_product_attention`` over the widest ro
 that copy dominates the step (float32 SmolLM2-135M, 16 rows on a 2-vCPU Zen 4: 861 ms a step against 200 for
 the lean step, whose attention reads the cache in place; profiles/lean-products-amd-epyc-zen4-2core/row-limit).
 The kernel has no row limit of its own: it splits (row, chunk of 256 positions) items over the threads (a chunk's
-KV heads in one pass over its positions), and its work is each row's own context. So the decode rows of those steps attend with it; the
-products stay the linears' own (oneDNN or MKL, which take many rows in one pass over the weights), and prefill
-chunks keep torch's attention.
+KV heads in one pass over its positions), and its work is each row's own context. So the decode rows of those
+steps attend with it; the products stay the linears' own (oneDNN or MKL, which take many rows in one pass over the
+weights), and prefill chunks keep torch's attention.
 
 **Numerics.** The lean step's (``lean_step``'s module docstring): float32 sums in another order than SDPA's, in
 bfloat16 the weighted sum of values taken in float32 where the fused SDPA kernel rounds its probabilities first.
@@ -42,8 +42,7 @@ def decode_attention_kernel(lib, batch: ForwardBatch, kv_caches: list[tuple[torc
                             dtype: torch.dtype) -> DecodeAttention | None:
     """The decode rows' attention of one step by the library ``lib`` (every layer's, the same tables), or None
     where it does not apply (no decode rows, tracing, caches not in ``dtype``). Checks the step's block tables
-    against the caches once
-    (``lean_step.cache_indices``: the kernel reads them unchecked)."""
+    against the caches once (``lean_step.cache_indices``: the kernel reads them unchecked)."""
     rows = batch.num_decode
     k0, v0 = kv_caches[0]
     if (not rows or torch.compiler.is_compiling() or dtype not in DTYPE_CODES or k0.dtype != dtype

@@ -205,15 +205,18 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         plan = reference_plan(batch, k_cache.shape[1], q.device, q.dtype)
     nd = batch.num_decode
     kernel = plan.decode if plan.decode is not None and q.dtype == k_cache.dtype else None
-    if not plan.prefill:
+
+    def attend_decode(qd: torch.Tensor) -> torch.Tensor:
         if kernel is not None:
-            return kernel(q, k_cache, v_cache, scale)
-        return decode_attention(q, k_cache, v_cache, batch.decode_block_tables, batch.decode_context_lens, scale,
+            return kernel(qd, k_cache, v_cache, scale)
+        return decode_attention(qd, k_cache, v_cache, batch.decode_block_tables, batch.decode_context_lens, scale,
                                 plan)
+
+    if not plan.prefill:
+        return attend_decode(q)
     out = torch.empty_like(q)
     if nd:
-        out[:nd] = kernel(q[:nd], k_cache, v_cache, scale) if kernel is not None else decode_attention(
-            q[:nd], k_cache, v_cache, batch.decode_block_tables, batch.decode_context_lens, scale, plan)
+        out[:nd] = attend_decode(q[:nd])
     for row in plan.prefill:
         out[row.tokens] = prefill_attention(q[row.tokens], k_cache, v_cache, row.ctx_len, row.blocks, scale, row.mask)
     return out
