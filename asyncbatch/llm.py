@@ -300,8 +300,11 @@ class LLM:
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
                request_id: str | None = None) -> Iterator[StreamDelta]:
-        """Yield deltas as tokens arrive; leaving the loop early aborts the request. With ``n > 1`` the
-        completions' deltas interleave, each with its ``index``, until every one has finished (``StreamDelta``)."""
+        """Yield deltas as tokens arrive; closing the iterator early aborts the request. Leaving a ``for`` loop
+        over ``llm.stream(...)`` closes it (the loop held its only reference); an iterator kept elsewhere (a
+        list of streams) is only suspended by leaving a loop over it, and its request runs on until ``close()``
+        or ``abort``. With ``n > 1`` the completions' deltas interleave, each with its ``index``, until every
+        one has finished (``StreamDelta``)."""
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], Integral):  # token ids: numpy's too
             raise TypeError("stream takes one prompt (a string, a list of token ids or a prompt dict), got a list of "
                             f"{type(prompt[0]).__name__}; generate takes a list, or stream each prompt")

@@ -11,6 +11,8 @@ promise of that dtype (docs/reproducibility.md): the runs part only at near-ties
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from engine_checks import assert_idle_and_clean
 from reference import assert_bfloat16_runs_agree
@@ -90,6 +92,11 @@ def test_overlap_equals_sync_on_default_model_bfloat16(make_llm):
 
 
 def test_aborted_streams_end_with_a_prefix(make_llm):
+    """Three of six streams closed after a few tokens: their requests stop (the engine emits fewer tokens than
+    the six would), their tokens are a prefix of an unaborted run's, the other three are whole. The streams are
+    read one delta each in turn, so the engine is never far ahead of the reader and the aborts cut running
+    requests. A stream kept in a list must be closed (``close()``): leaving a ``for`` loop over it only
+    suspends it; leaving a loop over ``llm.stream(...)`` itself closes it, checked last."""
     full_llm = make_llm(device="cpu", dtype="float32")
     prompts, _ = workload(full_llm.tokenizer)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
@@ -97,14 +104,34 @@ def test_aborted_streams_end_with_a_prefix(make_llm):
     llm = make_llm(device="cpu", dtype="float32", overlap=True, debug_check_integrity=True)
     streams = [llm.stream(p, params) for p in prompts[:6]]
     got: list[list[int]] = [[] for _ in streams]
-    for i, stream in enumerate(streams):
-        for n, delta in enumerate(stream):
+    reading = list(range(len(streams)))
+    while reading:
+        for i in list(reading):
+            delta = next(streams[i], None)
+            if delta is None:  # finished
+                reading.remove(i)
+                continue
             got[i].extend(delta.token_ids)
-            if n == 2 + i and i % 2 == 0:
-                break  # leaving the iterator aborts the request
+            if i % 2 == 0 and len(got[i]) >= 3 + i:
+                streams[i].close()  # aborts the request
+                reading.remove(i)
     for i, tokens in enumerate(got):
         assert tokens == full[i][:len(tokens)]
         if i % 2:
             assert tokens == full[i]
+        else:
+            assert len(tokens) < len(full[i])
+    assert llm.wait_settled(30.0)
+    emitted = llm.stats()["output_tokens"]
+    assert emitted < 6 * 24, "the closed streams' requests ran to their end"
+    for n, _ in enumerate(llm.stream(prompts[0], params)):
+        if n == 1:
+            break  # the loop held the only reference: the stream is closed and the request aborted
+    deadline = time.monotonic() + 30.0
+    while llm.num_requests()[0] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert llm.num_requests() == (0, 0)
+    assert llm.wait_settled(30.0)
+    assert llm.stats()["output_tokens"] - emitted < 24, "the stream left by its loop ran to its end"
     llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # a full step after the aborts
     assert_idle_and_clean(llm)

@@ -583,7 +583,10 @@ def test_engine_on_sim_checks_integrity_after_every_step(make_llm):
         for i, stream in enumerate(streams):
             for n, _ in enumerate(stream):
                 if n == i:
-                    break  # leaving the iterator aborts the request, its blocks possibly shared
+                    stream.close()  # aborts the request, its blocks possibly shared (a stream kept in a list
+                    break  # is only suspended by leaving the loop)
+        assert llm.wait_settled(10.0)
+        assert llm.stats()["output_tokens"] < 6 * 30, "the closed streams' requests ran to their end"
         outs = llm.generate(prompts, params, use_tqdm=False)
         results[caching] = ([o.token_ids for o in outs], llm.stats(), llm.prefix_cache_stats())
         llm.check_integrity()

@@ -4,8 +4,10 @@
     async for delta in engine.generate("Hello", SamplingParams(max_tokens=32), request_id="r1"):
         print(delta.text, end="")
 
-Cancelling the task that consumes ``generate`` (or leaving the loop early)
-aborts the request: the engine frees its KV blocks within a step. Nothing here
+Cancelling the task that consumes ``generate``, or closing the generator early,
+aborts the request: the engine frees its KV blocks within a step. Leaving an
+``async for`` over ``engine.generate(...)`` early closes it (the loop held its
+only reference); a generator kept elsewhere needs ``aclose()``. Nothing here
 blocks the event loop: submission is a message to the engine core, long
 prompts are tokenized on a worker thread, and the output thread hands deltas
 over in batches (``async_stream``), so the loop does no per-token work beyond
