@@ -183,3 +183,6 @@ class StreamDelta:
     output: RequestOutput | None = None
     logprobs: Logprobs | None = None  # of this delta's token_ids, when the request asked for logprobs
     index: int = 0  # which of the stream's n completions
+    # The prompt's logprobs (tokens 1..), on the completion's first delta with tokens, when it asked for them:
+    # the prefill that scored them ends in the step that samples the first token.
+    prompt_logprobs: Logprobs | None = None

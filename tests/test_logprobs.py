@@ -265,10 +265,12 @@ def test_streamed_logprobs_add_up_to_the_final_ones(tiny_engines, tiny_reference
         streamed = Logprobs()
         tokens: list[int] = []
         final = None
+        prompt_lps = []  # the first delta with tokens carries the prompt's logprobs, when asked for
         for delta in llm.stream(prompt, params):
             if delta.token_ids:
                 assert delta.logprobs is not None and delta.logprobs.token_ids == delta.token_ids, delta
                 streamed.extend(delta.logprobs)
+                prompt_lps.append(delta.prompt_logprobs)
                 tokens += delta.token_ids
             else:
                 assert not delta.logprobs, delta
@@ -277,6 +279,11 @@ def test_streamed_logprobs_add_up_to_the_final_ones(tiny_engines, tiny_reference
         assert final is not None and final.token_ids == tokens
         assert len(final.logprobs) == len(tokens) == len(streamed)
         assert streamed == final.logprobs
+        assert all(lp is None for lp in prompt_lps[1:])
+        if params.prompt_logprobs is None:
+            assert prompt_lps[0] is None
+        else:
+            assert prompt_lps[0] == final.prompt_logprobs and len(prompt_lps[0]) == len(prompt) - 1
         check_against_reference(tiny_reference, final, params, tiny_refs)
         alone = llm.generate([prompt], params, use_tqdm=False)[0]
         assert alone.token_ids == tokens

@@ -176,21 +176,56 @@ def test_chat_logprobs_match_the_model_whole_and_streamed(served) -> None:
 
 
 def test_streamed_completion_offsets_run_on(served) -> None:
+    """Each chunk's offsets run on over the tokens' strings from the chunk before: the whole response's."""
     server, _engine, _reference = served
-    with client(server) as http, http.stream("POST", "/v1/completions", json={
-            "prompt": "Once", "max_tokens": 10, "temperature": 0, "logprobs": 1, "stream": True,
-            "ignore_eos": True}) as response:
-        text, tokens = "", 0
-        for line in response.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            choice = json.loads(line[6:])["choices"][0]
-            lp = choice["logprobs"]
-            if lp is not None:
-                assert lp["text_offset"][0] == len(text)
-                tokens += len(lp["tokens"])
-            text += choice["text"]
-    assert tokens == 10
+    body = {"prompt": "Once", "max_tokens": 10, "temperature": 0, "logprobs": 1, "ignore_eos": True}
+    with client(server) as http:
+        whole = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+            offsets, tokens = [], []
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                lp = json.loads(line[6:])["choices"][0]["logprobs"]
+                if lp is not None:
+                    assert lp["text_offset"][0] == (offsets[-1] + len(tokens[-1]) if offsets else 0)
+                    offsets += lp["text_offset"]
+                    tokens += lp["tokens"]
+    assert len(tokens) == 10 and tokens == whole["tokens"] and offsets == whole["text_offset"]
+
+
+def test_streamed_echo_with_logprobs_equals_the_whole_response(served) -> None:
+    """``echo`` + ``logprobs`` streamed (vLLM serves it): each choice's first chunk brings the prompt's text and
+    its tokens (the first unscored), then the generated ones; joined, the same as the response without
+    ``stream``."""
+    server, _engine, _reference = served
+    body = {"prompt": "Hello there", "max_tokens": 6, "temperature": 0, "logprobs": 2, "echo": True, "n": 2,
+            "ignore_eos": True}
+    with client(server) as http:
+        whole = http.post("/v1/completions", json=body).json()["choices"]
+        joined = {k: {"text": "", "tokens": [], "token_logprobs": [], "text_offset": [], "chunks": 0} for k in (0, 1)}
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                choice = json.loads(line[6:])["choices"][0]
+                got = joined[choice["index"]]
+                if got["chunks"] == 0:  # the prompt first, with its logprobs, the first token's null
+                    assert choice["text"].startswith("Hello there")
+                    assert choice["logprobs"]["tokens"][:11] == list("Hello there")
+                    assert choice["logprobs"]["token_logprobs"][0] is None
+                got["chunks"] += 1
+                got["text"] += choice["text"]
+                if choice["logprobs"] is not None:
+                    for key in ("tokens", "token_logprobs", "text_offset"):
+                        got[key] += choice["logprobs"][key]
+    for k, choice in enumerate(whole):
+        got = joined[k]
+        assert got["text"] == choice["text"] and got["tokens"] == choice["logprobs"]["tokens"]
+        assert got["text_offset"] == choice["logprobs"]["text_offset"]
+        assert got["token_logprobs"][0] is None
+        assert got["token_logprobs"][1:] == pytest.approx(choice["logprobs"]["token_logprobs"][1:], abs=TOL)
 
 
 def test_vllm_prompt_logprobs_field(served) -> None:
@@ -299,7 +334,6 @@ BAD = [
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     ("/v1/completions", {"logprobs": 21}, "logprobs"),
     ("/v1/completions", {"logprobs": -1}, "logprobs"),
-    ("/v1/completions", {"logprobs": 1, "echo": True, "stream": True}, "echo"),
     ("/v1/completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ("/v1/chat/completions", {"prompt_logprobs": 21}, "prompt_logprobs"),
     ("/v1/completions", {"logit_bias": {"abc": 1}}, "logit_bias"),

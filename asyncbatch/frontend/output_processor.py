@@ -291,7 +291,11 @@ class OutputProcessor:
         if text:
             handle.text_pieces.append(text)
         if handle.streaming and (text or token_ids):
-            handle.deltas.put(StreamDelta(handle.request_id, text, token_ids, logprobs=logprobs))
+            prompt = None
+            if handle.prompt_logprobs is not None and not handle.prompt_logprobs_streamed and token_ids:
+                prompt, handle.prompt_logprobs_streamed = handle.prompt_logprobs.slice(0), True
+            handle.deltas.put(StreamDelta(handle.request_id, text, token_ids, logprobs=logprobs,
+                                          prompt_logprobs=prompt))
 
 
 def _logprobs(columns: LogprobColumns, lo: int, hi: int, token_ids: list[int]) -> Logprobs:

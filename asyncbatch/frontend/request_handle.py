@@ -51,6 +51,7 @@ class RequestHandle:
     token_ids: list[int] = field(default_factory=list)
     logprobs: Logprobs | None = None  # one entry per token_ids entry, when the request asked for logprobs
     prompt_logprobs: Logprobs | None = None  # prompt tokens 1.., when it asked for prompt_logprobs
+    prompt_logprobs_streamed: bool = False  # a StreamDelta carried them (the first with tokens)
     num_cached_tokens: int | None = None  # prompt tokens its first admission reused from the prefix cache
     text_pieces: list[str] = field(default_factory=list)  # emitted text, joined once at the end
     output: RequestOutput | None = None

@@ -99,5 +99,6 @@ def merge_deltas(deltas: list[StreamDelta]) -> StreamDelta:
         for d in deltas:
             if d.logprobs is not None:
                 logprobs.extend(d.logprobs)
+    prompt = next((d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None)
     return StreamDelta(last.request_id, "".join(d.text for d in deltas), token_ids, last.finish_reason,
-                       last.stop_reason, last.output, logprobs, last.index)
+                       last.stop_reason, last.output, logprobs, last.index, prompt)

@@ -2,7 +2,7 @@
 
 ``logprobs: k`` adds OpenAI's legacy ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` per choice
 (per chunk when streaming, the offsets running on); with ``echo`` the prompt's tokens come first
-(``logprobs_format``). vLLM's ``prompt_logprobs`` adds ``choices[].prompt_logprobs``.
+(``logprobs_format``; streamed, in each choice's first chunk with its first tokens). vLLM's ``prompt_logprobs`` adds ``choices[].prompt_logprobs``.
 """
 
 from __future__ import annotations
@@ -72,14 +72,27 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
     top = body.logprobs
     if body.stream:
         head = gen.chunk_head(_OBJECT)
-        sent = [len(text) for text in echo]  # text_offset of a chunk starts after the text already sent
+        # With logprobs the echoed prompt goes with a choice's first delta, which brings the prompt's logprobs
+        # (vLLM's order); without, in a chunk of its own before any token.
+        pending = [bool(text) and top is not None for text in echo]
+        # text_offset runs on over the tokens' strings, as in the whole response (logprobs_format), so a stream's
+        # offsets are the response's even where the detokenizer held a split character back for a chunk.
+        offsets = [0] * len(echo)
 
         def chunk(index: int, delta: StreamDelta) -> dict:
-            logprobs = None
-            if top is not None and delta.token_ids:
-                logprobs = CompletionLogprobs(texts, top, sent[index]).build(delta.logprobs)
-            sent[index] += len(delta.text)
-            choice = {"index": index, "text": delta.text, "logprobs": logprobs,
+            text, logprobs, prompt = delta.text, None, None
+            if pending[index]:
+                pending[index] = False
+                text = echo[index] + text
+                prompt_lp = delta.prompt_logprobs
+                if prompt_lp is None and delta.output is not None:  # ended before its first token
+                    prompt_lp = delta.output.prompt_logprobs
+                prompt = (flat_ids[index], prompt_lp)
+            if top is not None and (delta.token_ids or prompt is not None):
+                builder = CompletionLogprobs(texts, top, offsets[index])
+                logprobs = builder.build(delta.logprobs, prompt)
+                offsets[index] = builder.offset
+            choice = {"index": index, "text": text, "logprobs": logprobs,
                       "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}
             if return_ids:
                 choice["token_ids"] = delta.token_ids
@@ -88,7 +101,7 @@ async def create_completion(body: CompletionRequest, request: Request, state: Se
         # The echoed prompt leads each choice, in a chunk with every field the later ones have (no tokens yet).
         first = [{**head, "choices": [{"index": k, "text": text, "logprobs": None, "finish_reason": None,
                                        "stop_reason": None, **({"token_ids": []} if return_ids else {})}]}
-                 for k, text in enumerate(echo) if text]
+                 for k, text in enumerate(echo) if text and not pending[k]]
         return SSEResponse(gen.sse(_OBJECT, first, chunk))
     outputs = await gen.collect(request)
     choices = []

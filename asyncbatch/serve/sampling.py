@@ -50,9 +50,6 @@ def check_supported(body: CompletionRequest | ChatCompletionRequest) -> None:
             refuse("best_of", "only best_of == n (plain sampling) is served")
         if body.suffix:
             refuse("suffix", "insertion (fill-in-the-middle) is not served")
-        if body.echo and body.logprobs is not None and body.stream:
-            refuse("echo", "echo with logprobs needs the prompt's logprobs, which come with the finished "
-                   "output; use stream=false")
     else:
         if body.top_logprobs is not None:
             if not body.logprobs:
