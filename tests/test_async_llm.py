@@ -94,6 +94,8 @@ def test_breaking_the_loop_aborts_and_abort_by_id(engine: AsyncLLM) -> None:
         assert finishes == ["abort"]
         while engine.num_requests()[0]:
             await asyncio.sleep(0.01)
+        assert engine.llm.wait_settled(10.0)
+        assert (await engine.stats())["output_tokens"] < 400, "the closed stream's request ran to its end"
 
     asyncio.run(main())
     assert_all_blocks_free(engine)
