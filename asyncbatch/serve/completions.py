@@ -2,7 +2,8 @@
 
 ``logprobs: k`` adds OpenAI's legacy ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` per choice
 (per chunk when streaming, the offsets running on); with ``echo`` the prompt's tokens come first
-(``logprobs_format``; streamed, in each choice's first chunk with its first tokens). vLLM's ``prompt_logprobs`` adds ``choices[].prompt_logprobs``.
+(``logprobs_format``; streamed, in each choice's first chunk, with its first tokens). vLLM's ``prompt_logprobs``
+adds ``choices[].prompt_logprobs``.
 """
 
 from __future__ import annotations
