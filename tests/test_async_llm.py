@@ -74,7 +74,7 @@ def test_cancelling_the_consumer_aborts(engine: AsyncLLM) -> None:
             if engine.num_requests()[0] == 0:
                 break
             await asyncio.sleep(0.01)
-        assert engine.llm.wait_settled(10.0)
+        assert engine.num_requests()[0] == 0 and engine.llm.wait_settled(10.0)
         # The request stopped early: finishing it would have emitted its 400 tokens (and emptied the engine too).
         assert (await engine.stats())["output_tokens"] < 400, "the cancelled request ran to its end"
 

@@ -11,10 +11,8 @@ promise of that dtype (docs/reproducibility.md): the runs part only at near-ties
 
 from __future__ import annotations
 
-import time
-
 import pytest
-from engine_checks import assert_idle_and_clean
+from engine_checks import assert_idle_and_clean, wait_all_ended
 from reference import assert_bfloat16_runs_agree
 
 from asyncbatch import SamplingParams
@@ -121,17 +119,13 @@ def test_aborted_streams_end_with_a_prefix(make_llm):
             assert tokens == full[i]
         else:
             assert len(tokens) < len(full[i])
-    assert llm.wait_settled(30.0)
+    wait_all_ended(llm)  # the closed ones by their abort, or (were it not taken) by running to their end
     emitted = llm.stats()["output_tokens"]
     assert emitted < 6 * 24, "the closed streams' requests ran to their end"
     for n, _ in enumerate(llm.stream(prompts[0], params)):
         if n == 1:
             break  # the loop held the only reference: the stream is closed and the request aborted
-    deadline = time.monotonic() + 30.0
-    while llm.num_requests()[0] and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert llm.num_requests() == (0, 0)
-    assert llm.wait_settled(30.0)
+    wait_all_ended(llm)
     assert llm.stats()["output_tokens"] - emitted < 24, "the stream left by its loop ran to its end"
     llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # a full step after the aborts
     assert_idle_and_clean(llm)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+from engine_checks import wait_all_ended
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kv_shadow import ShadowDevice
@@ -585,7 +586,7 @@ def test_engine_on_sim_checks_integrity_after_every_step(make_llm):
                 if n == i:
                     stream.close()  # aborts the request, its blocks possibly shared (a stream kept in a list
                     break  # is only suspended by leaving the loop)
-        assert llm.wait_settled(10.0)
+        wait_all_ended(llm)
         assert llm.stats()["output_tokens"] < 6 * 30, "the closed streams' requests ran to their end"
         outs = llm.generate(prompts, params, use_tqdm=False)
         results[caching] = ([o.token_ids for o in outs], llm.stats(), llm.prefix_cache_stats())
