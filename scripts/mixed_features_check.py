@@ -160,9 +160,8 @@ def run(engine: dict, it: Iteration) -> list[RequestOutput]:
     return outputs
 
 
-def check(seed: int, base: dict, vocab_size: int, tolerance: float, speculative: bool, alone: bool) -> list[str]:
+def check(it: Iteration, base: dict, tolerance: float, speculative: bool, alone: bool) -> list[str]:
     """One iteration; the problems found (empty: none)."""
-    it = draw(seed, vocab_size)
     engine = {**base, **it.engine}
     problems = []
     subject = run({**engine, "overlap": True}, it)
@@ -206,9 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     failed = 0
     for seed in range(args.seed, args.seed + args.iterations):
         start = time.perf_counter()
-        problems = check(seed, base, vocab_size, args.tolerance, args.speculative, args.alone)
+        it = draw(seed, vocab_size)
+        problems = check(it, base, args.tolerance, args.speculative, args.alone)
         failed += bool(problems)
-        print(f"seed {seed}: {draw(seed, vocab_size).engine} {'ok' if not problems else f'{len(problems)} problems'}"
+        print(f"seed {seed}: {it.engine} {'ok' if not problems else f'{len(problems)} problems'}"
               f" ({time.perf_counter() - start:.1f} s)", flush=True)
         for problem in problems[:5]:
             print("  " + problem.replace("\n", "\n  "), flush=True)

@@ -6,10 +6,9 @@ and frees its blocks. ``sim`` with seeded sampling, in overlap and synchronous m
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
-from engine_checks import assert_idle_and_clean
+from engine_checks import assert_idle_and_clean, wait_all_ended
 
 from asyncbatch import LLM, SamplingParams
 from asyncbatch.config import SimConfig
@@ -34,10 +33,7 @@ def by_index(deltas, n: int) -> tuple[list[list[int]], list[str], list[list[str]
 
 
 def wait_idle(llm: LLM, within_s: float = 10.0) -> None:
-    deadline = time.monotonic() + within_s
-    while llm.num_requests() != (0, 0):
-        assert time.monotonic() < deadline, llm.num_requests()
-        time.sleep(0.01)
+    wait_all_ended(llm, within_s)
     assert_idle_and_clean(llm)
 
 
